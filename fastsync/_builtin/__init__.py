@@ -1,0 +1,1 @@
+"""fastsync's built-in plugins, each registered through the ``fastsync`` entry-point group."""

@@ -1,0 +1,5 @@
+"""Built-in plugin: models. Registered through the `fastsync` entry-point group like any plugin."""
+
+from __future__ import annotations
+
+from fastsync.hookspecs import hookimpl  # noqa: F401

@@ -1,0 +1,3 @@
+from fastsync.cli import main
+
+raise SystemExit(main())

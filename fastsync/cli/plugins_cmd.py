@@ -1,0 +1,45 @@
+"""``fastsync plugins``: what is registered, and which plugin it came from."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from fastsync import plugins
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plugins", help="list registered plugins and what they provide")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def collect() -> dict:
+    registries = {
+        "transports": {n: {"plugin": r.plugin, **{k: v for k, v in r.extra.items() if k in ("available", "why")}}
+                       for n, r in plugins.transports().items()},
+        "layouts": {n: {"plugin": r.plugin, "side": r.extra.get("side")} for n, r in plugins.layout_kinds().items()},
+        "models": {n: {"plugin": r.plugin} for n, r in plugins.model_presets().items()},
+        "transforms": {n: {"plugin": r.plugin} for n, r in plugins.transforms().items()},
+    }
+    return {"plugins": plugins.list_plugins(), "registered": registries}
+
+
+def run(args: argparse.Namespace) -> int:
+    info = collect()
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"{'plugin':24} {'source':34} hooks")
+    for row in info["plugins"]:
+        print(f"{row['name']:24} {row['source']:34} {', '.join(h.removeprefix('fastsync_') for h in row['hooks'])}")
+    for kind, regs in info["registered"].items():
+        print(f"\n{kind}:")
+        for name, meta in sorted(regs.items()):
+            extra = ""
+            if meta.get("available") is False:
+                extra = f"  (unavailable: {meta.get('why', '')})"
+            elif "side" in meta:
+                extra = f"  [{meta['side']}]"
+            print(f"  {name:22} from {meta['plugin']}{extra}")
+    return 0
