@@ -1,0 +1,58 @@
+"""The hook layer: built-ins arrive through entry points, third-party plugins register the same way."""
+
+from __future__ import annotations
+
+import pytest
+
+from fastsync import hookimpl, plugins
+from fastsync.cli import main
+from fastsync.errors import ConfigError, PluginError
+
+
+def test_builtins_come_from_entry_points():
+    rows = {r["name"]: r for r in plugins.list_plugins()}
+    for name in ("builtin_transports", "builtin_layouts", "builtin_namemaps", "builtin_models"):
+        assert rows[name]["source"] == "entry point (fastsync-rl)"
+
+
+class _ToyTransportPlugin:
+    @hookimpl
+    def fastsync_register_transports(self, register):
+        register("toy", lambda **kw: ("toy", kw), available=False, why="pip install toy-transport")
+
+
+def test_registered_plugin_is_listed_and_unavailable_transport_says_why():
+    name = plugins.register_plugin(_ToyTransportPlugin(), name="toy_plugin")
+    try:
+        regs = plugins.transports()
+        assert regs["toy"].plugin == "toy_plugin"
+        with pytest.raises(ConfigError, match="'toy'.*toy_plugin.*pip install toy-transport"):
+            plugins.get_transport_factory("toy")
+        with pytest.raises(ConfigError, match="unknown transport 'nope'"):
+            plugins.get_transport_factory("nope")
+    finally:
+        plugins.unregister_plugin(name)
+    assert "toy" not in plugins.transports()
+
+
+def test_name_clash_between_plugins_names_both():
+    a, b = _ToyTransportPlugin(), _ToyTransportPlugin()
+    na = plugins.register_plugin(a, name="toy_a")
+    nb = plugins.register_plugin(b, name="toy_b")
+    try:
+        with pytest.raises(PluginError, match="'toy' registered by both 'toy_a' and 'toy_b'|'toy' registered by both 'toy_b' and 'toy_a'"):
+            plugins.transports()
+    finally:
+        plugins.unregister_plugin(na)
+        plugins.unregister_plugin(nb)
+
+
+def test_plugins_command_lists_a_runtime_plugin(capsys):
+    name = plugins.register_plugin(_ToyTransportPlugin(), name="toy_cli")
+    try:
+        assert main(["plugins"]) == 0
+        out = capsys.readouterr().out
+        assert "toy_cli" in out and "registered at run time" in out
+        assert "unavailable: pip install toy-transport" in out
+    finally:
+        plugins.unregister_plugin(name)
