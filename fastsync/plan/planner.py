@@ -1,0 +1,300 @@
+"""The static transfer planner: (model inventory, trainer layout, engine layout) -> :class:`Plan`.
+
+In order:
+
+1. Validate: both layouts against the inventory (uncovered parameters, shapes that disagree,
+   names that map to nothing, unknown transforms), raising before anything is planned.
+2. For every engine piece on every inference rank, split its source box along the trainer's
+   shard boundaries (a bisection in a per-parameter index, see ``plan/index.py``). Each part is
+   sent by a rank that already holds it, sliced with no gather; its destination sub-box is the
+   source sub-box mapped back through the piece. Block transforms (``fp8_block``/``fp8_scale``,
+   128x128 blocks) are only cut at block boundaries; a piece whose blocks the trainer's shards
+   cut, or whose transform cannot be sliced, is sent from an *owner* that gathers the whole
+   parameter first (``Plan.gathers``; ``Transfer.gathered``), as FSDP's ``full_tensor()`` does.
+3. Optionally split transfers over ``max_transfer_bytes`` into sub-boxes along their first
+   non-unit dim, so the executor can pipeline chunks.
+4. Balance: bytes a rank must send because only it holds them are fixed; every other choice
+   (which replica sends a part, which rank owns a gathered parameter) is made greedily, largest
+   first, to the candidate with the least bytes so far (ties: lowest rank). Receive bytes are
+   fixed by the engine layout.
+
+Deterministic: the same inputs give the same transfers in the same order, so the same
+``plan_hash``. Pure Python (no torch), fast enough for Kimi-K2 on 256 -> 128 ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from fastsync.errors import LayoutError, PlanError
+from fastsync.layout.box import Box, box_numel, box_shape, squeeze_shape
+from fastsync.layout.types import DTYPE_BYTES, EngineLayout, ParamSpec, TrainerLayout
+from fastsync.plan.index import ShardIndex, build_index, map_sub_box, scale_space
+from fastsync.plan.types import Plan, Transfer
+
+__all__ = ["build_plan", "transform_kind", "validate_inputs"]
+
+#: Transforms the planner knows without asking the plugin registry: name -> block edge (0 means
+#: elementwise, freely sliceable).
+_BUILTIN_KINDS: dict[str, int] = {"copy": 0, "fp8_block": 128, "fp8_scale": 128}
+#: Block edge meaning "whole piece only": the parameter is gathered onto an owner.
+WHOLE = -1
+
+
+def transform_kind(name: str) -> int:
+    """0: elementwise (slice anywhere); n > 0: works on n x n blocks of the last two dims;
+    ``WHOLE``: needs the whole piece. Unknown names are looked up in the plugin registry."""
+    if name in _BUILTIN_KINDS:
+        return _BUILTIN_KINDS[name]
+    from fastsync import plugins
+
+    reg = plugins.transforms().get(name)
+    if reg is None:
+        raise PlanError(f"unknown transform {name!r}; registered: {sorted(plugins.transforms())}")
+    if reg.extra.get("elementwise"):
+        return 0
+    block = reg.extra.get("block")
+    return int(block) if block else WHOLE
+
+
+def validate_inputs(params: Mapping[str, ParamSpec], trainer: TrainerLayout, engine: EngineLayout) -> None:
+    """Everything that must hold before planning; raises LayoutError/PlanError naming the
+    parameter, rank or tensor."""
+    for name, spec in params.items():
+        tspec = trainer.params.get(name)
+        if tspec is None:
+            raise LayoutError(f"parameter {name!r} of the model is not in the trainer layout ({trainer.kind})")
+        if tuple(tspec.shape) != tuple(spec.shape):
+            raise LayoutError(
+                f"parameter {name!r}: trainer layout has shape {tuple(tspec.shape)}, model has {tuple(spec.shape)}"
+            )
+    unknown = sorted(set(trainer.params) - set(params))
+    if unknown:
+        raise LayoutError(f"trainer layout has parameter(s) the model does not: {unknown[:5]}")
+    trainer.validate()
+    engine.validate(dict(params))
+    for rank, tensors in engine.tensors.items():
+        for tname, t in tensors.items():
+            for p in t.pieces:
+                if p.transform == "fp8_scale":
+                    _, ext = scale_space(p.src_box, p.src_box, _BUILTIN_KINDS["fp8_scale"])
+                    if squeeze_shape(ext) != squeeze_shape(box_shape(p.dst_box)):
+                        raise LayoutError(
+                            f"engine rank {rank} tensor {tname!r}: scale region {box_shape(p.dst_box)} "
+                            f"does not match the 128x128 blocks {ext} of {p.src!r}{list(p.src_box)}"
+                        )
+
+
+@dataclass(slots=True)
+class _Item:
+    """One planned write before its sender is chosen."""
+
+    dst_rank: int
+    dst_tensor: str
+    dst_box: Box
+    param: str
+    src_box: Box
+    transform: str
+    nbytes: int
+    holders: tuple[int, ...]  # empty: sent by the parameter's gather owner
+    src_rank: int = -1
+
+
+def _aligned(sub: Box, piece: Box, block: int) -> bool:
+    """Every cut of ``sub`` inside ``piece`` on the block dims falls on a block boundary."""
+    ndim = len(piece)
+    for d in range(max(0, ndim - 2), ndim):
+        p0, p1 = piece[d]
+        a, b = sub[d][0] - p0, sub[d][1] - p0
+        if a % block or (b % block and sub[d][1] != p1):
+            return False
+    return True
+
+
+def _dst_sub(sub: Box, piece_src: Box, piece_dst: Box, block: int, is_scale: bool) -> Box:
+    if is_scale:
+        rel, ext = scale_space(sub, piece_src, block)
+    else:
+        rel = tuple((s0 - p0, s1 - p0) for (s0, s1), (p0, _) in zip(sub, piece_src))
+        ext = box_shape(piece_src)
+    return map_sub_box(rel, ext, piece_dst)
+
+
+def _split(sub: Box, piece_src: Box, block: int, max_elems: int) -> list[Box]:
+    """Cut ``sub`` along its first non-unit dim into parts of at most ``max_elems`` elements
+    (at block boundaries relative to the piece corner when that dim is a block dim)."""
+    n = box_numel(sub)
+    if n <= max_elems:
+        return [sub]
+    ndim = len(sub)
+    dim = next((d for d, (a, b) in enumerate(sub) if b - a > 1), None)
+    if dim is None:
+        return [sub]
+    s0, s1 = sub[dim]
+    row = n // (s1 - s0)
+    step = max(1, max_elems // row)
+    if block > 0 and dim >= ndim - 2:
+        step = max(block, step // block * block)
+        # keep cuts on the piece's block grid: the first cut aligns to the grid
+        off = (s0 - piece_src[dim][0]) % block
+        assert off == 0, (sub, piece_src)
+    if step >= s1 - s0:
+        return [sub]
+    out = []
+    for a in range(s0, s1, step):
+        out.append(sub[:dim] + ((a, min(a + step, s1)),) + sub[dim + 1:])
+    return out
+
+
+def build_plan(
+    params: Mapping[str, ParamSpec],
+    trainer: TrainerLayout,
+    engine: EngineLayout,
+    *,
+    max_transfer_bytes: int | None = None,
+    allow_unread: bool = False,
+) -> Plan:
+    """Compute the static schedule. See the module docstring for the order of work.
+
+    ``allow_unread``: a parameter no engine piece reads is an error (nothing is silently
+    skipped) unless this is True. Raises LayoutError/PlanError before anything is planned.
+    """
+    if max_transfer_bytes is not None and max_transfer_bytes <= 0:
+        raise PlanError(f"max_transfer_bytes must be positive, got {max_transfer_bytes}")
+    validate_inputs(params, trainer, engine)
+
+    # Group the engine's pieces by the parameter they read, in a fixed order.
+    by_param: dict[str, list[tuple[int, str, str, object]]] = {name: [] for name in params}
+    kinds: dict[str, int] = {}
+    for rank in sorted(engine.tensors):
+        tensors = engine.tensors[rank]
+        for tname in sorted(tensors):
+            t = tensors[tname]
+            for p in t.pieces:
+                if p.transform not in kinds:
+                    try:
+                        kinds[p.transform] = transform_kind(p.transform)
+                    except PlanError as e:
+                        raise PlanError(f"engine rank {rank} tensor {tname!r}: {e}") from None
+                by_param[p.src].append((rank, tname, t.dtype, p))
+    unread = [n for n, ps in by_param.items() if not ps]
+    if unread and not allow_unread:
+        raise PlanError(
+            f"{len(unread)} parameter(s) are read by no engine tensor, e.g. {unread[:3]}: "
+            "fix the name map or pass allow_unread=True"
+        )
+
+    items: list[_Item] = []
+    ordered: list[_Item] = []  # model order: parameter by parameter, engine ranks ascending
+    gathered: dict[str, list[_Item]] = {}
+    indices: dict[str, ShardIndex] = {}
+    for name, plist in by_param.items():
+        if not plist:
+            continue
+        spec = params[name]
+        idx = build_index(name, tuple(spec.shape), trainer.shards[name])
+        indices[name] = idx
+        cache: dict[tuple[Box, int], list[tuple[Box, tuple[int, ...]]] | None] = {}
+        for rank, tname, dtype, p in plist:
+            block = kinds[p.transform]
+            is_scale = p.transform == "fp8_scale"
+            elem_bytes = DTYPE_BYTES[dtype]
+            key = (p.src_box, block)
+            parts = cache.get(key, ...)
+            if parts is ...:
+                parts = idx.decompose(p.src_box)
+                if block == WHOLE and len(parts) > 1:
+                    parts = None
+                elif block > 0 and not all(_aligned(sub, p.src_box, block) for sub, _ in parts):
+                    parts = None
+                cache[key] = parts
+            if parts is None:
+                subs = [p.src_box]
+                if max_transfer_bytes is not None and not is_scale and block >= 0:
+                    subs = _split(p.src_box, p.src_box, block, max(1, max_transfer_bytes // elem_bytes))
+                for sub in subs:
+                    dst = _dst_sub(sub, p.src_box, p.dst_box, block, is_scale)
+                    it = _Item(rank, tname, dst, name, sub, p.transform, box_numel(dst) * elem_bytes, ())
+                    gathered.setdefault(name, []).append(it)
+                    ordered.append(it)
+                continue
+            for sub, holders in parts:
+                subs = [sub]
+                if max_transfer_bytes is not None and not is_scale:
+                    subs = _split(sub, p.src_box, block, max(1, max_transfer_bytes // elem_bytes))
+                for s in subs:
+                    dst = _dst_sub(s, p.src_box, p.dst_box, block, is_scale)
+                    it = _Item(rank, tname, dst, name, s, p.transform, box_numel(dst) * elem_bytes, holders)
+                    items.append(it)
+                    ordered.append(it)
+
+    gathers = _assign(items, gathered, indices, trainer.world_size)
+
+    transfers = [
+        Transfer(it.src_rank, it.dst_rank, it.dst_tensor, it.dst_box, it.param, it.src_box, it.transform, it.nbytes,
+                 not it.holders)
+        for it in ordered
+    ]
+    meta = {
+        "planner": "fastsync.plan.planner/1",
+        "trainer_kind": trainer.kind,
+        "engine_kind": engine.kind,
+        "max_transfer_bytes": max_transfer_bytes,
+        "unread_params": unread,
+        "gather_sources": _gather_sources(gathers, indices, params),
+        "model_bytes": sum(p.nbytes for p in params.values()),
+    }
+    return Plan(transfers, gathers, trainer.fingerprint(), engine.fingerprint(), trainer.world_size,
+                engine.world_size, meta)
+
+
+def _assign(items: list[_Item], gathered: dict[str, list[_Item]], indices: dict[str, ShardIndex],
+            num_trainers: int) -> dict[str, int]:
+    """Choose each item's sender and each gathered parameter's owner, balancing send bytes."""
+    load = [0] * num_trainers
+    flexible: list[tuple[int, int, object]] = []  # (-bytes, order, item or param name)
+    for i, it in enumerate(items):
+        if len(it.holders) == 1:
+            it.src_rank = it.holders[0]
+            load[it.src_rank] += it.nbytes
+        else:
+            flexible.append((-it.nbytes, i, it))
+    base = len(items)
+    for j, (name, its) in enumerate(gathered.items()):
+        flexible.append((-sum(it.nbytes for it in its), base + j, name))
+    flexible.sort(key=lambda x: (x[0], x[1]))
+    gathers: dict[str, int] = {}
+    for neg, _, what in flexible:
+        if isinstance(what, str):
+            cands = indices[what].ranks
+        else:
+            cands = what.holders
+        best = min(cands, key=lambda r: (load[r], r))
+        load[best] -= neg
+        if isinstance(what, str):
+            gathers[what] = best
+            for it in gathered[what]:
+                it.src_rank = best
+        else:
+            what.src_rank = best
+    return dict(sorted(gathers.items()))
+
+
+def _gather_sources(gathers: dict[str, int], indices: dict[str, ShardIndex],
+                    params: Mapping[str, ParamSpec]) -> dict[str, list[list[int]]]:
+    """For each gathered parameter: ``[[rank, bytes], ...]`` the owner pulls in (one holder per
+    distinct shard box: the owner itself when it holds it, else the lowest rank), for the
+    simulator's gather cost."""
+    out: dict[str, list[list[int]]] = {}
+    for name, owner in gathers.items():
+        idx = indices[name]
+        elem = DTYPE_BYTES[params[name].dtype]
+        per: dict[int, int] = {}
+        for box, holders in zip(idx.boxes, idx.holders):
+            if owner in holders:
+                continue
+            r = holders[0]
+            per[r] = per.get(r, 0) + box_numel(box) * elem
+        out[name] = [[r, b] for r, b in sorted(per.items())]
+    return out
