@@ -1,5 +1,16 @@
-"""Built-in plugin: models. Registered through the `fastsync` entry-point group like any plugin."""
+"""Built-in plugin: model presets (published configs of real models), registered through the
+``fastsync`` entry-point group like any third-party plugin."""
 
 from __future__ import annotations
 
-from fastsync.hookspecs import hookimpl  # noqa: F401
+import copy
+from collections.abc import Callable
+
+from fastsync.hookspecs import hookimpl
+from fastsync.models.presets import PRESETS
+
+
+@hookimpl
+def fastsync_register_models(register: Callable[..., None]) -> None:
+    for name, config in PRESETS.items():
+        register(name, lambda config=config: copy.deepcopy(config))

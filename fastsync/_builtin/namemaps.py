@@ -1,5 +1,16 @@
-"""Built-in plugin: namemaps. Registered through the `fastsync` entry-point group like any plugin."""
+"""Built-in plugin: name maps (HF transformers-v5 names -> vLLM 0.32 engine tensors) for Llama,
+Qwen3, Qwen3-MoE, Mixtral and DeepSeek-V3/Kimi-K2, registered through the ``fastsync``
+entry-point group like any third-party plugin."""
 
 from __future__ import annotations
 
-from fastsync.hookspecs import hookimpl  # noqa: F401
+from typing import Any
+
+from fastsync.hookspecs import hookimpl
+
+
+@hookimpl
+def fastsync_name_map(architecture: str, config: dict) -> Any:
+    from fastsync.layout.vllm_names import vllm_name_map
+
+    return vllm_name_map(architecture, config)

@@ -1,0 +1,255 @@
+"""Parameter enumerators: an HF ``config.json`` dict -> the transformers-v5 ``state_dict()`` names
+and shapes of that architecture, in the model's own order.
+
+Pure Python and fast (Kimi-K2's ~1,100 tensors take about a millisecond): no torch, no
+transformers import. ``tests/models/test_inventory.py`` instantiates each architecture on the meta
+device with the installed transformers and checks every name and shape against these.
+
+transformers v5 fuses MoE experts into two 3-D parameters per layer:
+``...mlp.experts.gate_up_proj`` ``[E, 2*I, H]`` (per expert ``[gate; up]``) and
+``...mlp.experts.down_proj`` ``[E, H, I]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fastsync.errors import ConfigError
+
+__all__ = ["ARCHITECTURES", "enumerate_params", "cfg_get", "head_dim_of", "is_moe_layer"]
+
+Shape = tuple[int, ...]
+Params = list[tuple[str, Shape]]
+
+_MISSING = object()
+
+
+def cfg_get(config: dict, key: str, default: object = _MISSING) -> object:
+    """``config[key]``; ConfigError naming the key (and the architecture) when it is required
+    and absent. A present ``None`` counts as absent when a default is given."""
+    val = config.get(key, None)
+    if val is None:
+        if default is _MISSING:
+            arch = (config.get("architectures") or ["?"])[0]
+            raise ConfigError(f"config.json of {arch} lacks required key {key!r}")
+        return default
+    return val
+
+
+def _int(config: dict, key: str, default: object = _MISSING) -> int:
+    val = cfg_get(config, key, default)
+    if not isinstance(val, int) or isinstance(val, bool) or val < 0:
+        raise ConfigError(f"config key {key!r} must be a non-negative integer, got {val!r}")
+    return val
+
+
+def head_dim_of(config: dict) -> int:
+    """``head_dim`` when given, else ``hidden_size // num_attention_heads`` (HF's rule)."""
+    hd = config.get("head_dim")
+    if hd is not None:
+        return int(hd)
+    return _int(config, "hidden_size") // _int(config, "num_attention_heads")
+
+
+def _embed_and_head(config: dict, params: Params, body: Callable[[Params], None]) -> Params:
+    vocab, hidden = _int(config, "vocab_size"), _int(config, "hidden_size")
+    params.append(("model.embed_tokens.weight", (vocab, hidden)))
+    body(params)
+    params.append(("model.norm.weight", (hidden,)))
+    # state_dict() lists lm_head.weight even when tied to the embedding (same storage).
+    params.append(("lm_head.weight", (vocab, hidden)))
+    return params
+
+
+def _gqa_attention(config: dict, p: str, params: Params, *, qk_norm: bool) -> None:
+    hidden = _int(config, "hidden_size")
+    heads = _int(config, "num_attention_heads")
+    kv = _int(config, "num_key_value_heads", heads)
+    hd = head_dim_of(config)
+    bias = bool(config.get("attention_bias", False))
+    params.append((f"{p}.self_attn.q_proj.weight", (heads * hd, hidden)))
+    if bias:
+        params.append((f"{p}.self_attn.q_proj.bias", (heads * hd,)))
+    params.append((f"{p}.self_attn.k_proj.weight", (kv * hd, hidden)))
+    if bias:
+        params.append((f"{p}.self_attn.k_proj.bias", (kv * hd,)))
+    params.append((f"{p}.self_attn.v_proj.weight", (kv * hd, hidden)))
+    if bias:
+        params.append((f"{p}.self_attn.v_proj.bias", (kv * hd,)))
+    params.append((f"{p}.self_attn.o_proj.weight", (hidden, heads * hd)))
+    if bias:
+        params.append((f"{p}.self_attn.o_proj.bias", (hidden,)))
+    if qk_norm:
+        params.append((f"{p}.self_attn.q_norm.weight", (hd,)))
+        params.append((f"{p}.self_attn.k_norm.weight", (hd,)))
+
+
+def _dense_mlp(p: str, hidden: int, inter: int, params: Params) -> None:
+    params.append((f"{p}.gate_proj.weight", (inter, hidden)))
+    params.append((f"{p}.up_proj.weight", (inter, hidden)))
+    params.append((f"{p}.down_proj.weight", (hidden, inter)))
+
+
+def _experts(p: str, num_experts: int, hidden: int, inter: int, params: Params) -> None:
+    params.append((f"{p}.experts.gate_up_proj", (num_experts, 2 * inter, hidden)))
+    params.append((f"{p}.experts.down_proj", (num_experts, hidden, inter)))
+
+
+def _norms(p: str, hidden: int, params: Params) -> None:
+    params.append((f"{p}.input_layernorm.weight", (hidden,)))
+    params.append((f"{p}.post_attention_layernorm.weight", (hidden,)))
+
+
+def _reject_mlp_bias(config: dict) -> None:
+    if config.get("mlp_bias"):
+        raise ConfigError("config key 'mlp_bias' = true is not supported (no built-in name map for MLP biases)")
+
+
+def llama_params(config: dict) -> Params:
+    """LlamaForCausalLM and Qwen3ForCausalLM (``qk_norm`` for Qwen3)."""
+    return _decoder_dense(config, qk_norm=False)
+
+
+def qwen3_params(config: dict) -> Params:
+    return _decoder_dense(config, qk_norm=True)
+
+
+def _decoder_dense(config: dict, *, qk_norm: bool) -> Params:
+    _reject_mlp_bias(config)
+    hidden, inter, layers = (_int(config, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers"))
+
+    def body(params: Params) -> None:
+        for i in range(layers):
+            p = f"model.layers.{i}"
+            _gqa_attention(config, p, params, qk_norm=qk_norm)
+            _dense_mlp(f"{p}.mlp", hidden, inter, params)
+            _norms(p, hidden, params)
+
+    return _embed_and_head(config, [], body)
+
+
+def is_moe_layer(architecture: str, config: dict, layer: int) -> bool:
+    """Whether decoder layer ``layer`` holds routed experts (each architecture's own rule,
+    identical in transformers v5 and vLLM 0.32)."""
+    if architecture == "Qwen3MoeForCausalLM":
+        sparse_step = _int(config, "decoder_sparse_step", 1)
+        only_mlp = config.get("mlp_only_layers") or []
+        return (
+            layer not in only_mlp
+            and _int(config, "num_experts") > 0
+            and sparse_step > 0
+            and (layer + 1) % sparse_step == 0
+        )
+    if architecture == "DeepseekV3ForCausalLM":
+        return layer >= _int(config, "first_k_dense_replace", 0) and _int(config, "n_routed_experts") > 0
+    if architecture == "MixtralForCausalLM":
+        return True
+    return False
+
+
+def qwen3_moe_params(config: dict) -> Params:
+    _reject_mlp_bias(config)
+    arch = "Qwen3MoeForCausalLM"
+    hidden, layers = _int(config, "hidden_size"), _int(config, "num_hidden_layers")
+    num_experts = _int(config, "num_experts")
+    moe_inter = _int(config, "moe_intermediate_size")
+    inter = _int(config, "intermediate_size", 0)
+    if config.get("shared_expert_intermediate_size"):
+        raise ConfigError("Qwen3MoeForCausalLM with shared_expert_intermediate_size is Qwen2-MoE style: not supported")
+
+    def body(params: Params) -> None:
+        for i in range(layers):
+            p = f"model.layers.{i}"
+            _gqa_attention(config, p, params, qk_norm=True)
+            if is_moe_layer(arch, config, i):
+                _experts(f"{p}.mlp", num_experts, hidden, moe_inter, params)
+                params.append((f"{p}.mlp.gate.weight", (num_experts, hidden)))
+            else:
+                if not inter:
+                    raise ConfigError(f"Qwen3MoeForCausalLM layer {i} is dense but intermediate_size is missing")
+                _dense_mlp(f"{p}.mlp", hidden, inter, params)
+            _norms(p, hidden, params)
+
+    return _embed_and_head(config, [], body)
+
+
+def mixtral_params(config: dict) -> Params:
+    hidden, inter, layers = (_int(config, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers"))
+    num_experts = _int(config, "num_local_experts")
+
+    def body(params: Params) -> None:
+        for i in range(layers):
+            p = f"model.layers.{i}"
+            _gqa_attention(config, p, params, qk_norm=False)
+            params.append((f"{p}.mlp.gate.weight", (num_experts, hidden)))
+            _experts(f"{p}.mlp", num_experts, hidden, inter, params)
+            _norms(p, hidden, params)
+
+    return _embed_and_head(config, [], body)
+
+
+def mla_dims(config: dict) -> dict[str, int | None]:
+    """DeepSeek MLA dimensions (q_lora_rank may be None: then q is one projection)."""
+    q_lora = config.get("q_lora_rank")
+    return {
+        "heads": _int(config, "num_attention_heads"),
+        "q_lora_rank": None if q_lora is None else int(q_lora),
+        "kv_lora_rank": _int(config, "kv_lora_rank"),
+        "qk_nope_head_dim": _int(config, "qk_nope_head_dim"),
+        "qk_rope_head_dim": _int(config, "qk_rope_head_dim"),
+        "v_head_dim": _int(config, "v_head_dim"),
+    }
+
+
+def deepseek_v3_params(config: dict) -> Params:
+    arch = "DeepseekV3ForCausalLM"
+    hidden, inter, layers = (_int(config, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers"))
+    d = mla_dims(config)
+    heads, q_lora, kv_lora = d["heads"], d["q_lora_rank"], d["kv_lora_rank"]
+    qk_head = d["qk_nope_head_dim"] + d["qk_rope_head_dim"]
+    num_experts = _int(config, "n_routed_experts")
+    moe_inter = _int(config, "moe_intermediate_size")
+    num_shared = _int(config, "n_shared_experts", 0)
+
+    def body(params: Params) -> None:
+        for i in range(layers):
+            p = f"model.layers.{i}.self_attn"
+            if q_lora is None:
+                params.append((f"{p}.q_proj.weight", (heads * qk_head, hidden)))
+            else:
+                params.append((f"{p}.q_a_proj.weight", (q_lora, hidden)))
+                params.append((f"{p}.q_a_layernorm.weight", (q_lora,)))
+                params.append((f"{p}.q_b_proj.weight", (heads * qk_head, q_lora)))
+            params.append((f"{p}.kv_a_proj_with_mqa.weight", (kv_lora + d["qk_rope_head_dim"], hidden)))
+            params.append((f"{p}.kv_a_layernorm.weight", (kv_lora,)))
+            params.append((f"{p}.kv_b_proj.weight", (heads * (d["qk_nope_head_dim"] + d["v_head_dim"]), kv_lora)))
+            params.append((f"{p}.o_proj.weight", (hidden, heads * d["v_head_dim"])))
+            m = f"model.layers.{i}.mlp"
+            if is_moe_layer(arch, config, i):
+                _experts(m, num_experts, hidden, moe_inter, params)
+                params.append((f"{m}.gate.weight", (num_experts, hidden)))
+                params.append((f"{m}.gate.e_score_correction_bias", (num_experts,)))
+                if num_shared:
+                    _dense_mlp(f"{m}.shared_experts", hidden, moe_inter * num_shared, params)
+            else:
+                _dense_mlp(m, hidden, inter, params)
+            _norms(f"model.layers.{i}", hidden, params)
+
+    return _embed_and_head(config, [], body)
+
+
+#: architecture name (config.json ``architectures[0]``) -> parameter enumerator.
+ARCHITECTURES: dict[str, Callable[[dict], Params]] = {
+    "LlamaForCausalLM": llama_params,
+    "Qwen3ForCausalLM": qwen3_params,
+    "Qwen3MoeForCausalLM": qwen3_moe_params,
+    "MixtralForCausalLM": mixtral_params,
+    "DeepseekV3ForCausalLM": deepseek_v3_params,
+}
+
+
+def enumerate_params(architecture: str, config: dict) -> Params:
+    fn = ARCHITECTURES.get(architecture)
+    if fn is None:
+        raise ConfigError(f"unsupported architecture {architecture!r}; supported: {sorted(ARCHITECTURES)}")
+    return fn(config)

@@ -1,0 +1,104 @@
+"""Parameter inventories: the trainer-side names, full shapes and dtypes of a model, built from
+its ``config.json`` alone (a preset or a local HF directory). Nothing is downloaded or allocated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from fastsync.errors import ConfigError
+from fastsync.layout.types import DTYPE_BYTES, ParamSpec
+from fastsync.models.archs import ARCHITECTURES, enumerate_params
+
+__all__ = ["Inventory", "load_inventory", "inventory_from_config", "config_dtype"]
+
+_TORCH_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "bf16": "bfloat16",
+                 "fp16": "float16", "fp32": "float32", "half": "float16", "float": "float32"}
+
+
+@dataclass(slots=True)
+class Inventory:
+    """A model's parameters keyed by HF transformers-v5 ``state_dict()`` name, in model order.
+
+    ``architecture`` is ``config["architectures"][0]`` (e.g. ``"Qwen3MoeForCausalLM"``) and
+    ``config`` the HF ``config.json`` dict it was built from.
+    """
+
+    name: str
+    architecture: str
+    config: dict
+    params: dict[str, ParamSpec]
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.numel for p in self.params.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.params.values())
+
+    @property
+    def tied_embeddings(self) -> bool:
+        return bool(self.config.get("tie_word_embeddings", False))
+
+
+def config_dtype(config: dict) -> str:
+    """The dtype a config declares (``torch_dtype`` or v5's ``dtype``), bfloat16 when absent."""
+    raw = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
+    raw = str(raw).removeprefix("torch.")
+    if raw not in _TORCH_DTYPES:
+        raise ConfigError(f"config dtype {raw!r} not supported; use one of {sorted(set(_TORCH_DTYPES.values()))}")
+    return _TORCH_DTYPES[raw]
+
+
+def inventory_from_config(config: dict, *, name: str = "custom", dtype: str | None = None) -> Inventory:
+    """Build the inventory of an HF config dict. ``dtype`` overrides the config's dtype (e.g.
+    ``"float32"`` for an FSDP trainer that keeps fp32 master weights)."""
+    archs = config.get("architectures") or []
+    if not archs:
+        raise ConfigError(f"model {name!r}: config.json has no 'architectures' entry; supported: {sorted(ARCHITECTURES)}")
+    arch = archs[0]
+    if arch not in ARCHITECTURES:
+        raise ConfigError(f"model {name!r}: unsupported architecture {arch!r}; supported: {sorted(ARCHITECTURES)}")
+    dt = dtype if dtype is not None else config_dtype(config)
+    if dt not in DTYPE_BYTES:
+        raise ConfigError(f"model {name!r}: unknown dtype {dt!r}; known: {sorted(DTYPE_BYTES)}")
+    params = {n: ParamSpec(n, shape, dt) for n, shape in enumerate_params(arch, config)}
+    return Inventory(name=name, architecture=arch, config=dict(config), params=params)
+
+
+def _presets() -> dict:
+    from fastsync import plugins
+
+    return plugins.model_presets()
+
+
+def load_inventory(preset_or_dir: str, *, dtype: str | None = None) -> Inventory:
+    """The inventory of a registered preset (``qwen3-30b-a3b``, ``kimi-k2``, ...) or of a local
+    directory holding an HF ``config.json`` (or the path of that file).
+
+    Raises ConfigError naming the preset/directory and listing the known presets."""
+    presets = _presets()
+    if preset_or_dir in presets:
+        config = presets[preset_or_dir].obj()
+        return inventory_from_config(config, name=preset_or_dir, dtype=dtype)
+    path = preset_or_dir
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+        if not os.path.isfile(path):
+            raise ConfigError(f"directory {preset_or_dir!r} has no config.json; known presets: {sorted(presets)}")
+    elif not (os.path.isfile(path) and path.endswith(".json")):
+        raise ConfigError(
+            f"unknown model {preset_or_dir!r}: neither a registered preset nor a directory with config.json; "
+            f"known presets: {sorted(presets)}"
+        )
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read {path!r}: {e}") from e
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path!r} is not a JSON object")
+    return inventory_from_config(config, name=preset_or_dir, dtype=dtype)
