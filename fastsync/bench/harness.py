@@ -1,0 +1,214 @@
+"""Process orchestration for ``fastsync bench`` and the multi-process tests.
+
+The parent owns the control-plane store (so a dying worker never takes it down), plans once,
+publishes the plan, spawns ``T`` trainer and ``R`` inference processes (multiprocessing spawn,
+127.0.0.1 only), and collects their per-sync rows with a deadline. Workers are always joined or
+killed on the way out.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import statistics
+import sys
+import time
+from collections import defaultdict
+from dataclasses import replace
+from typing import Any, Callable
+
+from fastsync.bench.model import BenchModel, build_bench_model
+from fastsync.bench.workers import WorkerConfig, receiver_main, trainer_main
+from fastsync.control import TCPStoreControl
+from fastsync.errors import SyncError
+
+__all__ = ["Cluster", "run_bench", "summarize", "make_schedule"]
+
+
+class Cluster:
+    """A set of worker processes sharing one store. Use as a context manager."""
+
+    def __init__(self, cfg: WorkerConfig, model: BenchModel | None = None) -> None:
+        self.control = TCPStoreControl.server(port=0, timeout_s=cfg.timeout_s)
+        self.cfg = replace(cfg, port=self.control.port)
+        self.model = model or build_bench_model(trainers=cfg.trainers, rollouts=cfg.rollouts,
+                                                size_bytes=cfg.size_bytes, preset=cfg.preset)
+        self.control.set("bench/plan", self.model.plan.dumps())
+        self.ctx = mp.get_context("spawn")
+        self.results = self.ctx.Queue()
+        self.procs: dict[tuple[str, int, int], Any] = {}
+        self.rows: list[dict] = []
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def spawn(self, role: str, rank: int, cfg: WorkerConfig | None = None) -> Any:
+        target = trainer_main if role == "trainer" else receiver_main
+        p = self.ctx.Process(target=target, args=(cfg or self.cfg, rank, self.results), daemon=True,
+                             name=f"fastsync-{role}{rank}")
+        p.start()
+        self.procs[(role, rank, len(self.procs))] = p
+        return p
+
+    def start(self, schedule: list[tuple[str, int, bool]]) -> None:
+        self.cfg.schedule = list(schedule)
+        for r in range(self.cfg.rollouts):
+            self.spawn("engine", r)
+        for t in range(self.cfg.trainers):
+            self.spawn("trainer", t)
+
+    def collect(self, done: Callable[[list[dict]], bool], timeout_s: float,
+                on_row: Callable[[dict], None] | None = None) -> list[dict]:
+        """Gather rows until ``done(rows)`` or the deadline; SyncError on a crash or timeout."""
+        deadline = time.monotonic() + timeout_s
+        while not done(self.rows):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SyncError(f"benchmark workers did not finish within {timeout_s:.0f} s "
+                                f"({len(self.rows)} results so far)")
+            try:
+                row = self.results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [f"{k[0]} {k[1]} (exit {p.exitcode})" for k, p in self.procs.items()
+                        if p.exitcode not in (None, 0, 17)]
+                if dead:
+                    raise SyncError(f"benchmark worker(s) died: {', '.join(dead)}")
+                continue
+            if row.get("kind") == "crash":
+                raise SyncError(f"{row['role']} rank {row['rank']} crashed: {row['error']}\n{row.get('trace', '')}")
+            self.rows.append(row)
+            if on_row is not None:
+                on_row(row)
+        return self.rows
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            p.join(timeout=5)
+        for p in self.procs.values():
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self.results.close()
+
+
+def make_schedule(transports: list[str], steps: int, warmup: int = 1, verify: bool = True) -> list[tuple[str, int, bool]]:
+    """Per transport: ``warmup`` untimed syncs, ``steps`` timed ones, then one verified sync."""
+    out, v = [], 0
+    for name in transports:
+        for i in range(warmup + steps + (1 if verify else 0)):
+            v += 1
+            out.append((name, v, verify and i == warmup + steps))
+    return out
+
+
+def summarize(rows: list[dict], schedule: list[tuple[str, int, bool]], warmup: int, model: BenchModel,
+              num_procs: int) -> dict:
+    """Per transport: median seconds per sync (over the timed syncs), aggregate GB/s, stage
+    medians per role, and whether the verified sync passed on every receiver."""
+    by_v: dict[int, list[dict]] = defaultdict(list)
+    for r in rows:
+        if r.get("kind") == "sync":
+            by_v[r["version"]].append(r)
+    out: dict[str, Any] = {}
+    order: dict[str, list[tuple[int, bool]]] = defaultdict(list)
+    for name, v, verify in schedule:
+        order[name].append((v, verify))
+    nbytes = model.plan.bytes_total
+    for name, vs in order.items():
+        secs, stages_t, stages_r, errors = [], defaultdict(list), defaultdict(list), []
+        verified = None
+        exact: list[bool] = []
+        for i, (v, verify) in enumerate(vs):
+            rs = by_v.get(v, [])
+            exact += [bool(r["exact"]) for r in rs if "exact" in r]
+            bad = [r for r in rs if not r.get("ok")]
+            errors += [f"v{v} {r['role']} {r['rank']}: {r.get('error', '')}" for r in bad]
+            if verify:
+                eng = [r for r in rs if r["role"] == "engine"]
+                verified = bool(eng) and all(r.get("ok") for r in eng) and len(rs) == num_procs
+                continue
+            if i < warmup or bad or len(rs) != num_procs:
+                continue
+            secs.append(max(r["end"] for r in rs) - min(r["start"] for r in rs))
+            for r in rs:
+                dst = stages_t if r["role"] == "trainer" else stages_r
+                for k, s in r.get("stages", {}).items():
+                    dst[k].append(s)
+        med = statistics.median(secs) if secs else None
+        out[name] = {
+            "seconds_median": med,
+            "seconds_all": secs,
+            "gbps": (nbytes / med / 1e9) if med else None,
+            "verified": verified,
+            "exact": all(exact) if exact else None,
+            "stages_trainer": {k: statistics.median(v) for k, v in sorted(stages_t.items())},
+            "stages_engine": {k: statistics.median(v) for k, v in sorted(stages_r.items())},
+            "errors": errors[:10],
+        }
+    return out
+
+
+class _Progress:
+    def __init__(self, total: int, stream: Any, enabled: bool) -> None:
+        self.total, self.stream, self.enabled = total, stream, enabled
+        self.done: dict[int, int] = defaultdict(int)
+        self.count = 0
+
+    def __call__(self, row: dict, num_procs: int, label: dict[int, str]) -> None:
+        if row.get("kind") != "sync" or not self.enabled:
+            return
+        self.done[row["version"]] += 1
+        if self.done[row["version"]] == num_procs:
+            self.count += 1
+            width = 30
+            fill = int(width * self.count / max(self.total, 1))
+            self.stream.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {self.count}/{self.total} "
+                              f"syncs ({label.get(row['version'], '')})   ")
+            if self.count == self.total:
+                self.stream.write("\n")
+            self.stream.flush()
+
+
+def run_bench(cfg: WorkerConfig, transports: list[str], steps: int, warmup: int = 1,
+              progress: bool | None = None) -> dict:
+    """Run the benchmark end to end; returns the JSON-able result."""
+    schedule = make_schedule(transports, steps, warmup)
+    num_procs = cfg.trainers + cfg.rollouts
+    label = {v: name for name, v, _ in schedule}
+    bar = _Progress(len(schedule), sys.stderr, sys.stderr.isatty() if progress is None else progress)
+    t0 = time.monotonic()
+    with Cluster(cfg) as cluster:
+        cluster.start(schedule)
+        per_sync = cfg.timeout_s
+        rows = cluster.collect(lambda rs: sum(r.get("kind") == "exit" for r in rs) == num_procs,
+                               timeout_s=120 + per_sync * len(schedule),
+                               on_row=lambda r: bar(r, num_procs, label))
+        model = cluster.model
+    result = summarize(rows, schedule, warmup, model, num_procs)
+    base = (result.get("rank0") or {}).get("seconds_median")
+    speedup = {n: (base / r["seconds_median"]) if base and r["seconds_median"] else None
+               for n, r in result.items() if n != "rank0"}
+    setup = defaultdict(list)
+    for r in rows:
+        if r.get("kind") == "setup":
+            setup[r["transport"]].append(r["seconds"])
+    default = "nixl" if "nixl" in result else (transports[0] if transports else None)
+    return {
+        "model": model.description,
+        "bytes_per_sync": model.plan.bytes_total,
+        "num_tensors": len(model.params),
+        "num_transfers": len(model.plan.transfers),
+        "trainers": cfg.trainers,
+        "rollouts": cfg.rollouts,
+        "steps": steps,
+        "warmup": warmup,
+        "staging_bytes": cfg.staging_bytes,
+        "transports": result,
+        "setup_seconds_max": {n: max(v) for n, v in setup.items()},
+        "speedup_vs_rank0": speedup.get(default) if default != "rank0" else 1.0,
+        "speedup_vs_rank0_all": speedup,
+        "wall_seconds": time.monotonic() - t0,
+    }

@@ -1,0 +1,170 @@
+"""The benchmark's model: a Qwen3-MoE-shaped synthetic inventory scaled to a byte size (or a
+registered preset trimmed to fit), FSDP2 trainer shards, a vLLM-like TP engine layout with fused
+``qkv_proj`` / ``w13`` tensors, the plan between them, and deterministic shard values.
+
+Values are a seeded normal draw per (parameter, shard box), so any process can regenerate what
+a trainer holds; version ``v`` holds ``(-1)**v`` times the draw (negation is exact in bf16), so
+consecutive versions differ in every non-zero byte.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from fastsync.errors import ConfigError
+from fastsync.layout.box import box_numel, box_shape, box_slices, full_box
+from fastsync.layout.types import EngineLayout, ParamSpec, Shard, TrainerLayout
+from fastsync.plan.types import Plan
+
+__all__ = ["BenchModel", "build_bench_model", "shard_values", "full_values", "scaled_dims"]
+
+
+@dataclass(slots=True)
+class BenchModel:
+    params: dict[str, ParamSpec]
+    trainer: TrainerLayout
+    engine: EngineLayout
+    plan: Plan
+    description: str
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.params.values())
+
+
+def scaled_dims(size_bytes: int, tp: int):
+    """Qwen3-MoE-like dims whose bf16 inventory is close to ``size_bytes``: many tensors of mixed
+    sizes (norms, router, attention, fused experts, embedding and lm_head)."""
+    from fastsync.plan.synthetic import ModelDims
+
+    if size_bytes >= 256 << 20:
+        base = dict(hidden=1024, q_dim=1024, kv_dim=256, experts=16, moe_inter=512, vocab=16384)
+    elif size_bytes >= 16 << 20:
+        base = dict(hidden=512, q_dim=512, kv_dim=128, experts=8, moe_inter=256, vocab=4096)
+    else:
+        base = dict(hidden=128, q_dim=128, kv_dim=64, experts=4, moe_inter=64, vocab=512)
+    for k in ("q_dim", "kv_dim", "moe_inter", "vocab"):
+        if base[k] % tp:
+            raise ConfigError(f"--rollouts {tp} does not divide the synthetic model's {k}={base[k]}")
+    one = ModelDims(layers=1, **base)
+    from fastsync.plan.synthetic import small_model
+
+    p1 = sum(p.nbytes for p in small_model(one).values())
+    p2 = sum(p.nbytes for p in small_model(ModelDims(layers=2, **base)).values())
+    per_layer, fixed = p2 - p1, 2 * p1 - p2
+    layers = max(1, round((size_bytes - fixed) / per_layer))
+    return ModelDims(layers=layers, **base)
+
+
+def build_bench_model(*, trainers: int, rollouts: int, size_bytes: int | None = None,
+                      preset: str | None = None) -> BenchModel:
+    """Inventory, layouts and plan for ``trainers`` FSDP ranks and one TP=``rollouts`` engine."""
+    from fastsync.plan.planner import build_plan
+    from fastsync.plan.synthetic import engine_layout, fsdp_layout, small_model
+
+    if trainers < 1 or rollouts < 1:
+        raise ConfigError(f"need at least one trainer and one rollout rank, got {trainers} and {rollouts}")
+    if preset is not None:
+        return _preset_model(preset, trainers, rollouts, size_bytes)
+    if size_bytes is None or size_bytes <= 0:
+        raise ConfigError("give --size-gb (positive) or --model PRESET")
+    dims = scaled_dims(size_bytes, rollouts)
+    params = small_model(dims)
+    trainer = fsdp_layout(params, trainers)
+    engine = engine_layout(params, dims, tp=rollouts, expert_parallel=False)
+    plan = build_plan(params, trainer, engine)
+    desc = (f"synthetic Qwen3-MoE-like: {dims.layers} layers, hidden {dims.hidden}, {dims.experts} experts, "
+            f"{len(params)} tensors")
+    return BenchModel(params, trainer, engine, plan, desc)
+
+
+def _preset_model(preset: str, trainers: int, rollouts: int, size_bytes: int | None) -> BenchModel:
+    from fastsync import plugins
+    from fastsync.layout.engine import build_engine_layout
+    from fastsync.layout.trainer import fsdp_layout
+    from fastsync.models.inventory import inventory_from_config, load_inventory
+    from fastsync.plan.planner import build_plan
+
+    inv = load_inventory(preset)
+    if size_bytes is not None:
+        cfg = dict(inv.config)
+        layers = int(cfg.get("num_hidden_layers", 1))
+        per_layer = inv.nbytes / max(layers, 1)
+        cfg["num_hidden_layers"] = max(1, min(layers, int(size_bytes // per_layer)))
+        inv = inventory_from_config(cfg, name=inv.name)
+    name_map = plugins.hook().fastsync_name_map(architecture=inv.architecture, config=inv.config)
+    if name_map is None:
+        raise ConfigError(f"no name map registered for architecture {inv.architecture!r} (preset {preset!r})")
+    trainer = fsdp_layout(inv.params, trainers)
+    engine = build_engine_layout(inv, name_map, tp=rollouts)
+    plan = build_plan(inv.params, trainer, engine, allow_unread=True)
+    layers = inv.config.get("num_hidden_layers")
+    return BenchModel(dict(inv.params), trainer, engine, plan, f"preset {preset} ({layers} layers)")
+
+
+def _seed(name: str, box: tuple) -> int:
+    return zlib.crc32(f"{name}{box}".encode())
+
+
+def shard_values(spec: ParamSpec, box: tuple, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The version-0 values of ``spec``'s ``box`` (deterministic in any process)."""
+    g = torch.Generator().manual_seed(_seed(spec.name, box))
+    vals = torch.randn(box_shape(box), generator=g, dtype=torch.float32).mul_(0.02)
+    dt = getattr(torch, spec.dtype)
+    if out is None:
+        return vals.to(dt)
+    out.view(box_shape(box)).copy_(vals)
+    return out
+
+
+def full_values(spec: ParamSpec, shards: tuple[Shard, ...], version: int) -> torch.Tensor:
+    """The whole parameter at ``version``, assembled from its shards' draws."""
+    full = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype))
+    for sh in shards:
+        if box_numel(sh.box):
+            full[box_slices(sh.box)] = shard_values(spec, sh.box)
+    if version % 2:
+        full.neg_()
+    return full
+
+
+def trainer_buffers(model: BenchModel, rank: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, list[Shard]]]:
+    """One flat buffer per trainer rank (like a flat FSDP parameter), its per-parameter views
+    (each a shard, ``local_offset`` 0) filled with the version-0 values."""
+    mine = model.trainer.shards_on(rank)
+    dtypes = {model.params[n].dtype for n in mine}
+    if len(dtypes) > 1:
+        raise ConfigError(f"benchmark trainer buffers need one dtype, got {sorted(dtypes)}")
+    dt = getattr(torch, dtypes.pop() if dtypes else "bfloat16")
+    total = sum(box_numel(shs[0].box) for shs in mine.values())
+    flat = torch.empty(total, dtype=dt)
+    views: dict[str, torch.Tensor] = {}
+    shards: dict[str, list[Shard]] = {}
+    off = 0
+    for name in sorted(mine):
+        sh = mine[name][0]
+        n = box_numel(sh.box)
+        view = flat[off: off + n]
+        if n:
+            shard_values(model.params[name], sh.box, out=view)
+        views[name] = view
+        shards[name] = [Shard(rank, sh.box, 0)]
+        off += n
+    return flat, views, shards
+
+
+def reference_tensors(model: BenchModel, rank: int, version: int) -> dict[str, torch.Tensor]:
+    """What inference ``rank`` must hold after syncing ``version`` (computed without transports)."""
+    from fastsync.executor.local import reference_engine_tensors
+
+    needed = {p.src for t in model.engine.tensors[rank].values() for p in t.pieces}
+    full = {n: full_values(model.params[n], model.trainer.shards[n], version) for n in needed}
+    sub = EngineLayout(model.engine.world_size, {rank: model.engine.tensors[rank]}, {}, model.engine.kind)
+    return reference_engine_tensors(full, sub)[rank]
+
+
+def full_box_of(spec: ParamSpec) -> tuple:
+    return full_box(spec.shape)

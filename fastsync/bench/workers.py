@@ -1,0 +1,179 @@
+"""Process entry points of the benchmark (and of the multi-process tests): one trainer rank or
+one inference rank, syncing a list of versions over one or more transports.
+
+Every process lines up at a control-plane barrier before each version, so a sync's wall time is
+``max(end) - min(start)`` over all processes (one host, one clock). Results go to the parent
+through a queue as plain dicts.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["WorkerConfig", "trainer_main", "receiver_main"]
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    trainers: int
+    rollouts: int
+    port: int
+    size_bytes: int | None = None
+    preset: str | None = None
+    schedule: list[tuple[str, int, bool]] = field(default_factory=list)  # (transport, version, verify)
+    staging_bytes: int = 256 << 20
+    timeout_s: float = 60.0
+    mode: str = "shadow"
+    check_exact: bool = False
+    direct: bool = True
+    overlap: bool = True
+    torch_threads: int = 1
+    # fault injection for tests: (trainer rank, version, chunk index) at which that trainer exits
+    kill_at: tuple[int, int, int] | None = None
+    rank0_bucket_bytes: int = 512 << 20
+
+
+def _env(cfg: WorkerConfig) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import torch
+
+    torch.set_num_threads(cfg.torch_threads)
+
+
+def _model(cfg: WorkerConfig, control: Any):
+    from fastsync.bench.model import build_bench_model
+    from fastsync.errors import PlanError
+    from fastsync.plan.types import Plan
+
+    model = build_bench_model(trainers=cfg.trainers, rollouts=cfg.rollouts, size_bytes=cfg.size_bytes,
+                              preset=cfg.preset)
+    shared = Plan.loads(control.get("bench/plan", cfg.timeout_s, what="the benchmark parent").decode())
+    if shared.plan_hash != model.plan.plan_hash:
+        raise PlanError(f"this process planned {model.plan.plan_hash}, the parent {shared.plan_hash}")
+    return model
+
+
+def _transport_options(name: str, cfg: WorkerConfig) -> dict:
+    if name == "nixl":
+        return {"overlap": cfg.overlap}
+    if name == "torch":
+        return {"overlap": cfg.overlap}
+    if name == "rank0":
+        return {"bucket_bytes": cfg.rank0_bucket_bytes}
+    return {}
+
+
+def trainer_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
+    _env(cfg)
+    from fastsync.bench.model import trainer_buffers
+    from fastsync.control import TCPStoreControl
+    from fastsync.executor.sender import WeightSender
+
+    try:
+        control = TCPStoreControl.client(cfg.port, timeout_s=cfg.timeout_s)
+        model = _model(cfg, control)
+        flat, views, shards = trainer_buffers(model, rank)
+        sign_version = 0
+        senders: dict[str, WeightSender] = {}
+        for name, version, verify in cfg.schedule:
+            if name not in senders:
+                s = WeightSender(rank=rank, plan=model.plan, sources=views, shards=shards,
+                                 control=control.with_prefix(f"fs/{name}"), transport=name,
+                                 transport_options=_transport_options(name, cfg), staging_bytes=cfg.staging_bytes,
+                                 direct=cfg.direct, timeout_s=cfg.timeout_s)
+                t0 = time.perf_counter()
+                s.setup()
+                results.put({"kind": "setup", "role": "trainer", "rank": rank, "transport": name,
+                             "seconds": time.perf_counter() - t0})
+                senders[name] = s
+            if (version - sign_version) % 2:
+                flat.neg_()
+            sign_version = version
+            on_chunk = None
+            if cfg.kill_at is not None and cfg.kill_at[:2] == (rank, version):
+                kill_chunk = cfg.kill_at[2]
+
+                def on_chunk(k: int, _kc: int = kill_chunk) -> None:
+                    if k >= _kc:
+                        os._exit(17)  # a trainer dying mid-sync, some writes already landed
+            control.barrier(f"bench/{name}/{version}", cfg.trainers + cfg.rollouts, cfg.timeout_s)
+            try:
+                m = senders[name].sync(version, verify=verify, on_chunk=on_chunk)
+                results.put({"kind": "sync", **m.to_json()})
+            except Exception as e:  # reported, the run goes on to the next version
+                results.put({"kind": "sync", "role": "trainer", "rank": rank, "transport": name,
+                             "version": version, "ok": False, "error": f"{type(e).__name__}: {e}"})
+        for s in senders.values():
+            s.close()
+        results.put({"kind": "exit", "role": "trainer", "rank": rank})
+    except BaseException as e:
+        results.put({"kind": "crash", "role": "trainer", "rank": rank,
+                     "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()})
+        raise
+
+
+def receiver_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
+    _env(cfg)
+    import torch
+
+    from fastsync.bench.model import reference_tensors
+    from fastsync.control import TCPStoreControl
+    from fastsync.executor.receiver import WeightReceiver
+    from fastsync.executor.staging import Landing
+
+    try:
+        control = TCPStoreControl.client(cfg.port, timeout_s=cfg.timeout_s)
+        model = _model(cfg, control)
+        tensors = {n: torch.zeros(t.shape, dtype=getattr(torch, t.dtype))
+                   for n, t in model.engine.tensors[rank].items()}
+        landing = Landing(tensors, mode=cfg.mode, backup=False)
+        receivers: dict[str, WeightReceiver] = {}
+        served_version = 0
+        for name, version, verify in cfg.schedule:
+            if name not in receivers:
+                rx = WeightReceiver(rank=rank, plan=model.plan, tensors=tensors, control=control.with_prefix(f"fs/{name}"),
+                                    transport=name, transport_options=_transport_options(name, cfg),
+                                    engine_hash=model.engine.fingerprint(), timeout_s=cfg.timeout_s,
+                                    landing=landing, initial_version=served_version)
+                t0 = time.perf_counter()
+                rx.setup()
+                results.put({"kind": "setup", "role": "engine", "rank": rank, "transport": name,
+                             "seconds": time.perf_counter() - t0})
+                receivers[name] = rx
+            rx = receivers[name]
+            rx.verify = verify
+            control.barrier(f"bench/{name}/{version}", cfg.trainers + cfg.rollouts, cfg.timeout_s)
+            row: dict[str, Any]
+            try:
+                rx.sync(version)
+                row = {"kind": "sync", **rx.last_metrics.to_json(), "verified": bool(verify)}
+                served_version = version
+            except Exception as e:
+                m = rx.last_metrics
+                row = {"kind": "sync", **(m.to_json() if m is not None and m.version == version else
+                                          {"role": "engine", "rank": rank, "transport": name, "version": version}),
+                       "ok": False, "error": f"{type(e).__name__}: {e}"}
+            row["served_version"] = rx.version
+            if cfg.check_exact:
+                want = reference_tensors(model, rank, rx.version) if rx.version else None
+                if want is None:
+                    row["exact"] = all(not t.any() for t in tensors.values())
+                else:
+                    bad = [n for n, t in tensors.items() if not torch.equal(t, want[n])]
+                    row["exact"] = not bad
+                    row["exact_mismatch"] = bad[:5]
+            results.put(row)
+            # later transports continue from the version this one serves
+            for other in receivers.values():
+                other.version = max(other.version, rx.version)
+        for rx in receivers.values():
+            rx.close()
+        results.put({"kind": "exit", "role": "engine", "rank": rank})
+    except BaseException as e:
+        results.put({"kind": "crash", "role": "engine", "rank": rank,
+                     "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()})
+        raise

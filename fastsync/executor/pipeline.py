@@ -1,0 +1,109 @@
+"""The pipelined send loop: pack chunk k+1 while the WRITE of chunk k is in flight.
+
+Staging is split into slots (two by default); chunk ``k`` packs into slot ``k % num_slots`` once
+the previous chunk that used that slot has drained (its writes completed), so staging memory
+stays bounded by the budget whatever the model size. Packing runs on a helper thread (torch's
+copy kernels release the GIL); posting and draining stay on the calling thread, which is the
+only one that touches the transport. Every wait is bounded by the sync's deadline.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from fastsync.errors import SyncError
+from fastsync.executor.metrics import SyncMetrics
+from fastsync.executor.program import Chunk
+
+__all__ = ["run_pipelined"]
+
+
+def _wait(ev: threading.Event, deadline: float, what: str, failed: list[BaseException]) -> None:
+    while not ev.wait(0.01):
+        if failed:
+            raise failed[0]
+        if time.monotonic() >= deadline:
+            raise SyncError(f"timed out waiting for {what}")
+
+
+def run_pipelined(
+    chunks: list[Chunk],
+    *,
+    pack: Callable[[Chunk], None],
+    post: Callable[[Chunk], None],
+    drain: Callable[[Chunk, float], None],
+    deadline: float,
+    metrics: SyncMetrics,
+    overlap: bool = True,
+    on_chunk: Callable[[int], None] | None = None,
+) -> None:
+    """Run ``pack -> post -> drain`` over ``chunks`` with packing overlapped with writes.
+
+    ``drain(chunk, deadline)`` must return only when the chunk's staging slot may be reused.
+    Stage seconds land in ``metrics``: ``pack`` (helper thread), ``wait_pack`` (main thread
+    stalled on packing), ``post`` and ``drain``.
+    """
+    n = len(chunks)
+    if not overlap:
+        for c in chunks:
+            with metrics.stage("pack"):
+                pack(c)
+            with metrics.stage("post"):
+                post(c)
+            with metrics.stage("drain"):
+                drain(c, deadline)
+            if on_chunk is not None:
+                on_chunk(c.index)
+        return
+
+    prev_same_slot: list[int] = []
+    last: dict[int, int] = {}
+    for k, c in enumerate(chunks):
+        prev_same_slot.append(last.get(c.slot, -1) if c.slot >= 0 else -1)
+        if c.slot >= 0:
+            last[c.slot] = k
+    packed = [threading.Event() for _ in range(n)]
+    drained = [threading.Event() for _ in range(n)]
+    failed: list[BaseException] = []
+    stop = threading.Event()
+
+    def packer() -> None:
+        try:
+            for k, c in enumerate(chunks):
+                j = prev_same_slot[k]
+                if j >= 0:
+                    while not drained[j].wait(0.01):
+                        if stop.is_set():
+                            return
+                t0 = time.perf_counter()
+                pack(c)
+                metrics.add("pack", time.perf_counter() - t0)
+                packed[k].set()
+        except BaseException as e:  # handed to the main thread, which raises it
+            failed.append(e)
+
+    th = threading.Thread(target=packer, name="fastsync-packer", daemon=True)
+    th.start()
+    try:
+        for k, c in enumerate(chunks):
+            with metrics.stage("wait_pack"):
+                _wait(packed[k], deadline, f"packing of chunk {k}", failed)
+            with metrics.stage("post"):
+                post(c)
+            if on_chunk is not None:
+                on_chunk(k)
+            if k > 0 and not drained[k - 1].is_set():
+                with metrics.stage("drain"):
+                    drain(chunks[k - 1], deadline)
+                drained[k - 1].set()
+        if n:
+            with metrics.stage("drain"):
+                drain(chunks[-1], deadline)
+            drained[-1].set()
+    finally:
+        stop.set()
+        th.join(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
+    if failed:
+        raise failed[0]

@@ -1,0 +1,240 @@
+"""Inference side of a sync: land the planned writes, flip the version only when all arrived.
+
+The receiver holds destination tensors given as a plain ``dict[str, torch.Tensor]`` (or a
+module's parameters) and never replaces them: new values end up in their existing memory. Each
+sync is driven in explicit steps so an engine can run them from its own event loop or worker
+RPCs: ``begin(version)`` (fence, announce readiness), ``poll()`` / ``wait(deadline)`` (drive the
+transport; also what lets one-sided NIXL writes progress), ``finish()`` (verify, flip). Atomicity
+is the landing mode's (see ``fastsync.executor.staging``): ``shadow`` keeps live tensors untouched
+until the flip; ``inplace`` writes live memory and restores it from a backup if the sync fails.
+
+Example (inside the inference worker)::
+
+    rx = WeightReceiver(rank=tp_rank, plan=plan, tensors=dict(model.named_parameters()),
+                        control=TCPStoreControl.client(port), transport="nixl")
+    rx.setup()                              # once: registers memory, publishes addresses
+    rx.begin(version)                       # generation paused (or shadow mode)
+    while not rx.poll(): ...                # or rx.wait(deadline)
+    rx.finish()                             # raises SyncError and keeps the old version if incomplete
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from fastsync import plugins
+from fastsync.control import ControlPlane
+from fastsync.errors import ConfigError, FastSyncError, PlanError, SyncError
+from fastsync.executor.metrics import SyncMetrics
+from fastsync.executor.program import RecvProgram, compile_recv
+from fastsync.executor.sender import make_transport
+from fastsync.executor.staging import Landing
+from fastsync.executor.verify import compare_checksums, receiver_checksums
+from fastsync.plan.types import Plan
+from fastsync.transport.base import ReceiverContext, Transport, World
+
+__all__ = ["WeightReceiver"]
+
+_FAILURE_CHECK_S = 0.05
+
+
+class WeightReceiver:
+    """One inference rank's receiver. ``version`` is the last complete version it serves."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        plan: Plan,
+        tensors: dict[str, torch.Tensor] | torch.nn.Module,
+        control: ControlPlane,
+        transport: str | Transport = "nixl",
+        transport_options: dict | None = None,
+        mode: str = "shadow",
+        backup: bool = False,
+        verify: bool = False,
+        engine_hash: str | None = None,
+        timeout_s: float = 60.0,
+        initial_version: int = 0,
+        landing: Landing | None = None,
+    ) -> None:
+        if not 0 <= rank < plan.num_receivers:
+            raise ConfigError(f"inference rank {rank} outside the plan's {plan.num_receivers} receivers")
+        if engine_hash is not None and engine_hash != plan.engine_hash:
+            raise PlanError(
+                f"plan was built for engine layout {plan.engine_hash}, inference rank {rank} has {engine_hash}: re-plan"
+            )
+        if isinstance(tensors, torch.nn.Module):
+            tensors = {n: p.data for n, p in tensors.named_parameters()}
+        self.rank = rank
+        self.plan = plan
+        self.tensors = tensors
+        self.control = control
+        self.transport = make_transport(transport, transport_options)
+        self.verify = verify
+        self.engine_hash = engine_hash
+        self.timeout_s = timeout_s
+        self.version = initial_version
+        self.landing = landing if landing is not None else Landing(tensors, mode=mode, backup=backup)
+        self.program: RecvProgram | None = None
+        self._open: int | None = None
+        self._metrics: SyncMetrics | None = None
+        self._complete = False
+        self._last_check = 0.0
+        self.last_metrics: SyncMetrics | None = None
+
+    def setup(self) -> None:
+        """Compile what must arrive, publish plan hash and tensors, register with the transport."""
+        self.program = compile_recv(self.plan, self.rank, self.landing.infos)
+        info = {
+            "plan_hash": self.plan.plan_hash,
+            "engine_hash": self.engine_hash,
+            "tensors": [i.to_json() for i in self.landing.infos.values()],
+        }
+        self.control.set(f"recv/{self.rank}/info", json.dumps(info))
+        ctx = ReceiverContext(self.rank, self.plan, self.program, self.landing, self.control,
+                              World(self.plan.num_trainers, self.plan.num_receivers), self.timeout_s)
+        self.transport.setup_receiver(ctx)
+
+    # ---- one sync, step by step -----------------------------------------------------------
+    def begin(self, version: int) -> None:
+        """Open ``version``: snapshot if backing up, arm the transport, tell trainers to write."""
+        if self.program is None:
+            raise SyncError(f"inference rank {self.rank}: begin() before setup()")
+        if self._open is not None:
+            raise SyncError(f"inference rank {self.rank}: version {version} begun while {self._open} is open")
+        if version <= self.version:
+            raise SyncError(f"inference rank {self.rank}: version {version} is not newer than held {self.version}")
+        m = SyncMetrics(version, "engine", self.rank, self.transport.name, start=time.time())
+        plugins.hook().fastsync_before_sync(version=version, role="engine", rank=self.rank, plan=self.plan)
+        with m.stage("backup"):
+            self.landing.begin()
+        self.transport.begin_receive(version)
+        self._open, self._metrics, self._complete = version, m, False
+        self.control.set(f"recv/{self.rank}/begun/{version}", b"1")
+
+    def poll(self) -> bool:
+        """Drive the transport once; True when every expected write of the open version landed.
+        Raises SyncError early when a trainer reported failure."""
+        if self._open is None:
+            raise SyncError(f"inference rank {self.rank}: poll() with no version open")
+        if not self._complete:
+            self._complete = self.transport.poll_receive()
+            now = time.monotonic()
+            if not self._complete and now - self._last_check > _FAILURE_CHECK_S:
+                self._last_check = now
+                self._check_senders()
+        return self._complete
+
+    def wait(self, deadline: float | None = None) -> bool:
+        """Poll until complete or ``deadline`` (``time.monotonic()``; default: now + timeout_s)."""
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout_s
+        assert self._metrics is not None
+        with self._metrics.stage("wait"):
+            while not self.poll():
+                if time.monotonic() >= deadline:
+                    return False
+        return True
+
+    def finish(self) -> int:
+        """Flip to the open version if complete (and verified), else keep the old one and raise
+        SyncError naming the missing trainer ranks and tensors. Returns the version served."""
+        if self._open is None:
+            raise SyncError(f"inference rank {self.rank}: finish() with no version open")
+        version, m = self._open, self._metrics
+        assert m is not None and self.program is not None
+        try:
+            if not self._complete:
+                raise SyncError(self._missing_message(version))
+            if self.verify:
+                with m.stage("verify"):
+                    self._verify(version)
+            with m.stage("apply"):
+                self.landing.apply()
+        except FastSyncError as e:
+            self.abort(str(e))
+            raise
+        self.transport.end_receive()
+        self.version = version
+        self._open = None
+        m.ok = True
+        m.end = time.time()
+        m.bytes_per_link = {f"t{s}->r{self.rank}": sum(i.transfer.nbytes for i in items)
+                            for s, items in self.program.by_src.items()}
+        self.control.set(f"recv/{self.rank}/flipped/{version}", b"ok")
+        self.last_metrics = m
+        plugins.hook().fastsync_after_sync(version=version, role="engine", rank=self.rank, metrics=m.to_json(), ok=True)
+        return version
+
+    def abort(self, reason: str) -> None:
+        """Give up the open version: roll back, keep serving ``self.version``."""
+        if self._open is None:
+            return
+        version, m = self._open, self._metrics
+        self._open = None
+        try:
+            self.transport.end_receive()
+        finally:
+            intact = self.landing.rollback()
+            note = "" if intact else " (in-place tensors are torn: no backup)"
+            assert m is not None
+            m.error = reason + note
+            m.end = time.time()
+            self.last_metrics = m
+            self.control.set(f"recv/{self.rank}/flipped/{version}", f"err:{reason}{note}")
+            plugins.hook().fastsync_after_sync(version=version, role="engine", rank=self.rank, metrics=m.to_json(),
+                                               ok=False)
+
+    def sync(self, version: int, timeout_s: float | None = None) -> int:
+        """``begin``, ``wait`` and ``finish`` in one call."""
+        self.begin(version)
+        self.wait(time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s))
+        return self.finish()
+
+    def close(self) -> None:
+        if self._open is not None:
+            self.abort("receiver closed")
+        self.transport.close()
+
+    # ---- helpers --------------------------------------------------------------------------
+    def _check_senders(self) -> None:
+        assert self.program is not None
+        for s in self.program.by_src:
+            got = self.control.try_get(f"send/{s}/done/{self._open}")
+            if got is not None and got.startswith(b"err:"):
+                missing = self.transport.missing()
+                if s in missing:
+                    raise SyncError(
+                        f"inference rank {self.rank}, version {self._open}: trainer rank {s} failed "
+                        f"({got[4:].decode(errors='replace')}); missing tensors {self._names(s)}"
+                    )
+
+    def _names(self, src: int, limit: int = 6) -> str:
+        assert self.program is not None
+        names = self.program.tensors_from(src)
+        more = f" and {len(names) - limit} more" if len(names) > limit else ""
+        return ", ".join(repr(n) for n in names[:limit]) + more
+
+    def _missing_message(self, version: int) -> str:
+        missing = self.transport.missing()
+        parts = [f"trainer rank {s}: {what} (tensors {self._names(s)})" for s, what in sorted(missing.items())]
+        return (f"inference rank {self.rank}: version {version} incomplete, keeping version {self.version}; "
+                + ("; ".join(parts) if parts else "transport reported incomplete delivery"))
+
+    def _verify(self, version: int) -> None:
+        assert self.program is not None
+        expected: dict[int, int] = {}
+        deadline = time.monotonic() + self.timeout_s
+        for s in self.transport.checksum_ranks(self.program):
+            raw = self.control.get(f"send/{s}/crc/{version}", max(0.0, deadline - time.monotonic()),
+                                   what=f"trainer rank {s} (checksums of version {version})")
+            expected.update({int(k): v for k, v in json.loads(raw).items()})
+        got = receiver_checksums(self.program, self.landing.regions)
+        bad = compare_checksums(self.program, expected, got)
+        if bad:
+            raise SyncError(f"inference rank {self.rank}: version {version} failed verification: " + "; ".join(bad[:5])
+                            + (f" (+{len(bad) - 5} more)" if len(bad) > 5 else ""))

@@ -1,0 +1,168 @@
+"""Trainer side of a sync: compile the plan once, then replay it every step.
+
+Example (on every trainer rank, after ``optimizer.step()``)::
+
+    sender = WeightSender(rank=rank, plan=plan, sources=local_shards, shards=layout,
+                          control=TCPStoreControl.client(port), transport="nixl")
+    sender.setup()                      # once: checks receivers' plan hash, registers, prepares
+    for step in range(num_steps):
+        train_step()
+        metrics = sender.sync(version=step + 1)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+
+import torch
+
+from fastsync import plugins
+from fastsync.control import ControlPlane
+from fastsync.errors import ConfigError, FastSyncError, PlanError, SyncError
+from fastsync.executor.metrics import SyncMetrics
+from fastsync.executor.pack import Packer
+from fastsync.executor.program import SendProgram, TensorInfo, compile_send
+from fastsync.executor.staging import alloc_touched, dtype_name
+from fastsync.layout.types import Shard, TrainerLayout
+from fastsync.plan.types import Plan
+from fastsync.transport.base import SenderContext, Transport, World
+
+__all__ = ["WeightSender", "make_transport"]
+
+
+def make_transport(transport: str | Transport, options: dict | None = None) -> Transport:
+    """A transport instance from a registered name (``nixl``, ``torch``, ``rank0``) or as given."""
+    if isinstance(transport, Transport):
+        if options:
+            raise ConfigError("transport_options apply only when the transport is given by name")
+        return transport
+    return plugins.get_transport_factory(transport)(**(options or {}))
+
+
+class WeightSender:
+    """One trainer rank's sender. ``sources[param]`` is this rank's local buffer for ``param``
+    holding the shards ``shards[param]`` describe (``Shard.local_offset`` into it)."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        plan: Plan,
+        sources: dict[str, torch.Tensor],
+        shards: dict[str, list[Shard]] | TrainerLayout,
+        control: ControlPlane,
+        transport: str | Transport = "nixl",
+        transport_options: dict | None = None,
+        staging_bytes: int = 256 << 20,
+        num_slots: int = 2,
+        direct: bool = True,
+        timeout_s: float = 60.0,
+    ) -> None:
+        if not 0 <= rank < plan.num_trainers:
+            raise ConfigError(f"trainer rank {rank} outside the plan's {plan.num_trainers} trainers")
+        if timeout_s <= 0:
+            raise ConfigError(f"timeout_s must be positive, got {timeout_s}")
+        if isinstance(shards, TrainerLayout):
+            if shards.fingerprint() != plan.trainer_hash:
+                raise PlanError(
+                    f"plan was built for trainer layout {plan.trainer_hash}, trainer rank {rank} has "
+                    f"{shards.fingerprint()}: re-plan"
+                )
+            shards = shards.shards_on(rank)
+        self.rank = rank
+        self.plan = plan
+        self.sources = sources
+        self.shards = shards
+        self.control = control
+        self.transport = make_transport(transport, transport_options)
+        self.staging_bytes = staging_bytes
+        self.num_slots = num_slots
+        self.direct = direct
+        self.timeout_s = timeout_s
+        self.world = World(plan.num_trainers, plan.num_receivers)
+        self.dsts = sorted({t.dst_rank for t in plan.transfers if t.src_rank == rank})
+        self.program: SendProgram | None = None
+        self.last_metrics: SyncMetrics | None = None
+
+    def setup(self) -> None:
+        """Read every receiver's plan hash and tensors (refusing a mismatch before any byte
+        moves), compile the program, allocate staging, prepare the transport."""
+        dst_info: dict[int, dict[str, TensorInfo]] = {}
+        want = self.plan.plan_hash
+        for d in range(self.plan.num_receivers):
+            raw = self.control.get(f"recv/{d}/info", self.timeout_s, what=f"inference rank {d}")
+            info = json.loads(raw)
+            if info["plan_hash"] != want:
+                raise PlanError(
+                    f"inference rank {d} holds plan {info['plan_hash']} (engine layout {info.get('engine_hash')}), "
+                    f"trainer rank {self.rank} has plan {want}: refusing to sync; re-plan both sides"
+                )
+            dst_info[d] = {row[0]: TensorInfo.from_json(row) for row in info["tensors"]}
+        src_dtypes = {p: dtype_name(t.dtype) for p, t in self.sources.items()}
+        self.program = compile_send(self.plan, self.rank, dst_info, shards=self.shards, src_dtypes=src_dtypes,
+                                    staging_bytes=self.staging_bytes, num_slots=self.num_slots, direct=self.direct)
+        staged = any(not it.direct for c in self.program.chunks for it in c.items)
+        staging = alloc_touched(self.program.staging_bytes) if staged else torch.empty(0, dtype=torch.uint8)
+        packer = Packer(self.program, staging, self.sources, self.shards)
+        ctx = SenderContext(self.rank, self.plan, self.program, packer, self.control, self.world, self.timeout_s,
+                            self.sources, self.shards)
+        self.transport.setup_sender(ctx)
+
+    def sync(
+        self,
+        version: int,
+        *,
+        verify: bool = False,
+        timeout_s: float | None = None,
+        wait_receivers: bool = False,
+        on_chunk: Callable[[int], None] | None = None,
+    ) -> SyncMetrics:
+        """Send this rank's share of ``version``. Waits (bounded) until every receiver it writes to
+        has begun ``version``, writes, then publishes done (and checksums with ``verify``). With
+        ``wait_receivers`` also waits for those receivers to flip, raising if any refused."""
+        if self.program is None:
+            raise SyncError(f"trainer rank {self.rank}: sync() before setup()")
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        m = SyncMetrics(version, "trainer", self.rank, self.transport.name, start=time.time())
+        hook = plugins.hook()
+        hook.fastsync_before_sync(version=version, role="trainer", rank=self.rank, plan=self.plan)
+        try:
+            with m.stage("wait_receivers"):
+                for d in self.dsts:
+                    self.control.get(f"recv/{d}/begun/{version}", max(0.0, deadline - time.monotonic()),
+                                     what=f"inference rank {d} (begin of version {version})")
+            crcs: dict[int, int] | None = {} if verify else None
+            self.transport.send(version, deadline, m, crcs, on_chunk)
+            if crcs is not None:
+                self.control.set(f"send/{self.rank}/crc/{version}", json.dumps(crcs))
+            self.control.set(f"send/{self.rank}/done/{version}", b"ok")
+            for d, n in self.program.bytes_per_dst().items():
+                m.bytes_per_link[f"t{self.rank}->r{d}"] = n
+            if wait_receivers:
+                with m.stage("wait_flip"):
+                    for d in self.dsts:
+                        got = self.control.get(f"recv/{d}/flipped/{version}", max(0.0, deadline - time.monotonic()),
+                                               what=f"inference rank {d} (flip of version {version})").decode()
+                        if got != "ok":
+                            raise SyncError(f"inference rank {d} refused version {version}: {got}")
+            m.ok = True
+        except FastSyncError as e:
+            m.error = str(e)
+            self.control.set(f"send/{self.rank}/done/{version}", f"err:{e}")
+            raise
+        except Exception as e:
+            m.error = f"{type(e).__name__}: {e}"
+            self.control.set(f"send/{self.rank}/done/{version}", f"err:{m.error}")
+            raise SyncError(f"trainer rank {self.rank}, version {version}: {m.error}") from e
+        finally:
+            m.end = time.time()
+            self.last_metrics = m
+            hook.fastsync_after_sync(version=version, role="trainer", rank=self.rank, metrics=m.to_json(), ok=m.ok)
+        return m
+
+    def close(self) -> None:
+        self.transport.close()
+

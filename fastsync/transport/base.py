@@ -1,0 +1,180 @@
+"""The transport protocol: how planned bytes move from trainer ranks to inference ranks.
+
+A transport instance lives in one process and plays one role: sender (trainer rank) or receiver
+(inference rank). The executor (``fastsync.executor.sender`` / ``receiver``) owns the plan, the
+staging and landing memory and the version handshake; the transport only moves bytes and says
+when they arrived. The public methods here check state and arguments, then call the ``_method``
+each backend implements.
+
+Lifecycle, sender: ``setup_sender(ctx)`` once, then ``send(version, ...)`` per sync, ``close()``.
+Lifecycle, receiver: ``setup_receiver(ctx)`` once, then per sync ``begin_receive(version)``,
+``poll_receive()`` until True (or the deadline), ``end_receive()``; ``close()`` at the end.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from fastsync.control import ControlPlane
+from fastsync.errors import TransportError
+from fastsync.executor.metrics import SyncMetrics
+from fastsync.executor.pack import Packer
+from fastsync.executor.program import RecvProgram, SendProgram
+from fastsync.executor.staging import Landing
+from fastsync.layout.types import Shard
+from fastsync.plan.types import Plan
+
+__all__ = ["World", "SenderContext", "ReceiverContext", "Transport"]
+
+
+@dataclass(frozen=True, slots=True)
+class World:
+    """Trainer ranks ``0..T-1`` and inference ranks ``0..R-1``; in a torch process group the
+    inference rank ``d`` is global rank ``T + d``."""
+
+    num_trainers: int
+    num_receivers: int
+
+    @property
+    def size(self) -> int:
+        return self.num_trainers + self.num_receivers
+
+    def trainer(self, rank: int) -> int:
+        return rank
+
+    def receiver(self, rank: int) -> int:
+        return self.num_trainers + rank
+
+
+@dataclass(slots=True)
+class SenderContext:
+    rank: int
+    plan: Plan
+    program: SendProgram
+    packer: Packer
+    control: ControlPlane
+    world: World
+    timeout_s: float
+    sources: dict[str, torch.Tensor] = field(default_factory=dict)
+    shards: dict[str, list[Shard]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ReceiverContext:
+    rank: int
+    plan: Plan
+    program: RecvProgram
+    landing: Landing
+    control: ControlPlane
+    world: World
+    timeout_s: float
+
+
+class Transport(ABC):
+    """One byte-moving mechanism. Subclasses set ``name`` and implement the ``_methods``."""
+
+    name: ClassVar[str] = "?"
+
+    def __init__(self) -> None:
+        self.sender: SenderContext | None = None
+        self.receiver: ReceiverContext | None = None
+        self._receiving: int | None = None
+
+    # ---- sender -------------------------------------------------------------------------
+    def setup_sender(self, ctx: SenderContext) -> None:
+        if self.sender is not None or self.receiver is not None:
+            raise TransportError(f"transport {self.name!r}: already set up in this instance; make one per role")
+        self.sender = ctx
+        self._setup_sender(ctx)
+
+    def send(
+        self,
+        version: int,
+        deadline: float,
+        metrics: SyncMetrics,
+        crcs: dict[int, int] | None = None,
+        on_chunk: Callable[[int], None] | None = None,
+    ) -> None:
+        """Move this trainer rank's share of ``version``; returns once every write is complete
+        on this side (receivers learn it through the transport's completion signal). With
+        ``crcs``, fill per-transfer checksums of what was sent."""
+        if self.sender is None:
+            raise TransportError(f"transport {self.name!r}: send() before setup_sender()")
+        self._send(version, deadline, metrics, crcs, on_chunk)
+
+    def checksum_ranks(self, program: RecvProgram) -> list[int]:
+        """Trainer ranks whose published checksums cover what this receiver gets."""
+        return sorted(program.by_src)
+
+    # ---- receiver -----------------------------------------------------------------------
+    def setup_receiver(self, ctx: ReceiverContext) -> None:
+        if self.sender is not None or self.receiver is not None:
+            raise TransportError(f"transport {self.name!r}: already set up in this instance; make one per role")
+        self.receiver = ctx
+        self._setup_receiver(ctx)
+
+    def begin_receive(self, version: int) -> None:
+        if self.receiver is None:
+            raise TransportError(f"transport {self.name!r}: begin_receive() before setup_receiver()")
+        if self._receiving is not None:
+            raise TransportError(
+                f"transport {self.name!r}: version {version} begun while version {self._receiving} is still open"
+            )
+        self._receiving = version
+        self._begin_receive(version)
+
+    def poll_receive(self) -> bool:
+        """True once every expected byte of the open version has landed. Never blocks long."""
+        if self._receiving is None:
+            raise TransportError(f"transport {self.name!r}: poll_receive() with no version open")
+        return self._poll_receive()
+
+    def missing(self) -> dict[int, str]:
+        """Sending rank -> what has not arrived from it yet (empty when complete)."""
+        return self._missing() if self._receiving is not None else {}
+
+    def end_receive(self) -> None:
+        """Close the open version (after success or failure)."""
+        if self._receiving is None:
+            return
+        try:
+            self._end_receive()
+        finally:
+            self._receiving = None
+
+    def close(self) -> None:
+        self._close()
+
+    # ---- backend ------------------------------------------------------------------------
+    @abstractmethod
+    def _setup_sender(self, ctx: SenderContext) -> None: ...
+
+    @abstractmethod
+    def _send(self, version: int, deadline: float, metrics: SyncMetrics, crcs: dict[int, int] | None,
+              on_chunk: Callable[[int], None] | None) -> None: ...
+
+    @abstractmethod
+    def _setup_receiver(self, ctx: ReceiverContext) -> None: ...
+
+    @abstractmethod
+    def _begin_receive(self, version: int) -> None: ...
+
+    @abstractmethod
+    def _poll_receive(self) -> bool: ...
+
+    @abstractmethod
+    def _missing(self) -> dict[int, str]: ...
+
+    def _end_receive(self) -> None:
+        return None
+
+    def _close(self) -> None:
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name}

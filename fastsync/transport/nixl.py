@@ -1,0 +1,270 @@
+"""``nixl`` transport: one-sided RDMA WRITEs through NVIDIA NIXL (UCX backend), DRAM or VRAM.
+
+Set-up (once): each receiver creates an agent, registers its landing memory (one arena, plus
+each in-place live tensor) and publishes its agent metadata and region addresses. Each sender
+creates an agent, registers its staging arena (and the shard buffers it writes from directly),
+adds the receivers' metadata, and prepares one transfer handle per (chunk, receiver) with
+``initialize_xfer`` over descriptor lists computed from the static program. Per sync the handles
+are re-posted with ``transfer(handle, notif)``; the notification ``fs|version|src|k|n`` reaches
+the receiver after the write's bytes, and a receiver is complete when it holds all ``n`` from
+every sending rank. Old-version notifications are ignored.
+
+Settings that matter on CPU hosts (measured, see shared notes): no progress thread
+(``enable_prog_thread=False``: it spins a core per process), receivers poll notifications with a
+short sleep rather than spinning.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from fastsync.errors import ConfigError, SyncError, TransportError
+from fastsync.executor.metrics import SyncMetrics
+from fastsync.executor.pipeline import run_pipelined
+from fastsync.executor.program import Chunk
+from fastsync.transport.base import ReceiverContext, SenderContext, Transport
+
+try:
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    IMPORT_ERROR: ImportError | None = None
+except ImportError as _e:  # kept for a clear message when the transport is asked for
+    nixl_agent = nixl_agent_config = None  # type: ignore[assignment]
+    IMPORT_ERROR = _e
+
+__all__ = ["NixlTransport", "IMPORT_ERROR"]
+
+INSTALL_HINT = "pip install nixl-cu12==1.5.1 && pip install --no-deps nixl==1.5.1"
+
+
+def _mem(t: torch.Tensor) -> tuple[str, int]:
+    return ("DRAM", 0) if t.device.type == "cpu" else ("VRAM", t.device.index or 0)
+
+
+class NixlTransport(Transport):
+    """NIXL one-sided WRITE transport (the default where NIXL imports).
+
+    ``backends``: NIXL backends to create (UCX moves DRAM and VRAM). ``progress_thread``: NIXL's
+    own progress thread (off by default: on a CPU host it costs a core per process).
+    ``poll_sleep_s``: receiver sleep between notification polls. ``overlap``: pack the next chunk
+    on a helper thread while the current one is written.
+    """
+
+    name = "nixl"
+
+    def __init__(self, backends: tuple[str, ...] = ("UCX",), progress_thread: bool = False,
+                 poll_sleep_s: float = 0.001, overlap: bool = True) -> None:
+        super().__init__()
+        if IMPORT_ERROR is not None:
+            raise ConfigError(f"transport 'nixl' needs NIXL ({INSTALL_HINT}): {IMPORT_ERROR}")
+        if poll_sleep_s < 0:
+            raise ConfigError(f"poll_sleep_s must be >= 0, got {poll_sleep_s}")
+        self.backends = list(backends)
+        self.progress_thread = progress_thread
+        self.poll_sleep_s = poll_sleep_s
+        self.overlap = overlap
+        self.agent = None
+        self._reg = None
+        self._handles: dict[int, list[tuple[int, object, int]]] = {}  # chunk -> [(dst, handle, k)]
+        self._num_posts: dict[int, int] = {}
+        self._remote: dict[int, str] = {}
+        self._got: dict[int, set[int]] = {}
+        self._expect: dict[int, int | None] = {}
+
+    def _new_agent(self, role: str, rank: int) -> None:
+        name = f"fastsync-{role}{rank}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        conf = nixl_agent_config(enable_prog_thread=self.progress_thread, backends=self.backends)
+        try:
+            self.agent = nixl_agent(name, conf)
+        except Exception as e:
+            raise TransportError(f"nixl: cannot create agent for {role} rank {rank}: {e}") from e
+
+    def _register(self, tensors: list[torch.Tensor], who: str) -> None:
+        """Register the distinct storages behind ``tensors`` in one call (views of one buffer,
+        e.g. shards packed in a flat parameter, register once)."""
+        if not tensors:
+            return
+        seen: dict[int, tuple[int, int, int, str]] = {}
+        mem = _mem(tensors[0])[0]
+        for t in tensors:
+            st = t.untyped_storage()
+            if st.nbytes() and st.data_ptr() not in seen:
+                seen[st.data_ptr()] = (st.data_ptr(), st.nbytes(), _mem(t)[1], "")
+        try:
+            self._reg = self.agent.register_memory(list(seen.values()), mem)
+        except Exception as e:
+            raise TransportError(f"nixl: {who}: registering {len(seen)} buffer(s) failed: {e}") from e
+
+    # ---- receiver -----------------------------------------------------------------------
+    def _setup_receiver(self, ctx: ReceiverContext) -> None:
+        self._new_agent("recv", ctx.rank)
+        self._register(ctx.landing.buffers(), f"inference rank {ctx.rank}")
+        addrs = {}
+        for name, region in ctx.landing.regions.items():
+            mem, dev = _mem(region)
+            addrs[name] = [region.data_ptr(), region.numel(), mem, dev]
+        ctx.control.set(f"nixl/recv/{ctx.rank}/addrs", json.dumps(addrs))
+        ctx.control.set(f"nixl/recv/{ctx.rank}/meta", self.agent.get_agent_metadata())
+
+    def _begin_receive(self, version: int) -> None:
+        assert self.receiver is not None
+        self._got = {src: set() for src in self.receiver.program.by_src}
+        self._expect = {src: None for src in self.receiver.program.by_src}
+
+    def _poll_receive(self) -> bool:
+        version = self._receiving
+        notifs = self.agent.get_new_notifs()
+        for msgs in notifs.values():
+            for msg in msgs:
+                parts = msg.decode(errors="replace").split("|")
+                if len(parts) != 5 or parts[0] != "fs" or int(parts[1]) != version:
+                    continue  # another version's (late) notification, or not ours
+                src, k, n = int(parts[2]), int(parts[3]), int(parts[4])
+                if src in self._got:
+                    self._got[src].add(k)
+                    self._expect[src] = n
+        done = all(n is not None and len(self._got[s]) >= n for s, n in self._expect.items())
+        if not done and self.poll_sleep_s:
+            time.sleep(self.poll_sleep_s)
+        return done
+
+    def _missing(self) -> dict[int, str]:
+        out = {}
+        for s, n in self._expect.items():
+            if n is None:
+                out[s] = "no write completed"
+            elif len(self._got[s]) < n:
+                out[s] = f"{n - len(self._got[s])} of {n} write batches missing"
+        return out
+
+    # ---- sender -------------------------------------------------------------------------
+    def _setup_sender(self, ctx: SenderContext) -> None:
+        self._new_agent("send", ctx.rank)
+        prog = ctx.program
+        bufs = [ctx.packer.staging] if prog.staging_bytes else []
+        direct_params = sorted({it.transfer.src_param for c in prog.chunks for it in c.items if it.direct})
+        bufs += [ctx.sources[p].reshape(-1) for p in direct_params]
+        self._register(bufs, f"trainer rank {ctx.rank}")
+        dsts = sorted({d for c in prog.chunks for d in c.dst_ranks()})
+        addrs: dict[int, dict] = {}
+        for d in dsts:
+            meta = ctx.control.get(f"nixl/recv/{d}/meta", ctx.timeout_s, what=f"inference rank {d}")
+            addrs[d] = json.loads(ctx.control.get(f"nixl/recv/{d}/addrs", ctx.timeout_s, what=f"inference rank {d}"))
+            try:
+                self._remote[d] = self.agent.add_remote_agent(meta)
+            except Exception as e:
+                raise TransportError(f"nixl: trainer rank {ctx.rank} cannot add inference rank {d}'s agent: {e}") from e
+        counts: dict[int, int] = {}
+        for c in prog.chunks:
+            local: dict[int, list] = {}
+            remote: dict[int, list] = {}
+            for it in c.items:
+                d, name = it.transfer.dst_rank, it.transfer.dst_tensor
+                base, size, mem, dev = addrs[d][name]
+                src = ctx.packer.item_bytes(it)
+                lmem, ldev = _mem(src)
+                src_ptr = src.data_ptr()
+                acc = 0
+                for off, n in it.dst_runs:
+                    if off + n > size:
+                        raise TransportError(
+                            f"nixl: inference rank {d} registered {size} bytes for {name!r}, plan writes up to {off + n}"
+                        )
+                    local.setdefault(d, []).append((src_ptr + acc, n, ldev))
+                    remote.setdefault(d, []).append((base + off, n, dev))
+                    acc += n
+            entries = []
+            for d in sorted(local):
+                ldesc = self.agent.get_xfer_descs(np.array(local[d], dtype=np.uint64), lmem)
+                rdesc = self.agent.get_xfer_descs(np.array(remote[d], dtype=np.uint64), addrs[d][next(iter(addrs[d]))][2])
+                try:
+                    h = self.agent.initialize_xfer("WRITE", ldesc, rdesc, self._remote[d], b"")
+                except Exception as e:
+                    raise TransportError(
+                        f"nixl: trainer rank {ctx.rank} cannot prepare writes to inference rank {d}: {e}"
+                    ) from e
+                entries.append((d, h, counts.get(d, 0)))
+                counts[d] = counts.get(d, 0) + 1
+            self._handles[c.index] = entries
+        self._num_posts = counts
+        for d in dsts:
+            try:
+                self.agent.make_connection(self._remote[d])
+            except Exception:  # optional warm-up; the first transfer connects anyway
+                pass
+
+    def _send(self, version: int, deadline: float, metrics: SyncMetrics, crcs: dict[int, int] | None,
+              on_chunk: Callable[[int], None] | None) -> None:
+        ctx = self.sender
+        assert ctx is not None
+        rank = ctx.rank
+
+        def pack(c: Chunk) -> None:
+            ctx.packer.pack(c, crcs)
+
+        def post(c: Chunk) -> None:
+            for d, h, k in self._handles[c.index]:
+                msg = f"fs|{version}|{rank}|{k}|{self._num_posts[d]}".encode()
+                state = self.agent.transfer(h, msg)
+                if state == "ERR":
+                    raise TransportError(
+                        f"nixl: trainer rank {rank} failed to post writes to inference rank {d} "
+                        f"({_tensors(c, d)})"
+                    )
+
+        def drain(c: Chunk, dl: float) -> None:
+            for d, h, _ in self._handles[c.index]:
+                while True:
+                    state = self.agent.check_xfer_state(h)
+                    if state == "DONE":
+                        break
+                    if state == "ERR":
+                        raise TransportError(
+                            f"nixl: writes from trainer rank {rank} to inference rank {d} failed ({_tensors(c, d)})"
+                        )
+                    if time.monotonic() >= dl:
+                        raise SyncError(
+                            f"nixl: writes from trainer rank {rank} to inference rank {d} not done by the deadline "
+                            f"({_tensors(c, d)})"
+                        )
+                    time.sleep(0.0002)
+
+        run_pipelined(ctx.program.chunks, pack=pack, post=post, drain=drain, deadline=deadline,
+                      metrics=metrics, overlap=self.overlap, on_chunk=on_chunk)
+
+    def _close(self) -> None:
+        if self.agent is None:
+            return
+        for entries in self._handles.values():
+            for _, h, _ in entries:
+                try:
+                    self.agent.release_xfer_handle(h)
+                except Exception:
+                    pass
+        self._handles.clear()
+        if self._reg is not None:
+            try:
+                self.agent.deregister_memory(self._reg)
+            except Exception:
+                pass
+            self._reg = None
+        for name in self._remote.values():
+            try:
+                self.agent.remove_remote_agent(name)
+            except Exception:
+                pass
+        self._remote.clear()
+        self.agent = None
+
+
+def _tensors(c: Chunk, d: int, limit: int = 4) -> str:
+    names = sorted({it.transfer.dst_tensor for it in c.items if it.transfer.dst_rank == d})
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return "tensors " + ", ".join(repr(n) for n in names[:limit]) + more
