@@ -1,0 +1,190 @@
+"""Link-level simulator: how long a plan (and the rank-0 broadcast baseline) takes on a cluster.
+
+The model (one fluid, pipelined all-to-all; every assumption stated):
+
+* Trainer and inference GPUs sit on different nodes (disaggregated RL); every transfer crosses
+  the network. Each GPU has its own NIC of ``nic_gbps`` Gb/s, full duplex; the fabric is
+  non-blocking (full bisection), so the only limits are the per-GPU NIC ports. For such a
+  bipartite all-to-all a fluid schedule exists that finishes in max(port bytes) / bandwidth
+  (Birkhoff-von Neumann), which pipelined one-sided WRITEs with many transfers in flight approach.
+* Payload moves at ``efficiency`` x line rate (default 0.95: RDMA/RoCE headers at 4 KiB MTU and
+  scheduling slack). The lower bound uses the raw line rate and payload bytes only.
+* Owner gathers (``Plan.gathers``): the owner pulls every shard it lacks (``meta['gather_sources']``)
+  before sending that parameter; pulls between GPUs of one node (``rank // gpus_per_node``) use
+  ``intra_node_gbps`` (NVLink), others share the NIC with the sends. Intra-node pulls default to
+  NIC speed when ``intra_node_gbps`` is None. An owner finishes no earlier than its gathers plus
+  its gathered sends.
+* Every transfer costs its sender ``per_transfer_s`` (posting a WRITE, default 2 us), added
+  serially; one ``sync_overhead_s`` (start signal + completion notification, default 50 us) is
+  added once.
+
+``predicted = max(NIC-port time, owner gather->send chain, intra-node gather time)
++ max per-sender posting time + sync overhead``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
+from fastsync.errors import ConfigError
+from fastsync.layout.types import ParamSpec
+from fastsync.plan.types import Plan
+
+__all__ = ["SimResult", "Rank0Result", "simulate", "rank0_baseline", "gbps_to_bytes_per_s"]
+
+
+def gbps_to_bytes_per_s(gbps: float) -> float:
+    return gbps * 1e9 / 8
+
+
+def _check_bw(name: str, value: float | None) -> None:
+    if value is not None and not value > 0:
+        raise ConfigError(f"{name} must be positive, got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    predicted_seconds: float
+    lower_bound_seconds: float
+    nic_seconds: float
+    gather_seconds: float
+    posting_seconds: float
+    max_send_bytes: int
+    max_recv_bytes: int
+    mean_send_bytes: float
+    mean_recv_bytes: float
+    send_balance: float
+    recv_balance: float
+    bottleneck: str
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _balance(values: list[int]) -> tuple[int, float, float]:
+    if not values:
+        return 0, 0.0, 1.0
+    mx, mean = max(values), sum(values) / len(values)
+    return mx, mean, (mx / mean if mean else 1.0)
+
+
+def simulate(
+    plan: Plan,
+    *,
+    nic_gbps: float,
+    intra_node_gbps: float | None = None,
+    gpus_per_node: int = 8,
+    efficiency: float = 0.95,
+    per_transfer_s: float = 2e-6,
+    sync_overhead_s: float = 50e-6,
+) -> SimResult:
+    """Predict one sync of ``plan``; see the module docstring for the model."""
+    _check_bw("nic_gbps", nic_gbps)
+    _check_bw("intra_node_gbps", intra_node_gbps)
+    if gpus_per_node <= 0 or not 0 < efficiency <= 1:
+        raise ConfigError(f"gpus_per_node must be positive and efficiency in (0, 1], got {gpus_per_node}, {efficiency}")
+    line = gbps_to_bytes_per_s(nic_gbps)
+    bw = line * efficiency
+    intra = gbps_to_bytes_per_s(intra_node_gbps) * efficiency if intra_node_gbps else bw
+
+    send = plan.send_bytes()
+    recv = plan.recv_bytes()
+    n_tr = plan.num_trainers
+    posts = [0] * n_tr
+    gathered_send = [0] * n_tr
+    for t in plan.transfers:
+        posts[t.src_rank] += 1
+        if t.gathered:
+            gathered_send[t.src_rank] += t.nbytes
+
+    out_nic = list(send)
+    in_nic = [0] * n_tr
+    in_intra = [0] * n_tr
+    out_intra = [0] * n_tr
+    for name, sources in plan.meta.get("gather_sources", {}).items():
+        owner = plan.gathers[name]
+        for src, nbytes in sources:
+            if src // gpus_per_node == owner // gpus_per_node:
+                out_intra[src] += nbytes
+                in_intra[owner] += nbytes
+            else:
+                out_nic[src] += nbytes
+                in_nic[owner] += nbytes
+
+    port = [(max(out_nic[r], in_nic[r]), f"trainer rank {r} NIC") for r in range(n_tr)]
+    port += [(recv[r], f"inference rank {r} NIC in") for r in range(plan.num_receivers)]
+    worst_bytes, bottleneck = max(port, key=lambda x: x[0]) if port else (0, "none")
+    nic_s = worst_bytes / bw
+    gather_s = max((max(in_intra[r], out_intra[r]) / intra for r in range(n_tr)), default=0.0)
+    chain_s = 0.0
+    for r in range(n_tr):
+        if gathered_send[r]:
+            pull_s = max(in_intra[r] / intra, in_nic[r] / bw)
+            chain_s = max(chain_s, pull_s + gathered_send[r] / bw)
+    if chain_s > nic_s and chain_s >= gather_s:
+        bottleneck = "owner gather then send"
+    elif gather_s > nic_s:
+        bottleneck = "intra-node gathers"
+    posting_s = max(posts, default=0) * per_transfer_s
+    predicted = max(nic_s, gather_s, chain_s) + posting_s + sync_overhead_s
+
+    smax, smean, sbal = _balance(send)
+    rmax, rmean, rbal = _balance(recv)
+    lower = max(smax, rmax) / line
+    return SimResult(predicted, lower, nic_s, max(gather_s, chain_s), posting_s, smax, rmax, smean, rmean, sbal, rbal,
+                     bottleneck)
+
+
+@dataclass(frozen=True, slots=True)
+class Rank0Result:
+    predicted_seconds: float
+    gather_seconds: float
+    broadcast_seconds: float
+    model_bytes: int
+    num_buckets: int
+    assumption: str
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def rank0_baseline(
+    params: Mapping[str, ParamSpec],
+    num_receivers: int,
+    *,
+    nic_gbps: float,
+    num_trainers: int,
+    intra_node_gbps: float | None = None,
+    gpus_per_node: int = 8,
+    num_groups: int = 1,
+    bucket_bytes: int = 512 << 20,
+    efficiency: float = 0.95,
+    hop_latency_s: float = 20e-6,
+) -> Rank0Result:
+    """The "gather on trainer rank 0, broadcast to every inference rank" design (verl's NCCL
+    checkpoint engine, OpenRLHF's broadcast): tensors go in buckets of ``bucket_bytes`` in the
+    trainer dtype; per bucket, rank 0 first all-gathers the bucket's FSDP shards (receives
+    (N-1)/N of it: the other ``gpus_per_node - 1`` GPUs of its node over NVLink, the rest through
+    its NIC), then broadcasts it with one pipelined NCCL tree/ring over all receivers, limited by
+    rank 0's NIC (it sends each byte once per broadcast group; ``num_groups`` > 1 models one
+    broadcast per replica), plus a tree depth of ``hop_latency_s`` per bucket. Gather and
+    broadcast of a bucket run one after the other (the host loop is serial); the receivers
+    quantise to FP8 themselves, so the wire carries the trainer dtype."""
+    _check_bw("nic_gbps", nic_gbps)
+    _check_bw("intra_node_gbps", intra_node_gbps)
+    bw = gbps_to_bytes_per_s(nic_gbps) * efficiency
+    intra = gbps_to_bytes_per_s(intra_node_gbps) * efficiency if intra_node_gbps else bw
+    model = sum(p.nbytes for p in params.values())
+    n = max(1, num_trainers)
+    local = min(gpus_per_node, n)
+    gather_s = model * (n - local) / n / bw + model * (local - 1) / n / intra
+    buckets = max(1, math.ceil(model / bucket_bytes))
+    depth = max(1, math.ceil(math.log2(num_receivers + 1)))
+    bcast_s = num_groups * model / bw + buckets * depth * hop_latency_s
+    assumption = (
+        f"rank 0 all-gathers each {bucket_bytes >> 20} MiB bucket then broadcasts it to {num_receivers} receivers "
+        f"({num_groups} broadcast group(s)), serially, at {nic_gbps:g} Gb/s x {efficiency:g}"
+    )
+    return Rank0Result(gather_s + bcast_s, gather_s, bcast_s, model, buckets, assumption)
