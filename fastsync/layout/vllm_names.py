@@ -25,7 +25,7 @@ from collections.abc import Callable
 from fastsync.errors import ConfigError
 from fastsync.layout.box import full_box
 from fastsync.layout.namemap import EngineParam, NameMap, Part, Segment
-from fastsync.models.archs import cfg_get, head_dim_of, is_moe_layer, mla_dims
+from fastsync.models.archs import cfg_get, head_dim_of, is_moe_layer, mla_dims, num_experts_of
 
 __all__ = ["BUILDERS", "vllm_name_map"]
 
@@ -126,7 +126,7 @@ def qwen3_map(config: dict) -> NameMap:
 def qwen3_moe_map(config: dict) -> NameMap:
     arch = "Qwen3MoeForCausalLM"
     hidden = int(cfg_get(config, "hidden_size"))
-    num_experts, moe_inter = int(cfg_get(config, "num_experts")), int(cfg_get(config, "moe_intermediate_size"))
+    num_experts, moe_inter = num_experts_of(config), int(cfg_get(config, "moe_intermediate_size"))
     out: list[EngineParam] = []
     unused: dict[str, str] = {}
     for i in range(int(cfg_get(config, "num_hidden_layers"))):
@@ -144,7 +144,7 @@ def qwen3_moe_map(config: dict) -> NameMap:
 
 def mixtral_map(config: dict) -> NameMap:
     hidden, inter = int(cfg_get(config, "hidden_size")), int(cfg_get(config, "intermediate_size"))
-    num_experts = int(cfg_get(config, "num_local_experts"))
+    num_experts = num_experts_of(config)
     out: list[EngineParam] = []
     unused: dict[str, str] = {}
     for i in range(int(cfg_get(config, "num_hidden_layers"))):
@@ -166,7 +166,7 @@ def deepseek_v3_map(config: dict) -> NameMap:
     assert heads is not None and kv_lora is not None and rope is not None
     qk_head = int(d["qk_nope_head_dim"] or 0) + rope
     v_head = int(d["v_head_dim"] or 0)
-    num_experts, moe_inter = int(cfg_get(config, "n_routed_experts")), int(cfg_get(config, "moe_intermediate_size"))
+    num_experts, moe_inter = num_experts_of(config), int(cfg_get(config, "moe_intermediate_size"))
     num_shared = int(cfg_get(config, "n_shared_experts", 0))
     noaux = config.get("topk_method") == "noaux_tc"
     if int(cfg_get(config, "moe_layer_freq", 1)) != 1:

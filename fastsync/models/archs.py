@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from fastsync.errors import ConfigError
 
-__all__ = ["ARCHITECTURES", "enumerate_params", "cfg_get", "head_dim_of", "is_moe_layer"]
+__all__ = ["ARCHITECTURES", "enumerate_params", "cfg_get", "head_dim_of", "num_experts_of", "is_moe_layer", "mla_dims"]
 
 Shape = tuple[int, ...]
 Params = list[tuple[str, Shape]]
@@ -41,6 +41,16 @@ def _int(config: dict, key: str, default: object = _MISSING) -> int:
     if not isinstance(val, int) or isinstance(val, bool) or val < 0:
         raise ConfigError(f"config key {key!r} must be a non-negative integer, got {val!r}")
     return val
+
+
+def num_experts_of(config: dict) -> int:
+    """Routed experts per MoE layer: ``num_experts`` (Qwen3-MoE config.json), ``num_local_experts``
+    (Mixtral, and what transformers v5 writes for Qwen3-MoE) or ``n_routed_experts`` (DeepSeek)."""
+    for key in ("n_routed_experts", "num_experts", "num_local_experts"):
+        if config.get(key) is not None:
+            return _int(config, key)
+    arch = (config.get("architectures") or ["?"])[0]
+    raise ConfigError(f"config.json of {arch} lacks required key 'num_experts' (or num_local_experts/n_routed_experts)")
 
 
 def head_dim_of(config: dict) -> int:
@@ -136,12 +146,12 @@ def is_moe_layer(architecture: str, config: dict, layer: int) -> bool:
         only_mlp = config.get("mlp_only_layers") or []
         return (
             layer not in only_mlp
-            and _int(config, "num_experts") > 0
+            and num_experts_of(config) > 0
             and sparse_step > 0
             and (layer + 1) % sparse_step == 0
         )
     if architecture == "DeepseekV3ForCausalLM":
-        return layer >= _int(config, "first_k_dense_replace", 0) and _int(config, "n_routed_experts") > 0
+        return layer >= _int(config, "first_k_dense_replace", 0) and num_experts_of(config) > 0
     if architecture == "MixtralForCausalLM":
         return True
     return False
@@ -151,7 +161,7 @@ def qwen3_moe_params(config: dict) -> Params:
     _reject_mlp_bias(config)
     arch = "Qwen3MoeForCausalLM"
     hidden, layers = _int(config, "hidden_size"), _int(config, "num_hidden_layers")
-    num_experts = _int(config, "num_experts")
+    num_experts = num_experts_of(config)
     moe_inter = _int(config, "moe_intermediate_size")
     inter = _int(config, "intermediate_size", 0)
     if config.get("shared_expert_intermediate_size"):
@@ -175,7 +185,7 @@ def qwen3_moe_params(config: dict) -> Params:
 
 def mixtral_params(config: dict) -> Params:
     hidden, inter, layers = (_int(config, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers"))
-    num_experts = _int(config, "num_local_experts")
+    num_experts = num_experts_of(config)
 
     def body(params: Params) -> None:
         for i in range(layers):
@@ -207,7 +217,7 @@ def deepseek_v3_params(config: dict) -> Params:
     d = mla_dims(config)
     heads, q_lora, kv_lora = d["heads"], d["q_lora_rank"], d["kv_lora_rank"]
     qk_head = d["qk_nope_head_dim"] + d["qk_rope_head_dim"]
-    num_experts = _int(config, "n_routed_experts")
+    num_experts = num_experts_of(config)
     moe_inter = _int(config, "moe_intermediate_size")
     num_shared = _int(config, "n_shared_experts", 0)
 

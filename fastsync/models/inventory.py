@@ -14,6 +14,16 @@ from fastsync.models.archs import ARCHITECTURES, enumerate_params
 
 __all__ = ["Inventory", "load_inventory", "inventory_from_config", "config_dtype"]
 
+#: ``model_type`` -> architecture, for configs without an ``architectures`` entry.
+MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "kimi_k2": "DeepseekV3ForCausalLM",
+}
+
 _TORCH_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "bf16": "bfloat16",
                  "fp16": "float16", "fp32": "float32", "half": "float16", "float": "float32"}
 
@@ -57,9 +67,12 @@ def inventory_from_config(config: dict, *, name: str = "custom", dtype: str | No
     """Build the inventory of an HF config dict. ``dtype`` overrides the config's dtype (e.g.
     ``"float32"`` for an FSDP trainer that keeps fp32 master weights)."""
     archs = config.get("architectures") or []
+    if not archs and config.get("model_type") in MODEL_TYPES:
+        archs = [MODEL_TYPES[config["model_type"]]]
     if not archs:
         raise ConfigError(f"model {name!r}: config.json has no 'architectures' entry; supported: {sorted(ARCHITECTURES)}")
     arch = archs[0]
+    config = dict(config, architectures=list(archs))
     if arch not in ARCHITECTURES:
         raise ConfigError(f"model {name!r}: unsupported architecture {arch!r}; supported: {sorted(ARCHITECTURES)}")
     dt = dtype if dtype is not None else config_dtype(config)
