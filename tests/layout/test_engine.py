@@ -254,7 +254,7 @@ def test_tied_lm_head_is_declared_not_silently_skipped():
 
 
 def test_kv_heads_that_do_not_divide_tp_are_refused():
-    inv = inventory_from_config(dict(QWEN3_MOE, num_key_value_heads=3, num_attention_heads=6))
+    inv = inventory_from_config(dict(QWEN3_MOE, num_key_value_heads=3, num_attention_heads=12))
     nm = get_name_map(inv.architecture, inv.config, inv.params)
     with pytest.raises(LayoutError, match=r"qkv_proj.weight.*tensor parallel size 4 is not a multiple of its 3 heads"):
         engine_tensors_for_rank(inv, nm, tp_size=4, tp_rank=0)
