@@ -158,8 +158,7 @@ class FastExperts(nn.Module):
         self._dispatcher = dispatcher
         self.expert_param_names: list[str] = []
         lo, hi = self.ep_rank * self.num_local_experts, (self.ep_rank + 1) * self.num_local_experts
-        for name in EXPERT_PARAMS:
-            p = hf._parameters.get(name)
+        for name, p in hf._parameters.items():  # HF's order, so state_dict() order is HF's
             if p is None:
                 continue
             self.expert_param_names.append(name)
@@ -270,6 +269,8 @@ def supported_spec(module: nn.Module) -> ArchSpec | None:
         return None
     if not hasattr(experts, "_apply_gate") or not hasattr(experts, "num_experts"):
         return None
+    if any(p is None or p.shape[0] != experts.num_experts for p in experts._parameters.values()):
+        return None  # every expert parameter must be sliceable by expert along dim 0
     return spec
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from fastsync.errors import ConfigError
 
-__all__ = ["PRESETS", "load_config_dict", "build_config", "ARCH_TINY"]
+__all__ = ["PRESETS", "load_config_dict", "build_config", "build_model", "ARCH_TINY"]
 
 _ATTN_TINY = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=64, max_position_embeddings=64)
 
@@ -41,7 +41,8 @@ ARCH_TINY: dict[str, dict[str, Any]] = {
     ),
     "gpt_oss": dict(
         model_type="gpt_oss", hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_local_experts=8,
-        num_experts_per_tok=2, sliding_window=16, layer_types=["sliding_attention", "full_attention"], **_ATTN_TINY,
+        num_experts_per_tok=2, sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **_ATTN_TINY,
     ),
 }
 
@@ -68,7 +69,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpt-oss-20b": dict(
         model_type="gpt_oss", hidden_size=480, intermediate_size=480, num_hidden_layers=1, num_local_experts=32,
         num_experts_per_tok=4, num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=1024,
-        layer_types=["full_attention"],
+        layer_types=["full_attention"], rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     ),
     **{f"tiny-{k.replace('_', '-')}": v for k, v in ARCH_TINY.items()},
 }
@@ -96,3 +97,28 @@ def build_config(d: dict[str, Any]) -> Any:
     for k in ("architectures", "transformers_version", "torch_dtype", "dtype"):
         d.pop(k, None)
     return AutoConfig.for_model(model_type, **d)
+
+
+def build_model(d: dict[str, Any], seed: int = 0, *, experts_implementation: str = "eager") -> Any:
+    """A causal LM from config dict ``d`` with seeded random weights (std 0.3 for matrices, so
+    routing is far from ties; norms near 1; DeepSeek's ``e_score_correction_bias`` non-zero),
+    fp32, eager attention. The same (d, seed) gives the same weights in every process."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = build_config(d)
+    cfg.output_router_logits = True
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(
+        cfg, attn_implementation="eager", experts_implementation=experts_implementation
+    )
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.3 if p.dim() >= 2 else 0.1))
+            if "norm" in name and p.dim() == 1:
+                p.add_(1.0)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
+    return model.float()

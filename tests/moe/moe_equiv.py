@@ -7,26 +7,12 @@ import copy
 import torch
 from torch import nn
 
-from fastsync.moe.presets import ARCH_TINY, build_config
+from fastsync.moe.presets import ARCH_TINY, build_model
 
 
 def tiny_model(arch: str, seed: int = 0, **overrides) -> nn.Module:
-    """A tiny HF causal LM of ``arch`` with random (not HF-init) weights and eager experts."""
-    from transformers import AutoModelForCausalLM
-
-    cfg = build_config({**ARCH_TINY[arch], **overrides})
-    cfg.output_router_logits = True
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", experts_implementation="eager")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(0.0, 0.3 if p.dim() >= 2 else 0.1)
-            if "norm" in name and p.dim() == 1:
-                p.add_(1.0)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.normal_(0.0, 0.1)
-    return model.float()
+    """A tiny HF causal LM of ``arch`` with seeded random weights and HF's eager experts."""
+    return build_model({**ARCH_TINY[arch], **overrides}, seed)
 
 
 def run(model: nn.Module, ids: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
