@@ -39,6 +39,7 @@ class WorkerConfig:
 
 def _env(cfg: WorkerConfig) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     import torch
 
     torch.set_num_threads(cfg.torch_threads)

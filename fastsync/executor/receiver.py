@@ -122,11 +122,17 @@ class WeightReceiver:
         if self._open is None:
             raise SyncError(f"inference rank {self.rank}: poll() with no version open")
         if not self._complete:
-            self._complete = self.transport.poll_receive()
-            now = time.monotonic()
-            if not self._complete and now - self._last_check > _FAILURE_CHECK_S:
-                self._last_check = now
-                self._check_senders()
+            try:
+                self._complete = self.transport.poll_receive()
+                now = time.monotonic()
+                if not self._complete and now - self._last_check > _FAILURE_CHECK_S:
+                    self._last_check = now
+                    self._check_senders()
+            except FastSyncError as e:
+                version = self._open
+                self.abort(str(e))
+                raise SyncError(f"inference rank {self.rank}: version {version} failed, keeping version "
+                                f"{self.version}: {e}") from e
         return self._complete
 
     def wait(self, deadline: float | None = None) -> bool:

@@ -103,9 +103,9 @@ class WeightSender:
         src_dtypes = {p: dtype_name(t.dtype) for p, t in self.sources.items()}
         self.program = compile_send(self.plan, self.rank, dst_info, shards=self.shards, src_dtypes=src_dtypes,
                                     staging_bytes=self.staging_bytes, num_slots=self.num_slots, direct=self.direct)
-        staged = any(not it.direct for c in self.program.chunks for it in c.items)
+        staged = self.transport.uses_staging and any(not it.direct for c in self.program.chunks for it in c.items)
         staging = alloc_touched(self.program.staging_bytes) if staged else torch.empty(0, dtype=torch.uint8)
-        packer = Packer(self.program, staging, self.sources, self.shards)
+        packer = Packer(self.program, staging, self.sources, self.shards, check=self.transport.uses_staging)
         ctx = SenderContext(self.rank, self.plan, self.program, packer, self.control, self.world, self.timeout_s,
                             self.sources, self.shards)
         self.transport.setup_sender(ctx)

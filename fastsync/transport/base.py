@@ -79,6 +79,8 @@ class Transport(ABC):
     """One byte-moving mechanism. Subclasses set ``name`` and implement the ``_methods``."""
 
     name: ClassVar[str] = "?"
+    #: False for transports that never read the sender's staging slots (no arena is allocated).
+    uses_staging: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self.sender: SenderContext | None = None
