@@ -1,0 +1,278 @@
+"""The end-to-end demo: trainer processes holding FSDP2 shards write into a live vLLM engine.
+
+One process hosts the vLLM engine (with the fastsync worker extension) and serves requests over
+the control plane (``fastsync.engines.vllm_host.serve``); ``num_trainers`` spawned processes
+form a gloo world, shard an HF transformers-v5 model with FSDP2 ``fully_shard``, take a real
+training step (Adam on random tokens), and sync:
+
+* ``fastsync``: every trainer rank writes its own shards straight into the engine's memory
+  (static plan, NIXL one-sided WRITEs);
+* ``rank0`` baseline (what verl/OpenRLHF do today): every rank gathers full tensors
+  (``DTensor.full_tensor()``), trainer rank 0 alone sends them to the engine.
+
+Trainer rank 0 compares the engine's greedy tokens with the trainer model's own greedy tokens
+(HF forward on the gathered weights, cast to the engine's dtype) before and after each sync.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["run_demo", "hf_greedy", "DEFAULT_PROMPTS", "engine_kwargs"]
+
+DEFAULT_PROMPTS: list[list[int]] = [[5, 6, 7, 8], [100, 200, 300], [11, 42, 99, 7, 123], [400, 3, 77]]
+
+
+def engine_kwargs(model_dir: str, tp: int = 1) -> dict:
+    """``vllm.LLM`` arguments that work on a CPU host (see shared notes): no tokenizer, eager,
+    small KV cache, the fastsync worker extension."""
+    from fastsync.engines.vllm import EXTENSION
+
+    return dict(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
+                max_model_len=256, kv_cache_memory_bytes=64 << 20, tensor_parallel_size=tp,
+                worker_extension_cls=EXTENSION, seed=0)
+
+
+def hf_greedy(model: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy continuation of each prompt by an HF causal LM (full forward per token, no cache)."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            for _ in range(max_tokens):
+                logits = model(input_ids=ids).logits[0, -1]
+                ids = torch.cat([ids, logits.argmax().view(1, 1)], dim=1)
+            out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def _full_state(model: Any) -> dict:
+    """Full tensors of every parameter on every rank (a collective under FSDP2)."""
+    from torch.distributed.tensor import DTensor
+
+    return {n: (t.full_tensor() if isinstance(t, DTensor) else t.detach()).clone()
+            for n, t in model.state_dict(keep_vars=True).items()}
+
+
+def _reference(model_dir: str, full: dict, prompts: list[list[int]], max_tokens: int,
+               compute_dtype: str = "bfloat16") -> list[list[int]]:
+    """The trainer model's own greedy tokens: its weights rounded to the engine's bf16, the
+    forward pass in ``compute_dtype``."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    dt = getattr(torch, compute_dtype)
+    ref = transformers.AutoModelForCausalLM.from_config(config, dtype=dt)
+    ref.load_state_dict({n: t.to(torch.bfloat16).to(dt) for n, t in full.items()}, strict=False)
+    ref.eval()
+    return hf_greedy(ref, prompts, max_tokens)
+
+
+def _train_step(model: Any, opt: Any, vocab: int, seed: int) -> float:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    batch = torch.randint(3, vocab, (2, 16), generator=g)
+    loss = model(input_ids=batch, labels=batch).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return float(loss)
+
+
+def trainer_main(rank: int, world: int, port: int, model_dir: str, opts: dict, out: Any) -> None:
+    """One trainer process (spawned)."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import torch
+    import torch.distributed as dist
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from fastsync.control import TCPStoreControl
+    from fastsync.engines.vllm_host import RemoteEngine
+    from fastsync.layout.types import ParamSpec, Shard, TrainerLayout
+    from fastsync.layout.box import full_box
+    from fastsync.sync import WeightSync
+
+    torch.set_num_threads(1)
+    report: dict = {"rank": rank}
+    control = TCPStoreControl.client(port)
+    engine = RemoteEngine(control) if rank == 0 else None
+    try:
+        dist.init_process_group("gloo", store=dist.PrefixStore("trainers/", control.store), rank=rank, world_size=world)
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        if opts.get("fsdp", True) and world > 1:
+            mesh = init_device_mesh("cpu", (world,))
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        opt = torch.optim.Adam(model.parameters(), lr=opts.get("lr", 0.02))
+        prompts, max_tokens = opts["prompts"], opts["max_tokens"]
+        timeout = opts.get("timeout_s", 120.0)
+        repeats = opts.get("repeats", 3)
+
+        ws = WeightSync(model, rank=rank, world_size=world, control=control, engines=[engine] if engine else [],
+                        transport=opts.get("transport", "nixl"), timeout_s=timeout)
+        ws.setup()
+        report["setup_s"] = ws.setup_s
+        if rank == 0:
+            report["staged"] = ws.engine_info[0][0].get("staged", {})
+            report["before_engine"] = engine.generate(prompts, max_tokens)
+            report["version_before"] = engine.version()
+        vocab = model.config.vocab_size
+        report["loss"] = _train_step(model, opt, vocab, seed=1)
+        full = _full_state(model)
+        if rank == 0:
+            report["after_trainer"] = _reference(model_dir, full, prompts, max_tokens)
+            report["after_trainer_fp32"] = _reference(model_dir, full, prompts, max_tokens, "float32")
+        times = []
+        version = 0
+        for _ in range(repeats):
+            dist.barrier()
+            version += 1
+            res = ws.sync(version, timeout_s=timeout)
+            times.append(res.seconds)
+        ws.close()
+        report["fastsync_s"] = times
+        if rank == 0:
+            report["after_engine"] = engine.generate(prompts, max_tokens)
+            report["version_after"] = engine.version()
+
+        if opts.get("baseline", True):
+            report["loss2"] = _train_step(model, opt, vocab, seed=2)
+            # rank-0 baseline: gather full tensors on every rank, rank 0 alone sends them.
+            names = list(full)
+            held = {n: torch.empty_like(full[n]) for n in names} if rank == 0 else {}
+            base = None
+            if rank == 0:  # only rank 0 sends: a one-rank "trainer world" holding full tensors
+                params = {n: ParamSpec(n, tuple(full[n].shape), str(full[n].dtype).removeprefix("torch."))
+                          for n in names}
+                layout = TrainerLayout(1, params, {n: (Shard(0, full_box(params[n].shape)),) for n in names},
+                                       kind="rank0", description="full tensors gathered on trainer rank 0")
+                base = WeightSync(rank=0, world_size=1, control=control.with_prefix("base"), engines=[engine],
+                                  transport=opts.get("transport", "nixl"), timeout_s=timeout, layout=layout,
+                                  sources=held, name="base", control_port=port)
+                base.setup()
+            btimes, gtimes = [], []
+            for _ in range(repeats):
+                dist.barrier()
+                version += 1
+                t0 = time.perf_counter()
+                full2 = _full_state(model)  # every rank gathers, as FSDP full_tensor() exports do
+                if rank == 0:
+                    for n in names:
+                        held[n].copy_(full2[n])
+                g = time.perf_counter() - t0
+                if base is not None:
+                    base.sync(version, timeout_s=timeout)
+                dist.barrier()  # the other ranks are done when rank 0's sync is
+                btimes.append(time.perf_counter() - t0)
+                gtimes.append(g)
+            if base is not None:
+                base.close()
+            report["baseline_s"], report["baseline_gather_s"] = btimes, gtimes
+            if rank == 0:
+                report["after2_engine"] = engine.generate(prompts, max_tokens)
+                report["after2_trainer"] = _reference(model_dir, full2, prompts, max_tokens)
+                report["version_after2"] = engine.version()
+        dist.barrier()
+        report["ok"] = True
+    except BaseException as e:  # reported to the host, which prints it
+        report["ok"] = False
+        report["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        if engine is not None:
+            try:
+                engine.stop()
+            except Exception:
+                pass
+        out.put(report)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_demo(*, model_dir: str | None = None, preset: str = "tiny-qwen3-moe", num_trainers: int = 2,
+             workdir: str | None = None, prompts: list[list[int]] | None = None, max_tokens: int = 8,
+             transport: str = "nixl", baseline: bool = True, repeats: int = 3, tp: int = 1,
+             fsdp: bool = True, timeout_s: float = 120.0, log: Any = print) -> dict:
+    """Run the whole demo; returns trainer rank 0's report plus engine start time."""
+    from fastsync.control import TCPStoreControl
+    from fastsync.demo.checkpoints import build_tiny_checkpoint
+    from fastsync.errors import ConfigError, SyncError
+
+    if not 1 <= num_trainers <= 8:
+        raise ConfigError(f"num_trainers must be 1..8, got {num_trainers}")
+    if model_dir is None:
+        base = Path(workdir or os.path.join(os.environ.get("TMPDIR", "/tmp"), "fastsync-demo"))
+        model_dir = str(build_tiny_checkpoint(preset, base / preset))
+        log(f"checkpoint: {preset} (random weights) in {model_dir}")
+    prompts = prompts or DEFAULT_PROMPTS
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if tp > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    control = TCPStoreControl.server(port=0)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    opts = {"prompts": prompts, "max_tokens": max_tokens, "transport": transport, "baseline": baseline,
+            "repeats": repeats, "fsdp": fsdp, "timeout_s": timeout_s}
+    procs = [ctx.Process(target=trainer_main, args=(r, num_trainers, control.port, model_dir, opts, q), daemon=True)
+             for r in range(num_trainers)]
+    for p in procs:
+        p.start()
+    report: dict = {}
+    try:
+        from vllm import LLM
+
+        from fastsync.engines.vllm_host import VllmEngine, serve
+
+        t0 = time.perf_counter()
+        llm = LLM(**engine_kwargs(model_dir, tp))
+        engine_start_s = time.perf_counter() - t0
+        log(f"vLLM engine (tp={tp}) started in {engine_start_s:.1f} s; {num_trainers} trainer processes")
+        serve(VllmEngine(llm), control, idle_timeout_s=timeout_s * 4)
+        reports = [q.get(timeout=timeout_s) for _ in procs]
+        for p in procs:
+            p.join(timeout=30)
+        bad = [r for r in reports if not r.get("ok")]
+        if bad:
+            raise SyncError("; ".join(f"trainer rank {r['rank']}: {r.get('error')}" for r in bad))
+        report = next(r for r in reports if r["rank"] == 0)
+        report["engine_start_s"] = engine_start_s
+        report["model_dir"] = model_dir
+        report["num_trainers"] = num_trainers
+        report["sync_s_max_over_ranks"] = {
+            "fastsync": [max(r["fastsync_s"][i] for r in reports) for i in range(repeats)],
+            "baseline": [max(r["baseline_s"][i] for r in reports) for i in range(repeats)] if baseline else [],
+        }
+        return report
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+
+
+def summarize(report: dict) -> dict:
+    """The demo's verdicts and headline numbers."""
+    fs = statistics.median(report["sync_s_max_over_ranks"]["fastsync"])
+    out = {
+        "changed": report["after_engine"] != report["before_engine"],
+        "match": report["after_engine"] == report["after_trainer"],
+        "fastsync_sync_s": fs,
+        "version": [report["version_before"], report["version_after"]],
+    }
+    if report["sync_s_max_over_ranks"]["baseline"]:
+        bs = statistics.median(report["sync_s_max_over_ranks"]["baseline"])
+        out.update({"baseline_sync_s": bs, "speedup": bs / fs if fs > 0 else float("inf"),
+                    "baseline_match": report["after2_engine"] == report["after2_trainer"],
+                    "baseline_changed": report["after2_engine"] != report["after_engine"]})
+    return out

@@ -1,0 +1,322 @@
+"""vLLM worker extension: trainer ranks write new weights straight into a live vLLM engine.
+
+Pass ``worker_extension_cls="fastsync.engines.vllm.FastSyncWorkerExtension"`` to ``vllm.LLM``
+(or ``--worker-extension-cls``); every vLLM worker then answers these ``collective_rpc`` calls,
+in this order:
+
+1. ``fastsync_describe(options)`` once: read the live model, build this rank's engine tensors from
+   the name map (fused ``qkv_proj``, ``gate_up_proj``, MoE ``w13_weight``/``w2_weight``, TP
+   slices, replicated norms), check names, local shapes and dtypes against the live parameters
+   (``LayoutError`` naming the parameter otherwise) and return them for the planner.
+2. ``fastsync_connect(plan_json, options)`` once: build a :class:`WeightReceiver` over the live
+   memory, register it with the transport (NIXL by default) and publish its addresses.
+3. Per sync: ``fastsync_begin(version)`` then ``fastsync_finish(version, timeout_s)`` (or both in
+   ``fastsync_update``). ``finish`` drives the transport until every planned write of the version
+   landed (NIXL's UCX progress happens in these polls: without them a one-sided write never
+   completes), then runs the post-processing the CPU kernels need, then flips the version.
+4. ``fastsync_version()`` any time: the weight version the worker serves (0 = the checkpoint).
+
+Where the bytes land (see ``fastsync.engines.vllm_layout`` for how each kind is detected):
+``inplace`` parameters (embedding, norms) are written in their live memory and snapshotted at
+``begin`` so a failed sync restores them; prepacked CPU weights (linear layers, fused MoE
+experts) cannot be written in place, because the kernels read a packed copy: each gets one
+staging tensor (registered once), and at the flip the layer's own post-load step is re-run from
+it (``quant_method.process_weights_after_loading`` for linears, ``prepack_moe_weight`` into the
+live expert tensors). Those parameters are listed at ``fastsync_describe``, with the reason.
+
+Fence: a ``collective_rpc`` runs inside the engine-core loop, so no forward pass runs while
+``fastsync_finish`` (or ``fastsync_update``) is in progress; between ``fastsync_begin`` and
+``fastsync_finish`` the host must not schedule generation (``VllmEngine`` in
+``fastsync.engines.vllm_host`` keeps both inside one call). Atomicity: a sync that does not
+complete (a trainer died, a transfer is missing, the deadline passed) is rolled back: in-place
+parameters are restored from their snapshot, prepacked ones were never touched, and the worker
+keeps serving the last complete version.
+
+Errors cross ``collective_rpc`` as ``{"error": [class name, message]}`` results (vLLM would
+otherwise turn a worker exception into a dead engine); ``vllm_host`` re-raises them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import platform
+import time
+from typing import Any
+
+import torch
+
+from fastsync.errors import ConfigError, FastSyncError, LayoutError, SyncError
+from fastsync.executor.staging import Landing, as_bytes
+from fastsync.engines.vllm_layout import (
+    LiveParam,
+    check_against,
+    engine_tensors_to_json,
+    read_live_params,
+)
+from fastsync.layout.types import EngineTensor
+
+__all__ = ["FastSyncWorkerExtension", "ensure_amx_permission", "EngineLanding", "EXTENSION"]
+
+#: The value to pass as ``worker_extension_cls``.
+EXTENSION = "fastsync.engines.vllm.FastSyncWorkerExtension"
+
+_ARCH_REQ_XCOMP_PERM = 0x1023
+_XFEATURE_XTILEDATA = 18
+_SYS_ARCH_PRCTL = 158
+
+
+def ensure_amx_permission() -> bool:
+    """Ask Linux for AMX tile state in this process; True when granted or not needed.
+
+    vLLM's CPU attention and GEMM kernels use AMX on CPUs that report it, but Linux (>= 5.16)
+    raises SIGILL on the first AMX instruction of a process that did not request the tile state
+    with ``arch_prctl(ARCH_REQ_XCOMP_PERM)``. vLLM's workers do not ask (seen here: the worker
+    died with exit code -4 at the first ``cpu_attention_with_kv_cache``), so the extension asks
+    when its module is imported in the worker, before the first forward pass.
+    """
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return True
+    try:
+        if not torch.cpu._is_amx_tile_supported():
+            return True
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+    except (AttributeError, OSError):
+        return False
+
+
+ensure_amx_permission()
+
+
+class EngineLanding(Landing):
+    """The receiver's ``inplace`` landing with a snapshot of only the parameters that are
+    written in their live memory (``backup_names``). Staging tensors of prepacked parameters need
+    none: the kernels' packed copies change only at the flip."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], backup_names: list[str]) -> None:
+        super().__init__(tensors, mode="inplace", backup=False)
+        total = sum(self.infos[n].nbytes for n in backup_names)
+        self._backup_arena = torch.zeros(max(total, 1), dtype=torch.uint8)  # touched once, at setup
+        off = 0
+        for n in backup_names:
+            nbytes = self.infos[n].nbytes
+            self._backup[n] = self._backup_arena[off: off + nbytes]
+            off += nbytes
+        self.backup = bool(backup_names)
+
+
+class _State:
+    """What one worker keeps between ``collective_rpc`` calls."""
+
+    def __init__(self, rank: int, tp_rank: int, tp_size: int, live: dict[str, LiveParam],
+                 expected: dict[str, EngineTensor]) -> None:
+        self.rank = rank
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.live = live
+        self.expected = expected
+        self.staging: dict[str, torch.Tensor] = {}
+        self.receiver: Any = None
+        self.version = 0
+        self.open: int | None = None
+        self.last: dict = {}
+
+
+def _result(fn: Any) -> Any:
+    """Run ``fn``; a FastSyncError comes back as a result the host re-raises (see module doc)."""
+    try:
+        return fn()
+    except FastSyncError as e:
+        return {"error": [type(e).__name__, str(e)]}
+
+
+def _config_dict(hf_config: Any) -> dict:
+    cfg = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
+    if not cfg.get("architectures"):
+        cfg["architectures"] = list(getattr(hf_config, "architectures", None) or [])
+    return cfg
+
+
+class FastSyncWorkerExtension:
+    """Mixed into every vLLM worker by ``worker_extension_cls``; methods are ``collective_rpc``
+    targets. All names start with ``fastsync_`` so they never clash with the worker's own."""
+
+    # ---- set-up ---------------------------------------------------------------------------
+    def fastsync_describe(self, options: dict | None = None) -> dict:
+        """Check the live model against the name map for this rank; return this rank's engine
+        tensors (JSON) and which parameters are staged, and why."""
+        return _result(lambda: self._fastsync_describe(dict(options or {})))
+
+    def _fastsync_describe(self, options: dict) -> dict:
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        from fastsync.layout.engine import engine_tensors_for_rank
+        from fastsync.layout.namemap import get_name_map
+        from fastsync.models.inventory import inventory_from_config
+
+        unknown = set(options) - {"rank_offset", "config"}
+        if unknown:
+            raise ConfigError(f"fastsync_describe: unknown option(s) {sorted(unknown)}")
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        rank = int(options.get("rank_offset", 0)) + int(getattr(self, "rank", tp_rank))
+        config = options.get("config") or _config_dict(self.vllm_config.model_config.hf_config)  # type: ignore[attr-defined]
+        arch = (config.get("architectures") or ["?"])[0]
+        live = read_live_params(model)
+        dtypes = {lp.dtype for lp in live.values()}
+        dtype = "bfloat16" if "bfloat16" in dtypes else sorted(dtypes)[0]
+        inventory = inventory_from_config(config, name=arch, dtype=dtype)
+        name_map = get_name_map(arch, config)
+        expected = engine_tensors_for_rank(inventory, name_map, tp_size=tp_size, tp_rank=tp_rank, dtype=dtype)
+        check_against(live, expected, rank=rank)
+        self._fastsync = _State(rank, tp_rank, tp_size, live, expected)
+        staged = {n: f"{lp.kind}: {lp.why}" for n, lp in live.items() if lp.kind in ("linear_repack", "moe_repack")}
+        return {
+            "rank": rank,
+            "tp_rank": tp_rank,
+            "tp_size": tp_size,
+            "architecture": arch,
+            "tensors": engine_tensors_to_json(expected),
+            "staged": staged,
+            "inplace": sorted(n for n, lp in live.items() if lp.kind in ("inplace", "inplace_repack")),
+            "unused": dict(getattr(name_map, "unused", {}) or {}),
+        }
+
+    def fastsync_connect(self, plan_json: str, options: dict) -> dict:
+        """Build this rank's receiver for ``plan_json`` and register its memory with the transport.
+        ``options``: ``control_port`` (required), ``control_host``, ``transport``,
+        ``transport_options``, ``timeout_s``, ``verify``."""
+        return _result(lambda: self._fastsync_connect(plan_json, dict(options)))
+
+    def _fastsync_connect(self, plan_json: str, options: dict) -> dict:
+        from fastsync.control import DEFAULT_HOST, TCPStoreControl
+        from fastsync.executor.receiver import WeightReceiver
+        from fastsync.plan.types import Plan
+
+        st = self._fastsync_state()
+        unknown = set(options) - {"control_port", "control_host", "control_prefix", "transport", "transport_options",
+                                  "timeout_s", "verify"}
+        if unknown:
+            raise ConfigError(f"fastsync_connect: unknown option(s) {sorted(unknown)}")
+        if "control_port" not in options:
+            raise ConfigError("fastsync_connect: options need 'control_port' (the TCPStore the trainers use)")
+        if st.receiver is not None:
+            st.receiver.close()
+        plan = Plan.loads(plan_json)
+        t0 = time.perf_counter()
+        dest: dict[str, torch.Tensor] = {}
+        backup: list[str] = []
+        for name, t in st.expected.items():
+            lp = st.live[name]
+            if lp.kind in ("linear_repack", "moe_repack"):
+                if name not in st.staging:
+                    buf = torch.empty(lp.shape, dtype=lp.live.dtype)
+                    as_bytes(buf).zero_()  # fault the pages in once, at setup
+                    st.staging[name] = buf
+                dest[name] = st.staging[name]
+            else:
+                dest[name] = lp.live
+                backup.append(name)
+        landing = EngineLanding(dest, backup)
+        control = TCPStoreControl.client(int(options["control_port"]), host=options.get("control_host", DEFAULT_HOST),
+                                         prefix=options.get("control_prefix", "fs"))
+        st.receiver = WeightReceiver(
+            rank=st.rank, plan=plan, tensors=dest, control=control,
+            transport=options.get("transport", "nixl"), transport_options=options.get("transport_options"),
+            timeout_s=float(options.get("timeout_s", 60.0)), verify=bool(options.get("verify", False)),
+            initial_version=st.version, landing=landing,
+        )
+        st.receiver.setup()
+        return {
+            "rank": st.rank,
+            "transport": st.receiver.transport.name,
+            "setup_s": time.perf_counter() - t0,
+            "staged_bytes": sum(b.numel() * b.element_size() for b in st.staging.values()),
+            "inplace_bytes": sum(dest[n].numel() * dest[n].element_size() for n in backup),
+        }
+
+    # ---- one sync -------------------------------------------------------------------------
+    def fastsync_begin(self, version: int) -> dict:
+        """Open ``version``: snapshot in-place parameters, arm the transport, tell the trainers to
+        write. The host must not generate until ``fastsync_finish`` returns."""
+        return _result(lambda: self._fastsync_begin(int(version)))
+
+    def _fastsync_begin(self, version: int) -> dict:
+        st = self._fastsync_state(connected=True)
+        st.receiver.begin(version)
+        st.open = version
+        return {"rank": st.rank, "version": version}
+
+    def fastsync_finish(self, version: int, timeout_s: float = 60.0) -> dict:
+        """Wait (driving the transport) until ``version`` landed, post-process, flip. On failure
+        roll back and report the error; the worker keeps serving its last complete version."""
+        return _result(lambda: self._fastsync_finish(int(version), float(timeout_s)))
+
+    def _fastsync_finish(self, version: int, timeout_s: float) -> dict:
+        st = self._fastsync_state(connected=True)
+        if st.open != version:
+            raise SyncError(f"inference rank {st.rank}: finish({version}) but the open version is {st.open}")
+        rx = st.receiver
+        t0 = time.perf_counter()
+        try:
+            rx.wait(time.monotonic() + timeout_s)
+            t_wait = time.perf_counter() - t0
+            rx.finish()  # raises SyncError (after rolling back) when incomplete
+        except FastSyncError:
+            st.open = None
+            rx.abort("failed")  # no-op when finish() already rolled back
+            raise
+        except BaseException as e:
+            st.open = None
+            rx.abort(f"{type(e).__name__}: {e}")
+            raise
+        t1 = time.perf_counter()
+        self._fastsync_postprocess(st)
+        st.version, st.open = version, None
+        st.last = {"rank": st.rank, "version": version, "wait_s": t_wait, "finish_s": t1 - t0 - t_wait,
+                   "postprocess_s": time.perf_counter() - t1, "total_s": time.perf_counter() - t0}
+        return st.last
+
+    def fastsync_update(self, version: int, timeout_s: float = 60.0) -> dict:
+        """``fastsync_begin`` and ``fastsync_finish`` in one call (the engine stays fenced)."""
+        got = self.fastsync_begin(version)
+        if "error" in got:
+            return got
+        return self.fastsync_finish(version, timeout_s)
+
+    def fastsync_version(self) -> int:
+        """The weight version this worker serves (0 until the first complete sync)."""
+        st = getattr(self, "_fastsync", None)
+        return 0 if st is None else st.version
+
+    def fastsync_close(self) -> bool:
+        st = getattr(self, "_fastsync", None)
+        if st is not None and st.receiver is not None:
+            st.receiver.close()
+            st.receiver = None
+        return True
+
+    # ---- helpers --------------------------------------------------------------------------
+    def _fastsync_state(self, connected: bool = False) -> _State:
+        st = getattr(self, "_fastsync", None)
+        if st is None:
+            raise SyncError("fastsync worker extension: fastsync_describe() has not run on this worker")
+        if connected and st.receiver is None:
+            raise SyncError(f"inference rank {st.rank}: fastsync_connect() has not run on this worker")
+        return st
+
+    def _fastsync_postprocess(self, st: _State) -> None:
+        """Re-run exactly the post-load steps the CPU kernels read from, on the new values."""
+        for name, lp in st.live.items():
+            if lp.kind == "linear_repack":
+                # UnquantizedLinearMethod on CPU: dispatch_cpu_unquantized_gemm(remove_weight=True)
+                # packs a copy (sgl VNNI or a oneDNN handle) and empties the parameter again.
+                lp.module.weight = torch.nn.Parameter(st.staging[name], requires_grad=False)
+                lp.module.quant_method.process_weights_after_loading(lp.module)
+            elif lp.kind == "inplace_repack":
+                lp.module.quant_method.process_weights_after_loading(lp.module)
+            elif lp.kind == "moe_repack":
+                experts = lp.module.quant_method.moe_kernel.fused_experts
+                live = getattr(lp.module, lp.attr).data
+                torch.ops._C.prepack_moe_weight(st.staging[name], live, experts.isa)

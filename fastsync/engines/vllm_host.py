@@ -1,0 +1,196 @@
+"""Host-side handles of a vLLM engine running :class:`~fastsync.engines.vllm.FastSyncWorkerExtension`.
+
+``WeightSync`` (trainer side) talks to engines through a handle with five calls: ``describe``,
+``connect``, ``begin_update`` / ``wait_update`` and ``version``. Two handles are here:
+
+* :class:`VllmEngine` wraps a ``vllm.LLM`` in the same process. It is also the update fence for
+  the offline ``LLM``: ``generate`` and an update hold the same lock, so no request is scheduled
+  while weights are written, and generation resumes only after the version flip.
+* :class:`RemoteEngine` reaches a :class:`VllmEngine` in another process through the control
+  plane, where :func:`serve` answers its requests one at a time (same fence).
+
+Example (engine process; the trainers hold ``RemoteEngine(control)``)::
+
+    llm = LLM(model=path, worker_extension_cls=EXTENSION, ...)
+    serve(VllmEngine(llm), TCPStoreControl.client(port))   # until a client sends stop()
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+from fastsync import errors
+from fastsync.control import ControlPlane
+from fastsync.errors import ConfigError, FastSyncError, SyncError
+
+__all__ = ["VllmEngine", "RemoteEngine", "serve", "raise_worker_errors"]
+
+
+def raise_worker_errors(results: list[Any], what: str) -> list[Any]:
+    """Re-raise the first ``{"error": [cls, msg]}`` a worker returned, as that fastsync error."""
+    for r in results:
+        if isinstance(r, dict) and "error" in r:
+            cls_name, msg = r["error"]
+            cls = getattr(errors, cls_name, FastSyncError)
+            if not (isinstance(cls, type) and issubclass(cls, FastSyncError)):
+                cls = FastSyncError
+            raise cls(f"{what}: {msg}")
+    return results
+
+
+class VllmEngine:
+    """One in-process ``vllm.LLM`` started with the fastsync worker extension."""
+
+    def __init__(self, llm: Any, *, rank_offset: int = 0) -> None:
+        self.llm = llm
+        self.rank_offset = rank_offset
+        self._lock = threading.Lock()  # the fence: generate() and updates never overlap
+        self._pending: dict[int, tuple[threading.Thread, list]] = {}
+
+    def _rpc(self, method: str, *args: Any, what: str = "") -> list[Any]:
+        return raise_worker_errors(self.llm.collective_rpc(method, args=args), what or method)
+
+    # ---- the handle WeightSync uses -------------------------------------------------------
+    def describe(self, options: dict | None = None) -> list[dict]:
+        """Every worker's engine tensors (checked against the live model), in worker order."""
+        opts = {"rank_offset": self.rank_offset, **(options or {})}
+        with self._lock:
+            return self._rpc("fastsync_describe", opts, what="vLLM engine describe")
+
+    def connect(self, plan_json: str, options: dict) -> list[dict]:
+        with self._lock:
+            return self._rpc("fastsync_connect", plan_json, options, what="vLLM engine connect")
+
+    def update(self, version: int, timeout_s: float = 60.0) -> list[dict]:
+        """Fenced update: begin, wait for every write, post-process and flip, on every worker.
+        Raises the workers' SyncError when the sync failed (they keep their previous version)."""
+        with self._lock:
+            return self._rpc("fastsync_update", version, timeout_s, what=f"vLLM engine update to version {version}")
+
+    def begin_update(self, version: int, timeout_s: float = 60.0) -> int:
+        """Start :meth:`update` on a helper thread (the trainers write meanwhile); returns a
+        token for :meth:`wait_update`."""
+        box: list = []
+
+        def run() -> None:
+            try:
+                box.append(self.update(version, timeout_s))
+            except BaseException as e:  # handed to wait_update
+                box.append(e)
+
+        th = threading.Thread(target=run, name=f"fastsync-update-{version}", daemon=True)
+        self._pending[version] = (th, box)
+        th.start()
+        return version
+
+    def wait_update(self, token: int, timeout_s: float = 60.0) -> list[dict]:
+        th, box = self._pending.pop(token)
+        th.join(timeout_s)
+        if th.is_alive():
+            raise SyncError(f"vLLM engine update to version {token} did not return within {timeout_s:.0f} s")
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        return box[0]
+
+    def version(self) -> int:
+        """The version every worker serves; SyncError if workers disagree."""
+        with self._lock:
+            got = self.llm.collective_rpc("fastsync_version")
+        if len(set(got)) != 1:
+            raise SyncError(f"vLLM workers serve different versions: {got}")
+        return int(got[0])
+
+    # ---- serving --------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], max_tokens: int = 8) -> list[list[int]]:
+        """Greedy token ids for each prompt (``ignore_eos``, so lengths are fixed)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        with self._lock:
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                     use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+
+# ---- across processes ----------------------------------------------------------------------
+
+
+class RemoteEngine:
+    """Client of :func:`serve`: the same calls as :class:`VllmEngine`, over the control plane."""
+
+    def __init__(self, control: ControlPlane, *, engine_id: str = "0", timeout_s: float = 600.0) -> None:
+        self.control = control
+        self.engine_id = engine_id
+        self.timeout_s = timeout_s
+
+    def _send(self, op: str, **args: Any) -> int:
+        n = self.control.add(f"engine/{self.engine_id}/seq", 1)
+        self.control.set(f"engine/{self.engine_id}/cmd/{n}", json.dumps({"op": op, "args": args}))
+        return n
+
+    def _reply(self, n: int, timeout_s: float | None = None) -> Any:
+        raw = self.control.get(f"engine/{self.engine_id}/reply/{n}", self.timeout_s if timeout_s is None else timeout_s,
+                               what=f"vLLM engine {self.engine_id}")
+        got = json.loads(raw)
+        if "error" in got:
+            raise_worker_errors([got], f"vLLM engine {self.engine_id}")
+        return got["ok"]
+
+    def call(self, op: str, **args: Any) -> Any:
+        return self._reply(self._send(op, **args))
+
+    def describe(self, options: dict | None = None) -> list[dict]:
+        return self.call("describe", options=options or {})
+
+    def connect(self, plan_json: str, options: dict) -> list[dict]:
+        return self.call("connect", plan_json=plan_json, options=options)
+
+    def update(self, version: int, timeout_s: float = 60.0) -> list[dict]:
+        return self.call("update", version=version, timeout_s=timeout_s)
+
+    def begin_update(self, version: int, timeout_s: float = 60.0) -> int:
+        return self._send("update", version=version, timeout_s=timeout_s)
+
+    def wait_update(self, token: int, timeout_s: float = 60.0) -> list[dict]:
+        return self._reply(token, timeout_s + 5.0)
+
+    def version(self) -> int:
+        return int(self.call("version"))
+
+    def generate(self, prompts: list[list[int]], max_tokens: int = 8) -> list[list[int]]:
+        return self.call("generate", prompts=prompts, max_tokens=max_tokens)
+
+    def stop(self) -> None:
+        self._send("stop")
+
+
+def serve(engine: VllmEngine, control: ControlPlane, *, engine_id: str = "0", idle_timeout_s: float = 900.0) -> int:
+    """Answer :class:`RemoteEngine` requests in order until ``stop`` (returns how many were
+    served) or ``idle_timeout_s`` without a request (SyncError)."""
+    n = 1
+    while True:
+        deadline = time.monotonic() + idle_timeout_s
+        key = f"engine/{engine_id}/cmd/{n}"
+        while (raw := control.try_get(key)) is None:
+            if time.monotonic() > deadline:
+                raise SyncError(f"vLLM engine {engine_id}: no request for {idle_timeout_s:.0f} s; stopping")
+            time.sleep(0.002)
+        req = json.loads(raw)
+        op, args = req["op"], req["args"]
+        if op == "stop":
+            control.set(f"engine/{engine_id}/reply/{n}", json.dumps({"ok": True}))
+            return n - 1
+        fn = {"describe": engine.describe, "connect": engine.connect, "update": engine.update,
+              "version": engine.version, "generate": engine.generate}.get(op)
+        try:
+            if fn is None:
+                raise ConfigError(f"unknown engine request {op!r}")
+            reply = {"ok": fn(**args)}
+        except FastSyncError as e:
+            reply = {"error": [type(e).__name__, str(e)]}
+        control.set(f"engine/{engine_id}/reply/{n}", json.dumps(reply))
+        n += 1

@@ -1,0 +1,284 @@
+"""Trainer side of a weight sync into live inference engines: plan once, replay every step.
+
+:class:`WeightSync` lives on every trainer rank. At :meth:`WeightSync.setup` it reads the
+trainer model's sharding (FSDP2 DTensors or a plain module, through the
+``fastsync_trainer_layout`` hook), has trainer rank 0 ask every engine to describe its live
+parameters (engine tensors per inference rank, checked against the live model by the engine),
+builds the static plan once, hands it to the engines (which register their memory with the
+transport) and to every trainer rank's sender (which prepares its writes). Every mismatch
+(a parameter the engine needs that the trainer lacks, a shape that disagrees, an architecture
+without a name map) is raised here, before any byte is written. :meth:`WeightSync.sync` then
+replays the plan: the engines fence generation and open the version, every trainer rank writes
+its own shards straight into the engines' memory, the engines flip when every write landed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from fastsync.control import ControlPlane
+from fastsync.errors import ConfigError, FastSyncError, LayoutError, SyncError
+from fastsync.layout.types import EngineLayout, ParamSpec, TrainerLayout
+from fastsync.plan.types import Plan
+
+__all__ = ["WeightSync", "EngineHandle", "SyncResult", "local_sources"]
+
+
+class EngineHandle(Protocol):
+    """What WeightSync needs from an inference engine (see ``fastsync.engines.vllm_host``)."""
+
+    def describe(self, options: dict | None = None) -> list[dict]: ...
+
+    def connect(self, plan_json: str, options: dict) -> list[dict]: ...
+
+    def begin_update(self, version: int, timeout_s: float = 60.0) -> int: ...
+
+    def wait_update(self, token: int, timeout_s: float = 60.0) -> list[dict]: ...
+
+    def version(self) -> int: ...
+
+
+@dataclass(slots=True)
+class SyncResult:
+    """One sync as trainer rank ``rank`` saw it. ``seconds``: from the call until every engine
+    this rank writes to flipped (on rank 0: until every engine finished post-processing)."""
+
+    version: int
+    rank: int
+    seconds: float
+    metrics: dict
+    engines: list[list[dict]] = field(default_factory=list)
+
+
+def local_sources(module: torch.nn.Module, names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """This rank's local tensor of each parameter: the DTensor's local shard (FSDP2: the memory
+    the optimizer updates in place) or the plain tensor itself. No copies."""
+    from torch.distributed.tensor import DTensor
+
+    state = module.state_dict(keep_vars=True)
+    out: dict[str, torch.Tensor] = {}
+    for n in names:
+        if n not in state:
+            raise LayoutError(f"trainer model has no parameter {n!r}")
+        t = state[n]
+        local = t.to_local() if isinstance(t, DTensor) else t
+        local = local.data if isinstance(local, torch.nn.Parameter) else local.detach()
+        if not local.is_contiguous():
+            raise LayoutError(f"trainer parameter {n!r}: local shard is not contiguous; cannot be sent without a copy")
+        out[n] = local
+    return out
+
+
+class WeightSync:
+    """Sync a trainer model's weights into live inference engines, every step.
+
+    Create it once per trainer process (every rank of the trainer world), after the model is
+    sharded and before training; ``engines`` (handles of the engines to update) on trainer rank 0
+    only. ``control`` is the control plane all trainer ranks and engine workers share.
+
+    Example::
+
+        model = fully_shard(AutoModelForCausalLM.from_pretrained(path), mesh=mesh)
+        control = TCPStoreControl.client(port)
+        engines = [RemoteEngine(control)] if rank == 0 else []
+        ws = WeightSync(model, rank=rank, world_size=world, control=control, engines=engines)
+        ws.setup()                          # once: layouts, plan, memory registration
+        for step in range(1, num_steps + 1):
+            loss = model(**batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            ws.sync(version=step)           # after optimizer.step(): engines serve `step`
+        ws.close()
+
+    ``layout``/``sources``/``params`` replace the model's own description (e.g. a rank-0 holder
+    of gathered full tensors, the host frameworks' baseline).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module | None = None,
+        *,
+        rank: int,
+        world_size: int,
+        control: ControlPlane,
+        engines: Sequence[EngineHandle] = (),
+        transport: str = "nixl",
+        transport_options: dict | None = None,
+        timeout_s: float = 60.0,
+        name: str = "ws",
+        layout: TrainerLayout | None = None,
+        sources: dict[str, torch.Tensor] | None = None,
+        verify: bool = False,
+        control_port: int | None = None,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ConfigError(f"trainer rank {rank} outside world size {world_size}")
+        if engines and rank != 0:
+            raise ConfigError(f"engine handles go to trainer rank 0 only (rank {rank} got {len(engines)})")
+        if (layout is None) != (sources is None):
+            raise ConfigError("give both layout= and sources=, or neither (then the model describes itself)")
+        if model is None and layout is None:
+            raise ConfigError("WeightSync needs a model or layout= and sources=")
+        if timeout_s <= 0:
+            raise ConfigError(f"timeout_s must be positive, got {timeout_s}")
+        self.model = model
+        self.rank = rank
+        self.world_size = world_size
+        self.control = control
+        self.engines = list(engines)
+        self.transport = transport
+        self.transport_options = transport_options
+        self.timeout_s = timeout_s
+        self.name = name
+        self.verify = verify
+        self.control_port = control_port if control_port is not None else getattr(control, "port", None)
+        self._layout = layout
+        self._sources = sources
+        self.plan: Plan | None = None
+        self.sender: Any = None
+        self.version = 0
+        self.engine_info: list[list[dict]] = []
+        self.setup_s = 0.0
+
+    # ---- set-up ---------------------------------------------------------------------------
+    def _trainer_layout(self) -> tuple[TrainerLayout, dict[str, torch.Tensor]]:
+        if self._layout is not None:
+            assert self._sources is not None
+            return self._layout, self._sources
+        from fastsync import plugins
+
+        layout = plugins.hook().fastsync_trainer_layout(model=self.model, rank=self.rank, world_size=self.world_size)
+        if layout is None:
+            raise LayoutError(f"no plugin describes a trainer model of type {type(self.model).__name__}")
+        names = [n for n, shards in layout.shards.items() if any(s.rank == self.rank for s in shards)]
+        return layout, local_sources(self.model, names)
+
+    def _describe_engines(self) -> tuple[EngineLayout, dict[str, str]]:
+        from fastsync.engines.vllm_layout import engine_tensors_from_json
+
+        tensors: dict[int, dict] = {}
+        replica_of: dict[int, int] = {}
+        unused: dict[str, str] = {}
+        offset = 0
+        self.engine_info = []
+        for i, h in enumerate(self.engines):
+            got = h.describe({"rank_offset": offset})
+            self.engine_info.append(got)
+            for w in got:
+                tensors[int(w["rank"])] = engine_tensors_from_json(w["tensors"])
+                replica_of[int(w["rank"])] = i
+                unused.update(w.get("unused", {}))
+            offset += len(got)
+        if sorted(tensors) != list(range(offset)):
+            raise LayoutError(f"engines reported inference ranks {sorted(tensors)}, expected 0..{offset - 1}")
+        return EngineLayout(offset, tensors, replica_of, kind="vllm", description="live engines"), unused
+
+    def _build_plan(self, layout: TrainerLayout) -> Plan:
+        from fastsync.plan.planner import build_plan
+
+        engine, unused = self._describe_engines()
+        params: dict[str, ParamSpec] = dict(layout.params)
+        shards = dict(layout.shards)
+        for n in unused:  # e.g. a tied lm_head.weight: the engine shares the embedding
+            params.pop(n, None)
+            shards.pop(n, None)
+        trimmed = TrainerLayout(layout.world_size, params, shards, kind=layout.kind, description=layout.description)
+        return build_plan(params, trimmed, engine)
+
+    def setup(self) -> None:
+        """Layouts, plan and transport set-up, once. Raises (on every rank) before any write
+        when the trainer's parameters and the engines' disagree."""
+        from fastsync.executor.sender import WeightSender
+        from fastsync.layout.types import Shard
+
+        t0 = time.perf_counter()
+        layout, sources = self._trainer_layout()
+        key = f"{self.name}/plan"
+        if self.rank == 0:
+            if not self.engines:
+                raise ConfigError("trainer rank 0 needs the engine handles (engines=[...])")
+            try:
+                plan = self._build_plan(layout)
+            except FastSyncError as e:
+                self.control.set(key, f"err:{type(e).__name__}:{e}")
+                raise
+            plan_json = plan.dumps()
+            options = {"control_port": self.control_port, "transport": self.transport,
+                       "transport_options": self.transport_options, "timeout_s": self.timeout_s,
+                       "verify": self.verify, "control_prefix": getattr(self.control, "prefix", "fs")}
+            if options["control_port"] is None:
+                raise ConfigError("WeightSync needs control_port= (the engines' workers join the same TCPStore)")
+            self.control.set(key, plan_json)
+            try:
+                for h in self.engines:
+                    h.connect(plan_json, options)
+            except FastSyncError as e:
+                self.control.set(f"{self.name}/connected", f"err:{type(e).__name__}:{e}")
+                raise
+            self.control.set(f"{self.name}/connected", b"ok")
+        else:
+            raw = self.control.get(key, self.timeout_s * 4, what="trainer rank 0 (plan)").decode()
+            if raw.startswith("err:"):
+                raise _reraise(raw[4:], f"trainer rank {self.rank}: trainer rank 0 could not plan")
+            plan = Plan.loads(raw)
+            got = self.control.get(f"{self.name}/connected", self.timeout_s * 4, what="engines (connect)").decode()
+            if got.startswith("err:"):
+                raise _reraise(got[4:], f"trainer rank {self.rank}: engines refused the plan")
+        shards: dict[str, list[Shard]] = layout.shards_on(self.rank)
+        self.sender = WeightSender(rank=self.rank, plan=plan, sources=sources, shards=shards, control=self.control,
+                                   transport=self.transport, transport_options=self.transport_options,
+                                   timeout_s=self.timeout_s)
+        self.sender.setup()
+        self.plan = plan
+        self.setup_s = time.perf_counter() - t0
+
+    # ---- per step -------------------------------------------------------------------------
+    def sync(self, version: int, *, timeout_s: float | None = None) -> SyncResult:
+        """Write this rank's share of the current weights as ``version`` (call after
+        ``optimizer.step()``, on every trainer rank). Returns once the engines this rank writes
+        to flipped; raises SyncError if any refused (they keep serving their previous version)."""
+        if self.sender is None:
+            raise SyncError(f"trainer rank {self.rank}: sync() before setup()")
+        if version <= self.version:
+            raise SyncError(f"trainer rank {self.rank}: version {version} is not newer than {self.version}")
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        t0 = time.perf_counter()
+        tokens = [h.begin_update(version, timeout) for h in self.engines]
+        err: BaseException | None = None
+        metrics: dict = {}
+        try:
+            metrics = self.sender.sync(version, wait_receivers=True, timeout_s=timeout).to_json()
+        except BaseException as e:
+            err = e
+        results = []
+        for h, tok in zip(self.engines, tokens):
+            try:
+                results.append(h.wait_update(tok, timeout))
+            except BaseException as e:
+                err = err or e
+        if err is not None:
+            raise err
+        self.version = version
+        return SyncResult(version, self.rank, time.perf_counter() - t0, metrics, results)
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+
+
+def _reraise(text: str, prefix: str) -> FastSyncError:
+    from fastsync import errors
+
+    cls_name, _, msg = text.partition(":")
+    cls = getattr(errors, cls_name, FastSyncError)
+    if not (isinstance(cls, type) and issubclass(cls, FastSyncError)):
+        cls = FastSyncError
+    return cls(f"{prefix}: {msg}")
