@@ -1,0 +1,107 @@
+"""The engine tensors fastsync computes for a TP=2 vLLM worker have exactly the names, local
+shapes and dtypes of the parameters real vLLM 0.32 models hold (built in 2 gloo processes, no
+weights loaded, no engine started), with and without expert parallel."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm")
+transformers = pytest.importorskip("transformers")
+
+from fastsync.layout.engine import engine_tensors_for_rank  # noqa: E402
+from fastsync.layout.namemap import get_name_map  # noqa: E402
+from fastsync.models import load_inventory  # noqa: E402
+
+WORKER = os.path.join(os.path.dirname(__file__), "vllm_params_worker.py")
+COMMON = dict(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=256)
+CASES = {
+    "qwen3-tied": ("Qwen3Config", "Qwen3ForCausalLM", dict(COMMON, num_key_value_heads=2, head_dim=32,
+                                                              tie_word_embeddings=True), False),
+    "llama-kv1": ("LlamaConfig", "LlamaForCausalLM", dict(COMMON, num_key_value_heads=1, head_dim=32), False),
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(COMMON, num_key_value_heads=2, head_dim=32,
+                                                                   moe_intermediate_size=48, num_experts=4,
+                                                                   num_experts_per_tok=2), False),
+    "qwen3-moe-ep": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(COMMON, num_key_value_heads=2, head_dim=32,
+                                                                      moe_intermediate_size=48, num_experts=5,
+                                                                      num_experts_per_tok=2), True),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(COMMON, num_key_value_heads=2, num_local_experts=4,
+                                                             num_experts_per_tok=2), False),
+    "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        COMMON, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
+        first_k_dense_replace=1, q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=32, qk_nope_head_dim=32,
+        v_head_dim=32, n_group=1, topk_group=1, num_experts_per_tok=2, topk_method="noaux_tc"), True),
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def vllm_params(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm_models")
+    cases = []
+    for cid, (cls, arch, kw, ep) in CASES.items():
+        cfg = getattr(transformers, cls)(**kw)
+        cfg.architectures = [arch]
+        if "topk_method" in kw:
+            cfg.topk_method = kw["topk_method"]
+        d = root / cid
+        cfg.save_pretrained(d)
+        cases.append({"id": cid, "dir": str(d), "ep": ep})
+    (root / "cases.json").write_text(json.dumps(cases))
+    port = _free_port()
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
+               VLLM_DIST_IDENT=f"fastsync-test-{port}")
+    procs = [subprocess.Popen([sys.executable, WORKER, str(r), str(port), str(root / "cases.json"), str(root)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
+    logs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=300)
+            logs.append(out.decode(errors="replace")[-4000:])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    results = []
+    for r in range(2):
+        path = root / f"rank{r}.json"
+        assert path.exists(), f"vLLM rank {r} wrote nothing (exit {procs[r].returncode}):\n{logs[r]}"
+        res = json.loads(path.read_text())
+        assert res["ok"], res["error"]
+        results.append(res["params"])
+    return root, results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cid", sorted(CASES))
+def test_engine_tensors_equal_real_vllm_parameters(vllm_params, cid):
+    root, results = vllm_params
+    inv = load_inventory(str(root / cid))
+    nm = get_name_map(inv.architecture, inv.config, inv.params)
+    ep = CASES[cid][3]
+    for rank in range(2):
+        ours = engine_tensors_for_rank(inv, nm, tp_size=2, tp_rank=rank, ep_size=2 if ep else 1,
+                                       ep_rank=rank if ep else 0)
+        real = results[rank][cid]
+        assert sorted(ours) == sorted(real), (rank, set(ours) ^ set(real))
+        for name, t in ours.items():
+            shape, dtype = real[name]
+            if name.startswith(("model.embed_tokens", "lm_head")):
+                # vLLM allocates the padded vocab slice; fastsync describes its filled prefix
+                assert shape[1:] == list(t.shape[1:]) and shape[0] >= t.shape[0], name
+            else:
+                assert list(t.shape) == shape, (rank, name, t.shape, shape)
+            assert t.dtype == dtype, (name, t.dtype, dtype)
