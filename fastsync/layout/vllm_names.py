@@ -201,6 +201,9 @@ def deepseek_v3_map(config: dict) -> NameMap:
                 unused[f"{m}.gate.e_score_correction_bias"] = "vLLM keeps no correction bias unless topk_method=noaux_tc"
             if num_shared:
                 _mlp(f"{m}.shared_experts", f"{m}.shared_experts", hidden, moe_inter * num_shared, out)
+            else:
+                for n in ("gate_proj", "up_proj", "down_proj"):
+                    unused[f"{m}.shared_experts.{n}.weight"] = "zero-sized: n_shared_experts=0"
             _experts(m, m, num_experts, hidden, moe_inter, out)
         else:
             _mlp(m, m, hidden, inter, out)

@@ -239,8 +239,8 @@ def deepseek_v3_params(config: dict) -> Params:
                 _experts(m, num_experts, hidden, moe_inter, params)
                 params.append((f"{m}.gate.weight", (num_experts, hidden)))
                 params.append((f"{m}.gate.e_score_correction_bias", (num_experts,)))
-                if num_shared:
-                    _dense_mlp(f"{m}.shared_experts", hidden, moe_inter * num_shared, params)
+                # transformers builds shared_experts unconditionally (zero-sized when n_shared_experts=0)
+                _dense_mlp(f"{m}.shared_experts", hidden, moe_inter * num_shared, params)
             else:
                 _dense_mlp(m, hidden, inter, params)
             _norms(f"model.layers.{i}", hidden, params)

@@ -28,7 +28,10 @@ def main(rank: int, port: int, cases_path: str, out_dir: str) -> None:
 
         with open(cases_path) as f:
             cases = json.load(f)
+        import time
+
         for case in cases:
+            t0 = time.perf_counter()
             args = EngineArgs(model=case["dir"], skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
                               max_model_len=256, load_format="dummy", tensor_parallel_size=2,
                               enable_expert_parallel=case["ep"], distributed_executor_backend="mp")
@@ -46,6 +49,7 @@ def main(rank: int, port: int, cases_path: str, out_dir: str) -> None:
                 destroy_model_parallel()
                 destroy_distributed_environment()
             port += 1
+            print(f"case {case['id']}: {time.perf_counter() - t0:.1f} s", flush=True)
         result = {"ok": True, "params": out}
     except BaseException:
         result = {"ok": False, "error": traceback.format_exc(), "params": out}
