@@ -319,11 +319,27 @@ def build_engine_layout(inventory: object, name_map: NameMap, *, tp: int, ep: in
 
 
 def _validate_unique(layout: EngineLayout, params: dict) -> None:
-    """``EngineLayout.validate`` on one rank per distinct tensor dict (replicas share dicts)."""
-    seen: set[int] = set()
-    sub: dict[int, dict[str, EngineTensor]] = {}
+    """``EngineLayout.validate`` over each distinct EngineTensor object once (ranks and replicas
+    share them), packed into as few synthetic ranks as names allow. Same checks, same errors
+    (the rank named is the first rank holding that tensor)."""
+    first_rank: dict[int, int] = {}
+    tensors: dict[int, EngineTensor] = {}
+    seen_dicts: set[int] = set()
     for rank, ts in layout.tensors.items():
-        if id(ts) not in seen:
-            seen.add(id(ts))
-            sub[rank] = ts
-    EngineLayout(layout.world_size, sub, kind=layout.kind).validate(params)
+        if not 0 <= rank < layout.world_size:
+            raise LayoutError(f"engine rank {rank} outside world size {layout.world_size}")
+        if id(ts) in seen_dicts:
+            continue
+        seen_dicts.add(id(ts))
+        for t in ts.values():
+            if id(t) not in tensors:
+                tensors[id(t)] = t
+                first_rank[id(t)] = rank
+    by_rank: dict[int, dict[str, EngineTensor]] = {}
+    for key, t in tensors.items():
+        by_rank.setdefault(first_rank[key], {})
+        slot = by_rank[first_rank[key]]
+        if t.name in slot:  # two distinct tensors of one name first seen on one rank: cannot happen
+            raise LayoutError(f"engine rank {first_rank[key]} holds two tensors named {t.name!r}")
+        slot[t.name] = t
+    EngineLayout(layout.world_size, by_rank, kind=layout.kind).validate(params)
