@@ -4,7 +4,8 @@ Grammar (``KIND:ARGS``; ARGS is a comma-separated list of ``key=value``, ``keyVA
 ``tp8``, or a bare leading number for the world size; keys are case-insensitive)::
 
   trainer side
-    fsdp:N[,dim=D]                  FSDP2 fully_shard over N ranks, Shard(D) (default 0)
+    fsdp:N[,dim=D]                  FSDP2 fully_shard over N ranks, Shard(D) for parameters with a
+                                    dim D, Shard(0) for the rest (default D=0)
     hsdp:RxS | hsdp:replicate=R,shard=S
                                     HSDP: R replicas of S-way FSDP2 (rank = r*S + s)
     zero3:N                         DeepSpeed ZeRO-3 flat partitions over N ranks

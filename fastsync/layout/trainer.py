@@ -82,8 +82,10 @@ def _fsdp_shards(spec: ParamSpec, ranks: list[int], shard_dim: int, cache: dict 
 def _fsdp_shards_uncached(spec: ParamSpec, ranks: list[int], shard_dim: int) -> list[Shard]:
     if not spec.shape:
         return [Shard(r, ()) for r in ranks]
-    if not 0 <= shard_dim < len(spec.shape):
-        raise LayoutError(f"parameter {spec.name!r}: shard dim {shard_dim} outside shape {spec.shape}")
+    if shard_dim < 0:
+        raise LayoutError(f"parameter {spec.name!r}: negative shard dim {shard_dim}")
+    if shard_dim >= len(spec.shape):
+        shard_dim = 0  # FSDP2 shard_placement_fn style: Shard(d) where the param has dim d, else Shard(0)
     full = full_box(spec.shape)
     out = []
     for r, (a, b) in zip(ranks, chunk_bounds(spec.shape[shard_dim], len(ranks))):
@@ -94,7 +96,12 @@ def _fsdp_shards_uncached(spec: ParamSpec, ranks: list[int], shard_dim: int) -> 
 
 def fsdp_layout(params: object, world_size: int, *, shard_dim: int = 0) -> TrainerLayout:
     """FSDP2 ``fully_shard`` over ``world_size`` ranks (``Shard(shard_dim)``, torch.chunk bounds).
-    Scalars are replicated. Ranks whose chunk is empty hold no shard of that parameter."""
+
+    ``shard_dim`` > 0 is what a ``shard_placement_fn`` returning ``Shard(d)`` for parameters that
+    have dim d (and ``Shard(0)`` for the others) gives: e.g. ``shard_dim=1`` spreads Kimi-K2's
+    [384, 4096, 7168] experts over all 256 ranks, where ``Shard(0)`` (chunks of 2 experts) leaves
+    the last 64 ranks without expert bytes. Scalars are replicated. Ranks whose chunk is empty
+    hold no shard of that parameter."""
     _positive(world_size=world_size)
     ps = _params(params)
     ranks = list(range(world_size))

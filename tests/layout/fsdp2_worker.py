@@ -22,6 +22,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         import transformers
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import Shard as DShard
 
         from fastsync.layout.box import box_slices
         from fastsync.layout.dtensor import trainer_layout_from_module
@@ -30,42 +31,43 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         from fastsync.plugins import hook
 
         dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-        torch.manual_seed(0)
         cfg = transformers.Qwen3MoeConfig(**CFG)
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
-        full = {n: t.detach().clone() for n, t in model.state_dict().items()}
-        mesh = init_device_mesh("cpu", (WORLD,))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-
-        layout = trainer_layout_from_module(model, rank, WORLD)
-        via_hook = hook().fastsync_trainer_layout(model=model, rank=rank, world_size=WORLD)
         inv = inventory_from_config(cfg.to_dict(), dtype="float32")
-        expected = fsdp_layout(inv, WORLD)
-        assert layout.to_json()["shards"] == expected.to_json()["shards"]
-        assert layout.to_json()["params"] == expected.to_json()["params"]
-        assert via_hook.to_json() == layout.to_json()
+        mesh = init_device_mesh("cpu", (WORLD,))
         checked = 0
-        for name, t in model.state_dict().items():
-            mine = [s for s in layout.shards[name] if s.rank == rank]
-            local = t.to_local() if hasattr(t, "to_local") else t
-            if not mine:
-                assert local.numel() == 0, name
-                continue
-            assert len(mine) == 1 and mine[0].local_offset == 0
-            assert torch.equal(local, full[name][box_slices(mine[0].box)]), name
-            checked += 1
-        experts = [s.box for s in layout.shards["model.layers.0.mlp.experts.gate_up_proj"]]
+        results = {}
+        for dim in (0, 1):
+            torch.manual_seed(0)
+            model = transformers.AutoModelForCausalLM.from_config(cfg)
+            full = {n: t.detach().clone() for n, t in model.state_dict().items()}
+            kw = {} if dim == 0 else {"shard_placement_fn": lambda p, d=dim: DShard(d) if p.ndim > d else DShard(0)}
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh, **kw)
+            fully_shard(model, mesh=mesh, **kw)
+
+            layout = trainer_layout_from_module(model, rank, WORLD)
+            via_hook = hook().fastsync_trainer_layout(model=model, rank=rank, world_size=WORLD)
+            expected = fsdp_layout(inv, WORLD, shard_dim=dim)
+            assert layout.to_json()["shards"] == expected.to_json()["shards"], dim
+            assert layout.to_json()["params"] == expected.to_json()["params"]
+            assert via_hook.to_json() == layout.to_json()
+            for name, t in model.state_dict().items():
+                mine = [s for s in layout.shards[name] if s.rank == rank]
+                local = t.to_local() if hasattr(t, "to_local") else t
+                if not mine:
+                    assert local.numel() == 0, name
+                    continue
+                assert len(mine) == 1 and mine[0].local_offset == 0
+                assert torch.equal(local, full[name][box_slices(mine[0].box)]), (dim, name)
+                checked += 1
+            results[dim] = [s.box for s in layout.shards["model.layers.0.mlp.experts.gate_up_proj"]]
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump({"ok": True, "checked": checked, "experts": experts}, f)
+            json.dump({"ok": True, "checked": checked, "experts": results[0], "experts_dim1": results[1]}, f)
         dist.destroy_process_group()
     except BaseException:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump({"ok": False, "error": traceback.format_exc()}, f)
         raise
-
-
 
 if __name__ == "__main__":
     _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

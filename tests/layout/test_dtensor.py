@@ -47,6 +47,8 @@ def test_fsdp2_dtensor_layout_matches_fsdp_layout(tmp_path):
         results.append(json.loads(path.read_text()))
     for res in results:
         assert res["ok"], res.get("error")
-        assert res["checked"] > 10
+        assert res["checked"] > 20
     # 5 experts over 2 ranks in torch.chunk order: 3 + 2
     assert results[0]["experts"] == [[[0, 3], [0, 96], [0, 64]], [[3, 5], [0, 96], [0, 64]]]
+    # shard_placement_fn Shard(1) for >= 2-D params: experts split on their 2*I dim
+    assert results[0]["experts_dim1"] == [[[0, 5], [0, 48], [0, 64]], [[0, 5], [48, 96], [0, 64]]]
