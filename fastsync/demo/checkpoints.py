@@ -37,6 +37,13 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         "Qwen3MoeForCausalLM",
         {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True},
     ),
+    # ~34M parameters (136 MB in fp32): big enough that sync times are not all fixed overhead.
+    "small-qwen3-moe": (
+        "Qwen3MoeForCausalLM",
+        {"vocab_size": 4096, "hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
+         "intermediate_size": 1024, "num_experts": 16, "num_experts_per_tok": 2, "moe_intermediate_size": 256,
+         "norm_topk_prob": True, "initializer_range": 0.05},
+    ),
 }
 
 

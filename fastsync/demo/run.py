@@ -28,12 +28,12 @@ __all__ = ["run_demo", "hf_greedy", "DEFAULT_PROMPTS", "engine_kwargs"]
 DEFAULT_PROMPTS: list[list[int]] = [[5, 6, 7, 8], [100, 200, 300], [11, 42, 99, 7, 123], [400, 3, 77]]
 
 
-def engine_kwargs(model_dir: str, tp: int = 1) -> dict:
+def engine_kwargs(model_dir: str, tp: int = 1, dtype: str = "bfloat16") -> dict:
     """``vllm.LLM`` arguments that work on a CPU host (see shared notes): no tokenizer, eager,
     small KV cache, the fastsync worker extension."""
     from fastsync.engines.vllm import EXTENSION
 
-    return dict(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
+    return dict(model=str(model_dir), skip_tokenizer_init=True, dtype=dtype, enforce_eager=True,
                 max_model_len=256, kv_cache_memory_bytes=64 << 20, tensor_parallel_size=tp,
                 worker_extension_cls=EXTENSION, seed=0)
 
@@ -62,16 +62,15 @@ def _full_state(model: Any) -> dict:
 
 
 def _reference(model_dir: str, full: dict, prompts: list[list[int]], max_tokens: int,
-               compute_dtype: str = "bfloat16") -> list[list[int]]:
-    """The trainer model's own greedy tokens: its weights rounded to the engine's bf16, the
-    forward pass in ``compute_dtype``."""
+               dtype: str = "bfloat16") -> list[list[int]]:
+    """The trainer model's own greedy tokens, with its weights in the engine's ``dtype``."""
     import torch
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(model_dir)
-    dt = getattr(torch, compute_dtype)
+    dt = getattr(torch, dtype)
     ref = transformers.AutoModelForCausalLM.from_config(config, dtype=dt)
-    ref.load_state_dict({n: t.to(torch.bfloat16).to(dt) for n, t in full.items()}, strict=False)
+    ref.load_state_dict({n: t.to(dt) for n, t in full.items()}, strict=False)
     ref.eval()
     return hf_greedy(ref, prompts, max_tokens)
 
@@ -132,8 +131,7 @@ def trainer_main(rank: int, world: int, port: int, model_dir: str, opts: dict, o
         report["loss"] = _train_step(model, opt, vocab, seed=1)
         full = _full_state(model)
         if rank == 0:
-            report["after_trainer"] = _reference(model_dir, full, prompts, max_tokens)
-            report["after_trainer_fp32"] = _reference(model_dir, full, prompts, max_tokens, "float32")
+            report["after_trainer"] = _reference(model_dir, full, prompts, max_tokens, opts["dtype"])
         times = []
         version = 0
         for _ in range(repeats):
@@ -182,7 +180,7 @@ def trainer_main(rank: int, world: int, port: int, model_dir: str, opts: dict, o
             report["baseline_s"], report["baseline_gather_s"] = btimes, gtimes
             if rank == 0:
                 report["after2_engine"] = engine.generate(prompts, max_tokens)
-                report["after2_trainer"] = _reference(model_dir, full2, prompts, max_tokens)
+                report["after2_trainer"] = _reference(model_dir, full2, prompts, max_tokens, opts["dtype"])
                 report["version_after2"] = engine.version()
         dist.barrier()
         report["ok"] = True
@@ -203,7 +201,7 @@ def trainer_main(rank: int, world: int, port: int, model_dir: str, opts: dict, o
 def run_demo(*, model_dir: str | None = None, preset: str = "tiny-qwen3-moe", num_trainers: int = 2,
              workdir: str | None = None, prompts: list[list[int]] | None = None, max_tokens: int = 8,
              transport: str = "nixl", baseline: bool = True, repeats: int = 3, tp: int = 1,
-             fsdp: bool = True, timeout_s: float = 120.0, log: Any = print) -> dict:
+             fsdp: bool = True, timeout_s: float = 120.0, dtype: str = "bfloat16", log: Any = print) -> dict:
     """Run the whole demo; returns trainer rank 0's report plus engine start time."""
     from fastsync.control import TCPStoreControl
     from fastsync.demo.checkpoints import build_tiny_checkpoint
@@ -223,7 +221,7 @@ def run_demo(*, model_dir: str | None = None, preset: str = "tiny-qwen3-moe", nu
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     opts = {"prompts": prompts, "max_tokens": max_tokens, "transport": transport, "baseline": baseline,
-            "repeats": repeats, "fsdp": fsdp, "timeout_s": timeout_s}
+            "repeats": repeats, "fsdp": fsdp, "timeout_s": timeout_s, "dtype": dtype}
     procs = [ctx.Process(target=trainer_main, args=(r, num_trainers, control.port, model_dir, opts, q), daemon=True)
              for r in range(num_trainers)]
     for p in procs:
@@ -235,7 +233,7 @@ def run_demo(*, model_dir: str | None = None, preset: str = "tiny-qwen3-moe", nu
         from fastsync.engines.vllm_host import VllmEngine, serve
 
         t0 = time.perf_counter()
-        llm = LLM(**engine_kwargs(model_dir, tp))
+        llm = LLM(**engine_kwargs(model_dir, tp, dtype))
         engine_start_s = time.perf_counter() - t0
         log(f"vLLM engine (tp={tp}) started in {engine_start_s:.1f} s; {num_trainers} trainer processes")
         serve(VllmEngine(llm), control, idle_timeout_s=timeout_s * 4)

@@ -170,7 +170,11 @@ class FastSyncWorkerExtension:
         name_map = get_name_map(arch, config)
         expected = engine_tensors_for_rank(inventory, name_map, tp_size=tp_size, tp_rank=tp_rank, dtype=dtype)
         check_against(live, expected, rank=rank)
-        self._fastsync = _State(rank, tp_rank, tp_size, live, expected)
+        st = _State(rank, tp_rank, tp_size, live, expected)
+        old = getattr(self, "_fastsync", None)
+        if old is not None:  # describing again keeps the served version and the live receiver
+            st.version, st.receiver, st.staging = old.version, old.receiver, old.staging
+        self._fastsync = st
         staged = {n: f"{lp.kind}: {lp.why}" for n, lp in live.items() if lp.kind in ("linear_repack", "moe_repack")}
         return {
             "rank": rank,

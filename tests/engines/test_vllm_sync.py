@@ -1,0 +1,201 @@
+"""fastsync into a REAL vLLM CPU engine: tiny Qwen3 dense at tensor_parallel_size=2 and tiny
+Qwen3-MoE at tp=1, each started once for this module.
+
+Two trainer ranks (threads of this process, each with its own NIXL agent) hold FSDP2-style row
+shards of the HF model's weights (``fsdp_layout`` boxes); after a sync the engine's greedy tokens
+must equal the HF model's own greedy tokens on those weights, token for token. Engines run in
+float32 so that equality is not at the mercy of bf16 near-ties (the bf16 path is run by the demo).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+pytest.importorskip("nixl")
+
+from fastsync.control import TCPStoreControl  # noqa: E402
+from fastsync.demo.checkpoints import build_tiny_checkpoint  # noqa: E402
+from fastsync.demo.run import engine_kwargs, hf_greedy  # noqa: E402
+from fastsync.errors import FastSyncError, LayoutError, PlanError, SyncError  # noqa: E402
+from fastsync.layout.box import box_slices  # noqa: E402
+from fastsync.layout.trainer import fsdp_layout  # noqa: E402
+from fastsync.layout.types import ParamSpec, TrainerLayout  # noqa: E402
+from fastsync.sync import WeightSync  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[5, 6, 7, 8], [100, 200, 300], [11, 42, 99, 7, 123], [400, 3, 77]]
+MAX_TOKENS = 6
+DTYPE = "float32"
+TIMEOUT_S = 60.0
+
+
+class Rig:
+    """One live engine, the HF model that plays the trainer, and two trainer ranks."""
+
+    def __init__(self, preset: str, tp: int, tmp: str) -> None:
+        import transformers
+        from vllm import LLM
+
+        from fastsync.engines.vllm_host import VllmEngine
+
+        self.dir = str(build_tiny_checkpoint(preset, os.path.join(tmp, preset)))
+        t0 = time.perf_counter()
+        self.llm = LLM(**engine_kwargs(self.dir, tp, DTYPE))
+        self.start_s = time.perf_counter() - t0
+        print(f"\n{preset} tp={tp}: engine start {self.start_s:.1f} s")
+        self.engine = VllmEngine(self.llm)
+        self.control = TCPStoreControl.server(port=0)
+        self.hf = transformers.AutoModelForCausalLM.from_pretrained(self.dir, dtype=getattr(torch, DTYPE)).eval()
+        self.full = {n: p.data for n, p in self.hf.named_parameters()}
+        self.params = {n: ParamSpec(n, tuple(t.shape), DTYPE) for n, t in self.full.items()}
+        self.layout = fsdp_layout(self.params, 2)
+        self.sources = [{n: self.full[n][box_slices(s.box)].clone() for n, ss in self.layout.shards_on(r).items()
+                         for s in ss} for r in range(2)]
+        self.ws = [self._ws(r, self.layout, self.sources[r], "main") for r in range(2)]
+        run_ranks([lambda r=r: self.ws[r].setup() for r in range(2)])
+        self.version = 0
+
+    def _ws(self, rank: int, layout: TrainerLayout, sources: dict, name: str, world: int = 2) -> WeightSync:
+        return WeightSync(rank=rank, world_size=world, control=self.control.with_prefix(name),
+                          engines=[self.engine] if rank == 0 else [], transport="nixl", timeout_s=TIMEOUT_S,
+                          layout=layout, sources=sources, name=name, control_port=self.control.port)
+
+    def step(self, seed: int) -> None:
+        """A training step's worth of change: every weight moves, shards follow."""
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for n, t in self.full.items():
+                t.add_(torch.randn(t.shape, generator=g, dtype=t.dtype) * 0.05 * (t.std() + 1e-3))
+            for r in range(2):
+                for n, ss in self.layout.shards_on(r).items():
+                    self.sources[r][n].copy_(self.full[n][box_slices(ss[0].box)])
+
+    def sync(self, ranks: tuple[int, ...] = (0, 1), timeout_s: float = TIMEOUT_S) -> list:
+        self.version += 1
+        return run_ranks([lambda r=r: self.ws[r].sync(self.version, timeout_s=timeout_s) for r in ranks],
+                         timeout_s=timeout_s + 30)
+
+    def hf_tokens(self) -> list[list[int]]:
+        return hf_greedy(self.hf, PROMPTS, MAX_TOKENS)
+
+    def engine_tokens(self) -> list[list[int]]:
+        return self.engine.generate(PROMPTS, MAX_TOKENS)
+
+    def close(self) -> None:
+        for w in self.ws:
+            w.close()
+        self.llm.collective_rpc("fastsync_close")
+        self.llm.llm_engine.engine_core.shutdown()  # stop the engine process before the next rig starts
+
+
+def run_ranks(fns: list, timeout_s: float = TIMEOUT_S * 2) -> list:
+    """Run each trainer rank's call on its own thread; re-raise the first failure."""
+    out: list = [None] * len(fns)
+
+    def go(i: int) -> None:
+        try:
+            out[i] = fns[i]()
+        except BaseException as e:
+            out[i] = e
+
+    threads = [threading.Thread(target=go, args=(i,), daemon=True) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+        assert not t.is_alive(), "a trainer rank did not return before its deadline"
+    for r in out:
+        if isinstance(r, BaseException):
+            raise r
+    return out
+
+
+@pytest.fixture(scope="module", params=[("tiny-qwen3", 2), ("tiny-qwen3-moe", 1)], ids=["dense-tp2", "moe-tp1"])
+def rig(request, tmp_path_factory):
+    preset, tp = request.param
+    if tp > 1:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # auto-binding asserts on a single-NUMA host
+    r = Rig(preset, tp, str(tmp_path_factory.mktemp("ckpt")))
+    yield r
+    r.close()
+
+
+def test_describe_reports_staged_prepacked_weights(rig):
+    info = rig.ws[0].engine_info[0]
+    assert len(info) == rig.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
+    staged = info[0]["staged"]
+    assert any("qkv_proj" in n for n in staged) and all(":" in why for why in staged.values())
+    assert "model.embed_tokens.weight" in info[0]["inplace"]
+
+
+def test_sync_makes_engine_generate_like_the_trainer(rig):
+    before = rig.engine_tokens()
+    assert before == rig.hf_tokens(), "engine and HF disagree on the checkpoint itself"
+    v0 = rig.engine.version()
+    rig.step(seed=1)
+    res = rig.sync()
+    print(f"sync v{rig.version}: " + ", ".join(f"rank {r.rank} {r.seconds * 1e3:.1f} ms" for r in res))
+    after = rig.engine_tokens()
+    assert after != before
+    assert after == rig.hf_tokens()
+    assert rig.engine.version() == v0 + 1 == rig.version
+
+
+def test_second_step_syncs_again(rig):
+    rig.step(seed=2)
+    rig.sync()
+    assert rig.engine_tokens() == rig.hf_tokens()
+    assert rig.engine.version() == rig.version
+
+
+def test_sender_that_dies_leaves_last_complete_version(rig):
+    served = rig.engine.version()
+    before = rig.engine_tokens()
+    rig.step(seed=3)
+    with pytest.raises(SyncError):
+        rig.sync(ranks=(0,), timeout_s=4.0)  # rank 1 never writes its shards: the engine must refuse
+    assert rig.engine.version() == served
+    assert rig.engine_tokens() == before
+    rig.sync()  # and the next complete sync lands
+    assert rig.engine_tokens() == rig.hf_tokens()
+    assert rig.engine.version() == rig.version
+
+
+def test_missing_trainer_parameter_fails_before_any_write(rig):
+    served, before = rig.engine.version(), rig.engine_tokens()
+    drop = "model.norm.weight"
+    params = {n: p for n, p in rig.params.items() if n != drop}
+    layout = fsdp_layout(params, 1)
+    sources = {n: rig.full[n] for n in params}
+    with pytest.raises((LayoutError, PlanError), match="model.norm.weight"):
+        rig._ws(0, layout, sources, "missing", world=1).setup()
+    assert rig.engine.version() == served and rig.engine_tokens() == before
+
+
+def test_mismatched_trainer_shape_fails_before_any_write(rig):
+    served, before = rig.engine.version(), rig.engine_tokens()
+    bad = "model.layers.0.post_attention_layernorm.weight"
+    params = dict(rig.params)
+    params[bad] = ParamSpec(bad, (params[bad].shape[0] // 2,), DTYPE)
+    layout = fsdp_layout(params, 1)
+    sources = {n: torch.zeros(p.shape) for n, p in params.items()}
+    with pytest.raises(FastSyncError, match=bad):
+        rig._ws(0, layout, sources, "mismatch", world=1).setup()
+    assert rig.engine.version() == served and rig.engine_tokens() == before
+
+
+def test_engine_checks_live_shapes_against_the_name_map(rig):
+    import json
+
+    config = json.load(open(os.path.join(rig.dir, "config.json")))
+    key = "moe_intermediate_size" if "moe_intermediate_size" in config else "intermediate_size"
+    config[key] *= 2
+    with pytest.raises(LayoutError, match=r"engine parameter 'model\.layers\.0\.mlp\.[a-z_.]+' has local shape"):
+        rig.engine.describe({"config": config})
