@@ -256,16 +256,27 @@ def engine_tensors_for_rank(inventory: object, name_map: NameMap, *, tp_size: in
     return out
 
 
-def build_engine_layout(inventory: object, name_map: NameMap, *, tp: int, ep: int | bool = 1, dp: int = 1,
+def build_engine_layout(inventory: object, name_map: NameMap, *, tp: int, ep: int | bool = 1, dp: int | None = None,
                         replicas: int = 1, dtype: str = "bfloat16", quant: str | None = None,
                         validate: bool = True) -> EngineLayout:
     """Every rank of ``replicas`` identical vLLM engines of ``tp * dp`` ranks each.
 
     ``ep``: 1/False = no expert parallel; True or ``tp * dp`` = vLLM's ``enable_expert_parallel``
-    (the EP group is the whole engine). Any other value is a ConfigError: vLLM has no EP group of
-    another size. Ranks holding identical tensors share the same dict objects (replicas, and ranks
+    (the EP group is the whole engine). With ``dp`` omitted, ``ep=E`` implies ``dp = E // tp``
+    (so ``tp=8, ep=32`` is one engine of 32 ranks). Any other value is a ConfigError: vLLM has
+    no EP group of another size. Ranks holding identical tensors share the same dict objects (replicas, and ranks
     that differ only in coordinates a tensor does not depend on share EngineTensor objects).
     """
+    if dp is None:
+        if isinstance(ep, int) and not isinstance(ep, bool) and ep > 1:
+            if not isinstance(tp, int) or tp < 1 or ep % tp:
+                raise ConfigError(
+                    f"engine layout: ep={ep} is not a multiple of tp={tp}; vLLM's expert-parallel group is the "
+                    f"whole engine (tp x data-parallel ranks), so ep must be tp x dp"
+                )
+            dp = ep // tp
+        else:
+            dp = 1
     for name, v in (("tp", tp), ("dp", dp), ("replicas", replicas)):
         if not isinstance(v, int) or v < 1:
             raise ConfigError(f"engine layout: {name} must be a positive integer, got {v!r}")

@@ -14,17 +14,18 @@ Grammar (``KIND:ARGS``; ARGS is a comma-separated list of ``key=value``, ``keyVA
     replicated:N | ddp:N            every rank holds every parameter whole
 
   engine side
-    vllm:tpT[,dpD][,ep[=E]][,replicasR][,quant=fp8][,dtype=bfloat16]
+    vllm:tpT[,dpD][,ep[=E]][,replicasR][,quant=fp8][,dtype=bfloat16]   (epE == ep=E)
         R independent vLLM engines ("replicas", alias "x"), each of T*D ranks: tensor parallel T,
         vLLM data parallel D. Dense/attention weights are split over T and replicated over D.
         Routed experts: without ``ep`` they are tensor parallel over all T*D ranks (vLLM flattens
         TP across DP for MoE); with ``ep`` (vLLM's enable_expert_parallel) each of the T*D ranks
         holds whole experts, placed linearly. vLLM's EP group is always the whole engine, so
-        ``ep=E`` must equal T*D. World size = T*D*R.
+        ``ep=E`` must equal T*D (with ``dp`` omitted, ``epE`` sets D = E/T). World size = T*D*R.
 
 Examples: ``fsdp:256``, ``hsdp:2x64``, ``zero3:8``, ``megatron:tp8,pp2,ep4,dp2``,
-``vllm:tp8`` (one TP8 engine), ``vllm:tp8,dp4,ep,replicas4`` (128 GPUs: 4 engines of
-TP8 x DP4 with EP32 — the Kimi-K2 FP8 setup), ``vllm:tp8,replicas16`` (16 TP8 engines).
+``vllm:tp8`` (one TP8 engine), ``vllm:tp8,dp4,ep,replicas4`` = ``vllm:tp8,ep32,replicas4``
+(128 GPUs: 4 engines of TP8 x DP4 with EP32 — the Kimi-K2 FP8 setup), ``vllm:tp8,replicas16``
+(16 TP8 engines).
 
 Kinds are looked up through ``fastsync.plugins.layout_kinds()``; fastsync's own register in
 ``fastsync._builtin.layouts`` like any plugin's. A bad spec raises ConfigError naming the field
@@ -53,8 +54,8 @@ __all__ = [
 
 GRAMMAR = """\
   trainer: fsdp:N[,dim=D] | hsdp:RxS | zero3:N | megatron:tpT[,ppP][,epE][,dpD] | replicated:N
-  engine:  vllm:tpT[,dpD][,ep[=T*D]][,replicasR][,quant=fp8]
-  examples: fsdp:256  hsdp:2x64  zero3:8  megatron:tp8,pp2,ep4,dp2  vllm:tp8,dp4,ep,replicas4"""
+  engine:  vllm:tpT[,dpD][,ep | ,epE (E = T*D, EP over the whole engine)][,replicasR][,quant=fp8]
+  examples: fsdp:256  hsdp:2x64  zero3:8  megatron:tp8,pp2,ep4,dp2  vllm:tp8,dp4,ep,replicas4 (= vllm:tp8,ep32,replicas4)"""
 
 _ITEM = re.compile(r"^([a-z_]+?)=?(\d+)$")
 
@@ -172,8 +173,13 @@ def vllm_builder(args: str, inventory: object, name_map: object) -> EngineLayout
     got = parse_args(spec, args, ints=("tp", "dp", "replicas"), flags=("ep",), strings=("quant", "dtype"),
                      aliases={"x": "replicas", "r": "replicas"})
     tp = _require(spec, got, "tp")
-    dp = int(got.get("dp", 1))  # type: ignore[arg-type]
     ep = got.get("ep", False)
+    if "dp" in got:
+        dp = int(got["dp"])  # type: ignore[arg-type]
+    elif ep is not True and ep is not False and int(ep) % tp == 0:  # type: ignore[call-overload]
+        dp = int(ep) // tp  # type: ignore[call-overload]
+    else:
+        dp = 1
     if ep is not True and ep is not False and ep != tp * dp:
         raise _err(spec, f"field 'ep'={ep}: vLLM's expert-parallel group is the whole engine, tp*dp = {tp * dp} "
                          f"ranks; write 'ep' (or ep={tp * dp}) and use replicasN for more engines, e.g. "

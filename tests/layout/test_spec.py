@@ -39,7 +39,7 @@ def test_fsdp_spec_equals_builder(inv):
 
 @pytest.mark.parametrize("spec,world,ep", [
     ("vllm:tp8", 8, 1), ("vllm:tp2,dp4,ep", 8, 8), ("vllm:tp2,dp2,ep=4,replicas3", 12, 4),
-    ("vllm:tp=4,x2", 8, 1), ("vllm:tp1,dp8,ep", 8, 8),
+    ("vllm:tp=4,x2", 8, 1), ("vllm:tp1,dp8,ep", 8, 8), ("vllm:tp2,ep8,replicas2", 16, 8),
 ])
 def test_engine_specs(inv, spec, world, ep):
     lay = engine_layout_from_spec(spec, inv)
@@ -61,6 +61,8 @@ def test_kimi_k2_perplexity_setup():
     trainer = trainer_layout_from_spec("fsdp:256", inv)
     engine = engine_layout_from_spec("vllm:tp8,dp4,ep,replicas4", inv, dtype_out="fp8")
     assert trainer.world_size == 256 and engine.world_size == 128
+    same = engine_layout_from_spec("vllm:tp8,ep32,replicas4", inv, dtype_out="fp8")
+    assert same.description == engine.description
     w13 = engine.tensors[127]["model.layers.1.mlp.experts.routed_experts.w13_weight"]
     assert w13.shape == (12, 4096, 7168) and w13.dtype == "float8_e4m3fn"  # 384 experts over EP32
 
@@ -82,6 +84,7 @@ def test_bad_trainer_specs(inv, spec, match):
 
 @pytest.mark.parametrize("spec,match", [
     ("vllm:tp8,ep4,dp4", r"field 'ep'=4: vLLM's expert-parallel group is the whole engine, tp\*dp = 32"),
+    ("vllm:tp8,ep4", r"field 'ep'=4: vLLM's expert-parallel group is the whole engine, tp\*dp = 8"),
     ("vllm:dp2", r"missing field 'tp'"),
     ("vllm:tp2,quant=int4", r"field 'quant' must be fp8"),
     ("vllm:tp2,zz=1", r"unknown field 'zz'"),
