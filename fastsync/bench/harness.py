@@ -134,6 +134,8 @@ def summarize(rows: list[dict], schedule: list[tuple[str, int, bool]], warmup: i
                 continue
             secs.append(max(r["end"] for r in rs) - min(r["start"] for r in rs))
             for r in rs:
+                if "prepare_s" in r:
+                    stages_r["prepare_between_syncs"].append(r["prepare_s"])
                 dst = stages_t if r["role"] == "trainer" else stages_r
                 for k, s in r.get("stages", {}).items():
                     dst[k].append(s)

@@ -27,7 +27,9 @@ class WorkerConfig:
     schedule: list[tuple[str, int, bool]] = field(default_factory=list)  # (transport, version, verify)
     staging_bytes: int = 256 << 20
     timeout_s: float = 60.0
-    mode: str = "shadow"
+    mode: str = "inplace"
+    backup: bool = True
+    min_direct_run_bytes: int = 16 << 10
     check_exact: bool = False
     direct: bool = True
     overlap: bool = True
@@ -85,7 +87,8 @@ def trainer_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
                 s = WeightSender(rank=rank, plan=model.plan, sources=views, shards=shards,
                                  control=control.with_prefix(f"fs/{name}"), transport=name,
                                  transport_options=_transport_options(name, cfg), staging_bytes=cfg.staging_bytes,
-                                 direct=cfg.direct, timeout_s=cfg.timeout_s)
+                                 direct=cfg.direct, min_direct_run_bytes=cfg.min_direct_run_bytes,
+                                 timeout_s=cfg.timeout_s)
                 t0 = time.perf_counter()
                 s.setup()
                 results.put({"kind": "setup", "role": "trainer", "rank": rank, "transport": name,
@@ -131,7 +134,7 @@ def receiver_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
         model = _model(cfg, control)
         tensors = {n: torch.zeros(t.shape, dtype=getattr(torch, t.dtype))
                    for n, t in model.engine.tensors[rank].items()}
-        landing = Landing(tensors, mode=cfg.mode, backup=False)
+        landing = Landing(tensors, mode=cfg.mode, backup=cfg.backup and cfg.mode == "inplace")
         receivers: dict[str, WeightReceiver] = {}
         served_version = 0
         for name, version, verify in cfg.schedule:
@@ -159,6 +162,8 @@ def receiver_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
                                           {"role": "engine", "rank": rank, "transport": name, "version": version}),
                        "ok": False, "error": f"{type(e).__name__}: {e}"}
             row["served_version"] = rx.version
+            # between syncs, while trainers would train: refresh the in-place backup (off the sync's path)
+            row["prepare_s"] = rx.prepare()
             if cfg.check_exact:
                 want = reference_tensors(model, rank, rx.version) if rx.version else None
                 if want is None:

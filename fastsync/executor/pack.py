@@ -83,12 +83,20 @@ class Packer:
         self.shards = shards
         self.gathered = gathered
 
-    def item_bytes(self, it: SendItem) -> torch.Tensor:
-        """The flat uint8 bytes ``it`` sends: its staging region, or its source region when direct."""
-        if it.direct:
-            buf = as_bytes(self.sources[it.transfer.src_param])
-            return buf[it.direct_offset: it.direct_offset + it.transfer.nbytes]
-        return self.staging[it.stage_offset: it.stage_offset + it.transfer.nbytes]
+    def base(self, it: SendItem) -> torch.Tensor:
+        """The flat uint8 buffer ``it.src_runs`` index: staging, or the source's local buffer."""
+        return as_bytes(self.sources[it.transfer.src_param]) if it.direct else self.staging
+
+    def segment_views(self, it: SendItem) -> list[tuple[torch.Tensor, int]]:
+        """``(source bytes, destination byte offset)`` for each contiguous piece of ``it``."""
+        base = self.base(it)
+        return [(base[s: s + n], d) for s, d, n in it.segments()]
+
+    def _crc(self, it: SendItem, crc: int) -> int:
+        base = self.base(it)
+        for off, n in it.src_runs:
+            crc = crc_update(crc, base[off: off + n])
+        return crc
 
     def pack(self, chunk: Chunk, crcs: dict[int, int] | None = None) -> None:
         """Transform every staged item of ``chunk`` into its slot; with ``crcs``, chain each item's
@@ -98,9 +106,10 @@ class Packer:
                 t = it.transfer
                 dst_dtype = self.program.dst_info[t.dst_rank][t.dst_tensor].dtype
                 src = source_view(t, self.sources, self.shards, self.gathered)
-                transform_into(self.item_bytes(it), src, t.transform, dst_dtype)
+                out = self.staging[it.stage_offset: it.stage_offset + t.nbytes]
+                transform_into(out, src, t.transform, dst_dtype)
             if crcs is not None:
-                crcs[it.index] = crc_update(crcs.get(it.index, 0), self.item_bytes(it))
+                crcs[it.index] = self._crc(it, crcs.get(it.index, 0))
 
 
 PackFn = Callable[[Chunk], None]

@@ -116,11 +116,36 @@ class SendItem:
     dst_runs: list[tuple[int, int]]  # byte runs inside the destination tensor
     chunk: int = -1
     stage_offset: int = -1  # byte offset in the staging arena; -1 when direct
-    direct_offset: int = -1  # byte offset in the source parameter's local buffer when direct
+    # byte runs of the source, in destination order: inside the staging arena when staged, inside
+    # the source parameter's local buffer when direct
+    src_runs: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def direct(self) -> bool:
         return self.stage_offset < 0
+
+    def segments(self) -> list[tuple[int, int, int]]:
+        """``(src_byte_offset, dst_byte_offset, num_bytes)`` pieces, each contiguous on both sides."""
+        out: list[tuple[int, int, int]] = []
+        si = di = 0
+        s_off, s_left = self.src_runs[0] if self.src_runs else (0, 0)
+        d_off, d_left = self.dst_runs[0] if self.dst_runs else (0, 0)
+        while si < len(self.src_runs) and di < len(self.dst_runs):
+            n = min(s_left, d_left)
+            if out and out[-1][0] + out[-1][2] == s_off and out[-1][1] + out[-1][2] == d_off:
+                out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
+            else:
+                out.append((s_off, d_off, n))
+            s_off, s_left, d_off, d_left = s_off + n, s_left - n, d_off + n, d_left - n
+            if s_left == 0:
+                si += 1
+                if si < len(self.src_runs):
+                    s_off, s_left = self.src_runs[si]
+            if d_left == 0:
+                di += 1
+                if di < len(self.dst_runs):
+                    d_off, d_left = self.dst_runs[di]
+        return out
 
 
 @dataclass(slots=True)
@@ -184,12 +209,15 @@ def compile_send(
     num_slots: int = 2,
     direct: bool = True,
     direct_chunk_bytes: int = 256 << 20,
+    min_direct_run_bytes: int = 16 << 10,
 ) -> SendProgram:
     """Compile ``plan`` for trainer ``rank``.
 
     ``dst_info`` is what the receivers published (their tensors' shapes and dtypes). With
     ``direct`` (and ``shards``/``src_dtypes`` given), plain same-dtype copies from a contiguous
-    region of a local shard skip staging and are written from the shard's own memory.
+    regions of a local shard skip staging and are written from the shard's own memory, provided
+    the source's contiguous runs average at least ``min_direct_run_bytes`` (many tiny runs, as a
+    row-parallel slice of a row-sharded tensor gives, are cheaper packed than posted one by one).
     """
     if num_slots < 1:
         raise ConfigError(f"num_slots must be >= 1, got {num_slots}")
@@ -206,9 +234,9 @@ def compile_send(
                 f"transfer {index} to rank {t.dst_rank} tensor {t.dst_tensor!r}: plan says {t.nbytes} bytes, "
                 f"receiver's {info.dtype} tensor needs {box_numel(t.dst_box) * info.itemsize}"
             )
-        off = _direct_offset(t, info, shards, src_dtypes) if direct else -1
-        if off >= 0:
-            direct_items.append(SendItem(index, t, byte_runs(t.dst_box, info), direct_offset=off))
+        runs = _direct_runs(t, info, shards, src_dtypes, min_direct_run_bytes) if direct else None
+        if runs is not None:
+            direct_items.append(SendItem(index, t, byte_runs(t.dst_box, info), src_runs=runs))
             continue
         for piece in split_transfer(t, slot_bytes):
             if piece.nbytes > slot_bytes:
@@ -239,24 +267,27 @@ def compile_send(
             used = 0
         it.chunk = cur.index
         it.stage_offset = cur.slot * slot_bytes + used
+        it.src_runs = [(it.stage_offset, it.transfer.nbytes)]
         cur.items.append(it)
         used += size
     return SendProgram(rank, chunks, slot_bytes, num_slots, dst_info)
 
 
-def _direct_offset(
-    t: Transfer, info: TensorInfo, shards: dict[str, list[Shard]] | None, src_dtypes: dict[str, str] | None
-) -> int:
-    """Byte offset of ``t``'s source in its local buffer when it can be written as is, else -1."""
+def _direct_runs(
+    t: Transfer, info: TensorInfo, shards: dict[str, list[Shard]] | None, src_dtypes: dict[str, str] | None,
+    min_run_bytes: int,
+) -> list[tuple[int, int]] | None:
+    """Byte runs of ``t``'s source in its local buffer when it can be written as is, else None."""
     if shards is None or src_dtypes is None or t.gathered or t.transform != "copy":
-        return -1
+        return None
     if src_dtypes.get(t.src_param) != info.dtype or t.src_param not in shards:
-        return -1
+        return None
     sh = locate_source(t, shards[t.src_param])
     runs = contiguous_runs(to_local(t.src_box, sh.box), box_shape(sh.box))
-    if len(runs) != 1:
-        return -1
-    return (sh.local_offset + runs[0][0]) * info.itemsize
+    if not runs or t.nbytes / len(runs) < min_run_bytes:
+        return None
+    size = info.itemsize
+    return [((sh.local_offset + off) * size, n * size) for off, n in runs]
 
 
 @dataclass(slots=True)

@@ -195,6 +195,17 @@ class WeightReceiver:
             plugins.hook().fastsync_after_sync(version=version, role="engine", rank=self.rank, metrics=m.to_json(),
                                                ok=False)
 
+    def prepare(self) -> float:
+        """Between syncs (while trainers train): refresh the in-place backup so the next
+        ``begin`` costs nothing. Returns the seconds it took (0 when there is nothing to do)."""
+        if self._open is not None:
+            raise SyncError(f"inference rank {self.rank}: prepare() while version {self._open} is open")
+        if self.landing.backup_fresh:
+            return 0.0
+        t0 = time.perf_counter()
+        self.landing.refresh_backup()
+        return time.perf_counter() - t0
+
     def sync(self, version: int, timeout_s: float | None = None) -> int:
         """``begin``, ``wait`` and ``finish`` in one call."""
         self.begin(version)

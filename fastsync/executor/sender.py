@@ -58,6 +58,7 @@ class WeightSender:
         staging_bytes: int = 256 << 20,
         num_slots: int = 2,
         direct: bool = True,
+        min_direct_run_bytes: int = 16 << 10,
         timeout_s: float = 60.0,
     ) -> None:
         if not 0 <= rank < plan.num_trainers:
@@ -80,6 +81,7 @@ class WeightSender:
         self.staging_bytes = staging_bytes
         self.num_slots = num_slots
         self.direct = direct
+        self.min_direct_run_bytes = min_direct_run_bytes
         self.timeout_s = timeout_s
         self.world = World(plan.num_trainers, plan.num_receivers)
         self.dsts = sorted({t.dst_rank for t in plan.transfers if t.src_rank == rank})
@@ -102,7 +104,8 @@ class WeightSender:
             dst_info[d] = {row[0]: TensorInfo.from_json(row) for row in info["tensors"]}
         src_dtypes = {p: dtype_name(t.dtype) for p, t in self.sources.items()}
         self.program = compile_send(self.plan, self.rank, dst_info, shards=self.shards, src_dtypes=src_dtypes,
-                                    staging_bytes=self.staging_bytes, num_slots=self.num_slots, direct=self.direct)
+                                    staging_bytes=self.staging_bytes, num_slots=self.num_slots, direct=self.direct,
+                                    min_direct_run_bytes=self.min_direct_run_bytes)
         staged = self.transport.uses_staging and any(not it.direct for c in self.program.chunks for it in c.items)
         staging = alloc_touched(self.program.staging_bytes) if staged else torch.empty(0, dtype=torch.uint8)
         packer = Packer(self.program, staging, self.sources, self.shards, check=self.transport.uses_staging)

@@ -10,12 +10,15 @@ Receiver atomicity (``Landing``):
   expected write arrived (and verified). A failed or interrupted sync leaves the live tensors
   untouched. Cost: one extra copy of the receiver's bytes per sync (at flip) and the same amount
   of extra memory.
-* ``mode="inplace"``: writes land straight in the live tensors' memory (zero extra copies, what an
-  engine that is paused during the update wants). The engine must not read while a sync is in
-  flight (fence generation). With ``backup=True`` the receiver snapshots the live tensors at
-  ``begin`` and restores them if the sync fails, so the last complete version is served again;
-  that costs one copy per sync (at ``begin``) plus the memory. Without backup a failed sync
-  leaves the tensors torn and the receiver says so (``Landing.torn``).
+* ``mode="inplace"``: writes land straight in the live tensors' memory (zero extra copies on the
+  sync's critical path, what an engine that is paused during the update wants). The engine must
+  not read while a sync is in flight (fence generation). With ``backup=True`` a copy of the last
+  complete version is kept and restored if a sync fails, so that version is served again. The
+  backup is refreshed by :meth:`Landing.refresh_backup` (``WeightReceiver.prepare()``), which the
+  engine calls between syncs, while the trainers train; ``begin`` refreshes it itself when the
+  caller did not, so correctness never depends on that call, only where its cost lands (one copy
+  of the receiver's bytes per sync, plus the memory). Without backup a failed sync leaves the
+  tensors torn and the receiver says so (``Landing.torn``).
 * A live tensor that cannot take writes in place (not contiguous) always gets a staging region in
   the arena and is copied at flip, in either mode.
 """
@@ -97,6 +100,7 @@ class Landing:
                 if backup:
                     self._backup[n] = self.arena[offsets[n]: offsets[n] + self.infos[n].nbytes]
         self.torn = False
+        self._backup_fresh = False
 
     def buffers(self) -> list[torch.Tensor]:
         """Distinct memory the transports must register: the arena plus in-place tensors."""
@@ -104,10 +108,20 @@ class Landing:
         out += [self.regions[n] for n in self.live if n not in self.staged and self.regions[n].numel()]
         return out
 
-    def begin(self) -> None:
-        """Before any write of a new version lands: snapshot in-place tensors when backing up."""
+    @property
+    def backup_fresh(self) -> bool:
+        return not self._backup or self._backup_fresh
+
+    def refresh_backup(self) -> None:
+        """Copy the live in-place tensors into the backup (call between syncs)."""
         for n, b in self._backup.items():
             b.copy_(self.regions[n])
+        self._backup_fresh = True
+
+    def begin(self) -> None:
+        """Before any write of a new version lands: make sure the backup holds the live version."""
+        if self._backup and not self._backup_fresh:
+            self.refresh_backup()
 
     def apply(self, names: list[str] | None = None) -> None:
         """Copy staged regions into the live tensors (the flip)."""
@@ -119,6 +133,7 @@ class Landing:
             else:
                 live.copy_(src.view(live.dtype).view(live.shape))
         self.torn = False
+        self._backup_fresh = False  # the live tensors moved on; the backup holds the old version
 
     def rollback(self) -> bool:
         """After a failed sync: restore in-place tensors from the backup. Returns True when the

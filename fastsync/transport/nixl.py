@@ -165,21 +165,19 @@ class NixlTransport(Transport):
         for c in prog.chunks:
             local: dict[int, list] = {}
             remote: dict[int, list] = {}
+            lmem = "DRAM"
             for it in c.items:
                 d, name = it.transfer.dst_rank, it.transfer.dst_tensor
                 base, size, mem, dev = addrs[d][name]
-                src = ctx.packer.item_bytes(it)
-                lmem, ldev = _mem(src)
-                src_ptr = src.data_ptr()
-                acc = 0
-                for off, n in it.dst_runs:
+                for view, off in ctx.packer.segment_views(it):
+                    n = view.numel()
                     if off + n > size:
                         raise TransportError(
                             f"nixl: inference rank {d} registered {size} bytes for {name!r}, plan writes up to {off + n}"
                         )
-                    local.setdefault(d, []).append((src_ptr + acc, n, ldev))
+                    lmem, ldev = _mem(view)
+                    local.setdefault(d, []).append((view.data_ptr(), n, ldev))
                     remote.setdefault(d, []).append((base + off, n, dev))
-                    acc += n
             entries = []
             for d in sorted(local):
                 ldesc = self.agent.get_xfer_descs(np.array(local[d], dtype=np.uint64), lmem)

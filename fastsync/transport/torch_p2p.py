@@ -52,12 +52,9 @@ class TorchP2PTransport(Transport):
             msgs = []
             for it in c.items:
                 d = it.transfer.dst_rank
-                src = ctx.packer.item_bytes(it)
-                acc = 0
-                for off, n in it.dst_runs:
-                    msgs.append((ctx.world.receiver(d), src[acc: acc + n]))
-                    per_dst.setdefault(d, []).append([it.transfer.dst_tensor, off, n])
-                    acc += n
+                for view, off in ctx.packer.segment_views(it):
+                    msgs.append((ctx.world.receiver(d), view))
+                    per_dst.setdefault(d, []).append([it.transfer.dst_tensor, off, view.numel()])
             self._msgs[c.index] = msgs
         for d in range(ctx.world.num_receivers):
             ctx.control.set(f"torch/send/{ctx.rank}/to/{d}", json.dumps(per_dst.get(d, [])))

@@ -1,0 +1,102 @@
+"""``fastsync bench``: spawn trainer and inference processes, sync a synthetic (or preset) model
+over each transport, verify, and print seconds per sync, GB/s and the speed-up over rank0."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from fastsync.errors import ConfigError
+
+TRANSPORT_ORDER = ("rank0", "torch", "nixl")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="measure weight-sync transports between real processes on this host")
+    p.add_argument("--trainers", type=int, required=True, help="trainer processes (FSDP shards)")
+    p.add_argument("--rollouts", type=int, required=True, help="inference processes (one TP group)")
+    p.add_argument("--size-gb", type=float, help="synthetic Qwen3-MoE-like model of about this many GB (bf16)")
+    p.add_argument("--model", help="registered model preset (trimmed to --size-gb layers when both are given)")
+    p.add_argument("--transport", default="all", help="nixl, torch, rank0, a comma list, or all (default)")
+    p.add_argument("--steps", type=int, default=5, help="timed syncs per transport (after one warm-up)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed syncs per transport first")
+    p.add_argument("--staging-mb", type=int, default=256, help="sender staging budget per trainer rank (MiB)")
+    p.add_argument("--mode", choices=("inplace", "shadow"), default="inplace",
+                   help="receiver atomicity: in-place writes with a backup refreshed between syncs (default), "
+                        "or a shadow copy applied at the flip")
+    p.add_argument("--timeout", type=float, default=120.0, help="deadline of each sync, seconds")
+    p.add_argument("--check-exact", action="store_true",
+                   help="also compare every receiver's tensors with an independent reference (slow, small models)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--progress", choices=("auto", "on", "off"), default="auto", help="progress bar on stderr")
+    p.set_defaults(func=run)
+
+
+def _transports(spec: str) -> list[str]:
+    from fastsync import plugins
+
+    names = list(TRANSPORT_ORDER) if spec == "all" else [s.strip() for s in spec.split(",") if s.strip()]
+    regs = plugins.transports()
+    for n in names:
+        if n not in regs:
+            raise ConfigError(f"--transport: unknown transport {n!r}; registered: {sorted(regs)}")
+    if spec == "all":
+        names = [n for n in names if regs[n].extra.get("available", True)]
+    else:
+        for n in names:
+            if not regs[n].extra.get("available", True):
+                raise ConfigError(f"--transport {n}: cannot run here: {regs[n].extra.get('why', '')}")
+    return sorted(names, key=lambda n: TRANSPORT_ORDER.index(n) if n in TRANSPORT_ORDER else len(TRANSPORT_ORDER))
+
+
+def run(args: argparse.Namespace) -> int:
+    from fastsync.bench.harness import run_bench
+    from fastsync.bench.workers import WorkerConfig
+
+    if args.trainers < 1 or args.rollouts < 1:
+        raise ConfigError("--trainers and --rollouts must be at least 1")
+    if args.size_gb is None and args.model is None:
+        raise ConfigError("give --size-gb S or --model PRESET")
+    if args.size_gb is not None and args.size_gb <= 0:
+        raise ConfigError(f"--size-gb must be positive, got {args.size_gb}")
+    if args.steps < 1 or args.warmup < 0:
+        raise ConfigError("--steps must be >= 1 and --warmup >= 0")
+    transports = _transports(args.transport)
+    cfg = WorkerConfig(
+        trainers=args.trainers, rollouts=args.rollouts, port=0,
+        size_bytes=int(args.size_gb * (1 << 30)) if args.size_gb is not None else None, preset=args.model,
+        staging_bytes=args.staging_mb << 20, timeout_s=args.timeout, mode=args.mode, check_exact=args.check_exact,
+    )
+    progress = None if args.progress == "auto" else args.progress == "on"
+    result = run_bench(cfg, transports, steps=args.steps, warmup=args.warmup, progress=progress)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_table(result)
+    ok = all(r["verified"] and r["seconds_median"] is not None and r.get("exact") is not False
+             for r in result["transports"].values())
+    return 0 if ok else 1
+
+
+def print_table(result: dict, out=sys.stdout) -> None:
+    gb = result["bytes_per_sync"] / 1e9
+    print(f"{result['model']}: {gb:.2f} GB per sync, {result['num_transfers']} planned transfers, "
+          f"{result['trainers']} trainer -> {result['rollouts']} inference processes", file=out)
+    base = (result["transports"].get("rank0") or {}).get("seconds_median")
+    print(f"{'transport':10} {'s/sync (median)':>16} {'GB/s':>7} {'vs rank0':>9} {'verified':>9}  stages (median s; trainer | engine)",
+          file=out)
+    for name, r in result["transports"].items():
+        med = r["seconds_median"]
+        sp = f"{base / med:.1f}x" if base and med else "-"
+        st = ", ".join(f"{k} {v:.3f}" for k, v in r["stages_trainer"].items() if v >= 0.0005)
+        se = ", ".join(f"{k} {v:.3f}" for k, v in r["stages_engine"].items() if v >= 0.0005)
+        ver = {True: "yes", False: "NO", None: "-"}[r["verified"]]
+        if r.get("exact") is not None:
+            ver += "+exact" if r["exact"] else " EXACT-FAIL"
+        med_s = f"{med:.3f}" if med is not None else "failed"
+        gbps = f"{r['gbps']:.2f}" if r["gbps"] else "-"
+        print(f"{name:10} {med_s:>16} {gbps:>7} {sp:>9} {ver:>9}  {st} | {se}", file=out)
+        for e in r["errors"][:3]:
+            print(f"{'':10} error: {e}", file=out)
+    print("(prepare_between_syncs: in-place backup refresh, done between syncs while trainers train)", file=out)
