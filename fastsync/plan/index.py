@@ -33,6 +33,15 @@ class ShardIndex:
     bisect: bool
     disjoint: bool
     ranks: tuple[int, ...]
+    complete: bool = False  # disjoint boxes covering every element: no holes to look for
+    slab: bool = False  # boxes differ only along ``dim`` (FSDP Shard(d), TP): hits are a range
+
+    def count(self, q: Box) -> int:
+        """How many distinct shard boxes ``q`` overlaps."""
+        if self.slab and q:
+            d = self.dim
+            return bisect_left(self.starts, q[d][1]) - bisect_right(self.stops, q[d][0])
+        return len(self.hits(q))
 
     def hits(self, q: Box) -> list[int]:
         """Indices of the boxes overlapping ``q``."""
@@ -56,6 +65,23 @@ class ShardIndex:
     def decompose(self, q: Box) -> list[tuple[Box, tuple[int, ...]]]:
         """Disjoint sub-boxes covering ``q``, each with every rank that holds all of it.
         Raises LayoutError when part of ``q`` is held by no rank."""
+        if self.slab and q:
+            d = self.dim
+            lo = bisect_right(self.stops, q[d][0])
+            hi = bisect_left(self.starts, q[d][1])
+            q0, q1 = q[d]
+            head, tail = q[:d], q[d + 1:]
+            boxes, starts, stops, holders = self.boxes, self.starts, self.stops, self.holders
+            out = [(head + ((max(q0, starts[i]), min(q1, stops[i])),) + tail, holders[i]) for i in range(lo, hi)]
+            if self.complete:
+                return out
+            got = sum(min(q1, stops[i]) - max(q0, starts[i]) for i in range(lo, hi))
+            if got != q1 - q0:
+                raise LayoutError(
+                    f"parameter {self.name!r}: region {q} is only partly held by trainer ranks "
+                    f"({got} of {q1 - q0} rows along dim {d})"
+                )
+            return out
         hit = self.hits(q)
         if self.disjoint:
             parts = [(intersect(q, self.boxes[i]), self.holders[i]) for i in hit]
@@ -121,8 +147,15 @@ def build_index(name: str, shape: tuple[int, ...], shards: tuple[Shard, ...]) ->
     numel = box_numel(tuple((0, n) for n in shape))
     ranks = tuple(sorted({r for h in holders for r in h}))
     bis = monotone and ndim > 0
-    disjoint = total <= numel and _pairwise_disjoint(boxes, starts, stops, bis)
-    return ShardIndex(name, boxes, holders, dim, starts, stops, bis, disjoint, ranks)
+    slab = bis and all(b[k] == (0, shape[k]) for b in boxes for k in range(ndim) if k != dim)
+    # slabs along one dim are disjoint when each starts at or after the previous one's stop
+    if slab:
+        disjoint = all(stops[i] <= starts[i + 1] for i in range(len(boxes) - 1))
+    else:
+        disjoint = total <= numel and _pairwise_disjoint(boxes, starts, stops, bis)
+    slab = slab and disjoint
+    complete = disjoint and total == numel
+    return ShardIndex(name, boxes, holders, dim, starts, stops, bis, disjoint, ranks, complete, slab)
 
 
 def _overlap(a: Box, b: Box) -> bool:

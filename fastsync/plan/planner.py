@@ -11,6 +11,8 @@ In order:
    128x128 blocks) are only cut at block boundaries; a piece whose blocks the trainer's shards
    cut, or whose transform cannot be sliced, is sent from an *owner* that gathers the whole
    parameter first (``Plan.gathers``; ``Transfer.gathered``), as FSDP's ``full_tensor()`` does.
+   A piece that would be cut into many tiny parts (a replicated norm over 256 FSDP shards) is
+   also sent whole from an owner: per-transfer costs would dominate its bytes.
 3. Optionally split transfers over ``max_transfer_bytes`` into sub-boxes along their first
    non-unit dim, so the executor can pipeline chunks.
 4. Balance: bytes a rank must send because only it holds them are fixed; every other choice
@@ -29,7 +31,8 @@ from dataclasses import dataclass
 
 from fastsync.errors import LayoutError, PlanError
 from fastsync.layout.box import Box, box_numel, box_shape, squeeze_shape
-from fastsync.layout.types import DTYPE_BYTES, EngineLayout, ParamSpec, TrainerLayout
+from fastsync.layout.types import DTYPE_BYTES, EngineLayout, EngineTensor, ParamSpec, Piece, TrainerLayout
+from fastsync.plan.fingerprint import engine_fingerprint, trainer_fingerprint
 from fastsync.plan.index import ShardIndex, build_index, map_sub_box, scale_space
 from fastsync.plan.types import Plan, Transfer
 
@@ -73,17 +76,28 @@ def validate_inputs(params: Mapping[str, ParamSpec], trainer: TrainerLayout, eng
     if unknown:
         raise LayoutError(f"trainer layout has parameter(s) the model does not: {unknown[:5]}")
     trainer.validate()
-    engine.validate(dict(params))
-    for rank, tensors in engine.tensors.items():
-        for tname, t in tensors.items():
-            for p in t.pieces:
-                if p.transform == "fp8_scale":
-                    _, ext = scale_space(p.src_box, p.src_box, _BUILTIN_KINDS["fp8_scale"])
-                    if squeeze_shape(ext) != squeeze_shape(box_shape(p.dst_box)):
-                        raise LayoutError(
-                            f"engine rank {rank} tensor {tname!r}: scale region {box_shape(p.dst_box)} "
-                            f"does not match the 128x128 blocks {ext} of {p.src!r}{list(p.src_box)}"
-                        )
+    # Replicas (and TP ranks holding replicated tensors) repeat equal tensors: check each
+    # distinct one once, on the first rank holding it, with the layout's own validate().
+    distinct: dict[tuple[str, EngineTensor], int] = {}
+    for rank in sorted(engine.tensors):
+        for tname, t in engine.tensors[rank].items():
+            distinct.setdefault((tname, t), rank)
+    reduced: dict[int, dict[str, EngineTensor]] = {}
+    for (tname, t), rank in distinct.items():
+        reduced.setdefault(rank, {})[tname] = t
+    EngineLayout(engine.world_size, reduced, kind=engine.kind).validate(dict(params))
+    for rank in engine.tensors:
+        if not 0 <= rank < engine.world_size:
+            raise LayoutError(f"engine rank {rank} outside world size {engine.world_size}")
+    for (tname, t), rank in distinct.items():
+        for p in t.pieces:
+            if p.transform == "fp8_scale":
+                _, ext = scale_space(p.src_box, p.src_box, _BUILTIN_KINDS["fp8_scale"])
+                if squeeze_shape(ext) != squeeze_shape(box_shape(p.dst_box)):
+                    raise LayoutError(
+                        f"engine rank {rank} tensor {tname!r}: scale region {box_shape(p.dst_box)} "
+                        f"does not match the 128x128 blocks {ext} of {p.src!r}{list(p.src_box)}"
+                    )
 
 
 @dataclass(slots=True)
@@ -113,6 +127,8 @@ def _aligned(sub: Box, piece: Box, block: int) -> bool:
 
 
 def _dst_sub(sub: Box, piece_src: Box, piece_dst: Box, block: int, is_scale: bool) -> Box:
+    if sub == piece_src:
+        return piece_dst
     if is_scale:
         rel, ext = scale_space(sub, piece_src, block)
     else:
@@ -147,15 +163,67 @@ def _split(sub: Box, piece_src: Box, block: int, max_elems: int) -> list[Box]:
     return out
 
 
+def _piece_parts(
+    p: Piece,
+    idx: ShardIndex,
+    cache: dict[tuple[Box, int], list[tuple[Box, tuple[int, ...]]] | None],
+    block: int,
+    elem_bytes: int,
+    src_bytes: int,
+    max_transfer_bytes: int | None,
+    min_transfer_bytes: int,
+    coalesce_min_parts: int,
+) -> tuple[bool, list[tuple[Box, Box, int, tuple[int, ...]]]]:
+    """How one piece is sent: (needs the owner gather, [(src sub-box, dst sub-box, bytes,
+    ranks that hold the sub-box)])."""
+    is_scale = p.transform == "fp8_scale"
+    key = (p.src_box, block)
+    parts = cache.get(key, ...)
+    if parts is ...:
+        k = idx.count(p.src_box)
+        if k >= coalesce_min_parts and box_numel(p.src_box) * src_bytes < min_transfer_bytes * k:
+            if not idx.complete:
+                idx.decompose(p.src_box)  # still refuse holes
+            parts = None
+        else:
+            parts = idx.decompose(p.src_box)
+            if block == WHOLE and len(parts) > 1:
+                parts = None
+            elif block > 0 and not all(_aligned(sub, p.src_box, block) for sub, _ in parts):
+                parts = None
+        cache[key] = parts
+    max_elems = None if max_transfer_bytes is None or is_scale else max(1, max_transfer_bytes // elem_bytes)
+    out = []
+    if parts is None:
+        subs = [p.src_box] if max_elems is None or block < 0 else _split(p.src_box, p.src_box, block, max_elems)
+        for sub in subs:
+            dst = _dst_sub(sub, p.src_box, p.dst_box, block, is_scale)
+            out.append((sub, dst, box_numel(dst) * elem_bytes, ()))
+        return True, out
+    for sub, holders in parts:
+        for s in [sub] if max_elems is None else _split(sub, p.src_box, block, max_elems):
+            dst = _dst_sub(s, p.src_box, p.dst_box, block, is_scale)
+            out.append((s, dst, box_numel(dst) * elem_bytes, holders))
+    return False, out
+
+
 def build_plan(
     params: Mapping[str, ParamSpec],
     trainer: TrainerLayout,
     engine: EngineLayout,
     *,
     max_transfer_bytes: int | None = None,
+    min_transfer_bytes: int = 64 << 10,
+    coalesce_min_parts: int = 8,
     allow_unread: bool = False,
 ) -> Plan:
     """Compute the static schedule. See the module docstring for the order of work.
+
+    ``min_transfer_bytes`` / ``coalesce_min_parts``: a piece the trainer's shards would cut into
+    ``coalesce_min_parts`` or more parts averaging under ``min_transfer_bytes`` of source (a
+    norm or router weight replicated on every engine rank, FSDP-sharded 256 ways) is sent whole
+    from a gather owner instead: one transfer per receiver, not hundreds of tiny ones. Set
+    ``min_transfer_bytes=0`` to always slice.
 
     ``allow_unread``: a parameter no engine piece reads is an error (nothing is silently
     skipped) unless this is True. Raises LayoutError/PlanError before anything is planned.
@@ -196,38 +264,23 @@ def build_plan(
         idx = build_index(name, tuple(spec.shape), trainer.shards[name])
         indices[name] = idx
         cache: dict[tuple[Box, int], list[tuple[Box, tuple[int, ...]]] | None] = {}
+        # replicas share piece objects: a piece's parts are worked out once per dtype
+        pcache: dict[tuple[int, str], tuple[bool, list[tuple[Box, Box, int, tuple[int, ...]]]]] = {}
+        src_bytes = DTYPE_BYTES[spec.dtype]
         for rank, tname, dtype, p in plist:
-            block = kinds[p.transform]
-            is_scale = p.transform == "fp8_scale"
-            elem_bytes = DTYPE_BYTES[dtype]
-            key = (p.src_box, block)
-            parts = cache.get(key, ...)
-            if parts is ...:
-                parts = idx.decompose(p.src_box)
-                if block == WHOLE and len(parts) > 1:
-                    parts = None
-                elif block > 0 and not all(_aligned(sub, p.src_box, block) for sub, _ in parts):
-                    parts = None
-                cache[key] = parts
-            if parts is None:
-                subs = [p.src_box]
-                if max_transfer_bytes is not None and not is_scale and block >= 0:
-                    subs = _split(p.src_box, p.src_box, block, max(1, max_transfer_bytes // elem_bytes))
-                for sub in subs:
-                    dst = _dst_sub(sub, p.src_box, p.dst_box, block, is_scale)
-                    it = _Item(rank, tname, dst, name, sub, p.transform, box_numel(dst) * elem_bytes, ())
+            res = pcache.get((id(p), dtype))
+            if res is None:
+                res = pcache[(id(p), dtype)] = _piece_parts(
+                    p, idx, cache, kinds[p.transform], DTYPE_BYTES[dtype], src_bytes,
+                    max_transfer_bytes, min_transfer_bytes, coalesce_min_parts)
+            is_gather, parts = res
+            for sub, dst, nbytes, holders in parts:
+                it = _Item(rank, tname, dst, name, sub, p.transform, nbytes, holders)
+                ordered.append(it)
+                if is_gather:
                     gathered.setdefault(name, []).append(it)
-                    ordered.append(it)
-                continue
-            for sub, holders in parts:
-                subs = [sub]
-                if max_transfer_bytes is not None and not is_scale:
-                    subs = _split(sub, p.src_box, block, max(1, max_transfer_bytes // elem_bytes))
-                for s in subs:
-                    dst = _dst_sub(s, p.src_box, p.dst_box, block, is_scale)
-                    it = _Item(rank, tname, dst, name, s, p.transform, box_numel(dst) * elem_bytes, holders)
+                else:
                     items.append(it)
-                    ordered.append(it)
 
     gathers = _assign(items, gathered, indices, trainer.world_size)
 
@@ -245,7 +298,7 @@ def build_plan(
         "gather_sources": _gather_sources(gathers, indices, params),
         "model_bytes": sum(p.nbytes for p in params.values()),
     }
-    return Plan(transfers, gathers, trainer.fingerprint(), engine.fingerprint(), trainer.world_size,
+    return Plan(transfers, gathers, trainer_fingerprint(trainer), engine_fingerprint(engine), trainer.world_size,
                 engine.world_size, meta)
 
 

@@ -1,0 +1,145 @@
+"""``fastsync plan``: plan and simulate one weight sync of a real model between two layouts.
+
+Example::
+
+    fastsync plan --model kimi-k2 --trainer fsdp:256 --rollout vllm:tp8,dp4,ep,replicas4 \\
+        --nic-gbps 400 --dtype-out fp8
+
+Builds the inventory and both layouts from their specs, computes the static plan, simulates it
+and the rank-0 broadcast baseline, and prints a short table (or one JSON object with ``--json``).
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from fastsync.errors import ConfigError
+
+__all__ = ["add_parser", "run", "plan_report"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="plan and simulate a weight sync between a trainer and an inference layout",
+                       description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--model", required=True, help="preset name (e.g. kimi-k2) or a directory with a HF config.json")
+    p.add_argument("--trainer", required=True, help="trainer layout spec, e.g. fsdp:256, hsdp:2x64, zero3:8")
+    p.add_argument("--rollout", required=True, help="inference layout spec, e.g. vllm:tp8,dp4,ep,replicas4")
+    p.add_argument("--nic-gbps", type=float, default=400.0, help="per-GPU NIC bandwidth in Gb/s (default 400)")
+    p.add_argument("--intra-node-gbps", type=float, default=None,
+                   help="per-GPU intra-node bandwidth in Gb/s for owner gathers (default: NIC speed)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="trainer GPUs per node (default 8)")
+    p.add_argument("--dtype-out", choices=["bf16", "fp8"], default="bf16", help="engine weight dtype (default bf16)")
+    p.add_argument("--max-transfer-mb", type=float, default=None,
+                   help="split transfers larger than this many MiB into chunks (default: no split)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--save", metavar="PATH", default=None, help="write the serialised plan to PATH")
+    p.set_defaults(func=run)
+
+
+def _gb(n: float) -> str:
+    for unit, div in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def plan_report(args: argparse.Namespace) -> dict:
+    """Build everything and return the report as a dict (what ``--json`` prints)."""
+    from fastsync.layout.spec import engine_layout_from_spec, trainer_layout_from_spec
+    from fastsync.models import load_inventory
+    from fastsync.plan.fingerprint import plan_hash
+    from fastsync.plan.planner import build_plan
+    from fastsync.plan.simulate import rank0_baseline, simulate
+
+    if args.gpus_per_node <= 0:
+        raise ConfigError(f"--gpus-per-node must be positive, got {args.gpus_per_node}")
+    max_bytes = None
+    if args.max_transfer_mb is not None:
+        if args.max_transfer_mb <= 0:
+            raise ConfigError(f"--max-transfer-mb must be positive, got {args.max_transfer_mb}")
+        max_bytes = int(args.max_transfer_mb * (1 << 20))
+    t0, c0 = time.perf_counter(), time.process_time()
+    inv = load_inventory(args.model)
+    trainer = trainer_layout_from_spec(args.trainer, inv)
+    engine = engine_layout_from_spec(args.rollout, inv, dtype_out=args.dtype_out)
+    t1 = time.perf_counter()
+    plan = build_plan(inv.params, trainer, engine, max_transfer_bytes=max_bytes)
+    digest = plan_hash(plan)
+    t2, c2 = time.perf_counter(), time.process_time()
+    sim = simulate(plan, nic_gbps=args.nic_gbps, intra_node_gbps=args.intra_node_gbps,
+                   gpus_per_node=args.gpus_per_node)
+    base = rank0_baseline(inv.params, engine.world_size, nic_gbps=args.nic_gbps, num_trainers=trainer.world_size,
+                          intra_node_gbps=args.intra_node_gbps, gpus_per_node=args.gpus_per_node)
+    if args.save:
+        Path(args.save).write_text(plan.dumps())
+    return {
+        "model": inv.name,
+        "architecture": inv.architecture,
+        "trainer": args.trainer,
+        "rollout": args.rollout,
+        "dtype_out": args.dtype_out,
+        "nic_gbps": args.nic_gbps,
+        "intra_node_gbps": args.intra_node_gbps,
+        "num_trainers": trainer.world_size,
+        "num_receivers": engine.world_size,
+        "tensors": len(inv.params),
+        "engine_tensors": sum(len(ts) for ts in engine.tensors.values()),
+        "model_bytes": sum(p.nbytes for p in inv.params.values()),
+        "bytes_total": plan.bytes_total,
+        "transfers": len(plan.transfers),
+        "gathers": len(plan.gathers),
+        "gather_owners": len(set(plan.gathers.values())),
+        "max_send_bytes": sim.max_send_bytes,
+        "mean_send_bytes": sim.mean_send_bytes,
+        "max_recv_bytes": sim.max_recv_bytes,
+        "mean_recv_bytes": sim.mean_recv_bytes,
+        "send_balance": sim.send_balance,
+        "recv_balance": sim.recv_balance,
+        "predicted_seconds": sim.predicted_seconds,
+        "lower_bound_seconds": sim.lower_bound_seconds,
+        "bottleneck": sim.bottleneck,
+        "rank0_predicted_seconds": base.predicted_seconds,
+        "rank0_assumption": base.assumption,
+        "plan_seconds": t2 - t0,
+        "layout_seconds": t1 - t0,
+        "planner_seconds": t2 - t1,
+        "plan_cpu_seconds": c2 - c0,
+        "plan_hash": digest,
+        "saved_to": args.save,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    r = plan_report(args)
+    if args.json:
+        print(json.dumps(r))
+        return 0
+    over = (r["predicted_seconds"] / r["lower_bound_seconds"] - 1) * 100 if r["lower_bound_seconds"] else 0.0
+    speedup = r["rank0_predicted_seconds"] / r["predicted_seconds"] if r["predicted_seconds"] else float("inf")
+    rows = [
+        ("model", f"{r['model']} ({r['architecture']})"),
+        ("layouts", f"trainer {r['trainer']} ({r['num_trainers']} ranks) -> rollout {r['rollout']} "
+                    f"({r['num_receivers']} ranks), out {r['dtype_out']}"),
+        ("tensors", f"{r['tensors']} parameters -> {r['engine_tensors']} engine tensors on all ranks"),
+        ("bytes", f"{_gb(r['bytes_total'])} into receivers (model {_gb(r['model_bytes'])} as trained)"),
+        ("transfers", f"{r['transfers']} ({r['gathers']} parameters gathered on {r['gather_owners']} owners)"),
+        ("send per trainer", f"max {_gb(r['max_send_bytes'])} / mean {_gb(r['mean_send_bytes'])} "
+                             f"= {r['send_balance']:.2f}"),
+        ("recv per inference", f"max {_gb(r['max_recv_bytes'])} / mean {_gb(r['mean_recv_bytes'])} "
+                               f"= {r['recv_balance']:.2f}"),
+        ("predicted sync", f"{r['predicted_seconds']:.3f} s at {r['nic_gbps']:g} Gb/s/GPU "
+                           f"(lower bound {r['lower_bound_seconds']:.3f} s, +{over:.1f}%; {r['bottleneck']})"),
+        ("rank-0 baseline", f"{r['rank0_predicted_seconds']:.1f} s ({speedup:.0f}x slower)"),
+        ("time to plan", f"{r['plan_seconds']:.2f} s (layouts {r['layout_seconds']:.2f} s, "
+                         f"planner+hash {r['planner_seconds']:.2f} s; {r['plan_cpu_seconds']:.2f} s CPU)"),
+        ("plan hash", r["plan_hash"]),
+    ]
+    if r["saved_to"]:
+        rows.append(("saved", r["saved_to"]))
+    for k, v in rows:
+        print(f"{k:20} {v}")
+    return 0
