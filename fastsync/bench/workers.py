@@ -26,7 +26,8 @@ class WorkerConfig:
     preset: str | None = None
     schedule: list[tuple[str, int, bool]] = field(default_factory=list)  # (transport, version, verify)
     staging_bytes: int = 256 << 20
-    timeout_s: float = 60.0
+    timeout_s: float = 60.0  # set-up, barriers
+    sync_timeout_s: float | None = None  # deadline of each sync (default: timeout_s)
     mode: str = "inplace"
     backup: bool = True
     min_direct_run_bytes: int = 16 << 10
@@ -106,7 +107,7 @@ def trainer_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
                         os._exit(17)  # a trainer dying mid-sync, some writes already landed
             control.barrier(f"bench/{name}/{version}", cfg.trainers + cfg.rollouts, cfg.timeout_s)
             try:
-                m = senders[name].sync(version, verify=verify, on_chunk=on_chunk)
+                m = senders[name].sync(version, verify=verify, on_chunk=on_chunk, timeout_s=cfg.sync_timeout_s)
                 results.put({"kind": "sync", **m.to_json()})
             except Exception as e:  # reported, the run goes on to the next version
                 results.put({"kind": "sync", "role": "trainer", "rank": rank, "transport": name,
@@ -153,7 +154,7 @@ def receiver_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
             control.barrier(f"bench/{name}/{version}", cfg.trainers + cfg.rollouts, cfg.timeout_s)
             row: dict[str, Any]
             try:
-                rx.sync(version)
+                rx.sync(version, timeout_s=cfg.sync_timeout_s)
                 row = {"kind": "sync", **rx.last_metrics.to_json(), "verified": bool(verify)}
                 served_version = version
             except Exception as e:

@@ -1,5 +1,10 @@
 """The pipelined send loop: pack chunk k+1 while the WRITE of chunk k is in flight.
 
+Order on the calling thread, per chunk k: wait until k is packed, drain k-1 (its slot becomes
+free, so the helper starts packing k+1), post k. So one chunk is written while the next is
+packed, whether the transport copies inside ``post`` (NIXL over cma) or in the background
+until ``drain`` (gloo, RDMA).
+
 Staging is split into slots (two by default); chunk ``k`` packs into slot ``k % num_slots`` once
 the previous chunk that used that slot has drained (its writes completed), so staging memory
 stays bounded by the budget whatever the model size. Packing runs on a helper thread (torch's
@@ -90,14 +95,16 @@ def run_pipelined(
         for k, c in enumerate(chunks):
             with metrics.stage("wait_pack"):
                 _wait(packed[k], deadline, f"packing of chunk {k}", failed)
-            with metrics.stage("post"):
-                post(c)
-            if on_chunk is not None:
-                on_chunk(k)
+            # Drain k-1 before posting k: frees k-1's slot so chunk k+1 packs while k is written
+            # (with cma, NIXL copies inside transfer(), so the write of k is the post itself).
             if k > 0 and not drained[k - 1].is_set():
                 with metrics.stage("drain"):
                     drain(chunks[k - 1], deadline)
                 drained[k - 1].set()
+            with metrics.stage("post"):
+                post(c)
+            if on_chunk is not None:
+                on_chunk(k)
         if n:
             with metrics.stage("drain"):
                 drain(chunks[-1], deadline)

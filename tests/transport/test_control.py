@@ -1,0 +1,63 @@
+"""The TCPStore control plane: values, deadlines that name the key, barriers, loopback by default."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from fastsync.control import DEFAULT_HOST, TCPStoreControl
+from fastsync.errors import ConfigError, SyncError
+
+
+@pytest.fixture(scope="module")
+def server() -> TCPStoreControl:
+    return TCPStoreControl.server(port=0, timeout_s=10)
+
+
+def test_set_get_across_clients(server: TCPStoreControl) -> None:
+    assert server.host == DEFAULT_HOST == "127.0.0.1"
+    client = TCPStoreControl.client(server.port, timeout_s=10)
+    client.set("a/b", b"\x00\x01")
+    assert server.get("a/b", timeout_s=1) == b"\x00\x01"
+    assert server.try_get("nope") is None
+    assert client.add("ctr", 2) == 2 and server.add("ctr", 3) == 5
+
+
+def test_get_deadline_names_the_key(server: TCPStoreControl) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(SyncError, match="inference rank 3.*recv/3/info"):
+        server.get("recv/3/info", timeout_s=0.3, what="inference rank 3")
+    assert time.monotonic() - t0 < 2
+
+
+def test_prefixes_do_not_collide(server: TCPStoreControl) -> None:
+    a, b = server.with_prefix("job-a"), server.with_prefix("job-b")
+    a.set("k", "1")
+    assert b.try_get("k") is None and a.get("k", 1) == b"1"
+
+
+def test_barrier(server: TCPStoreControl) -> None:
+    done: list[int] = []
+
+    def run(i: int) -> None:
+        TCPStoreControl.client(server.port).barrier("b1", 3, timeout_s=10)
+        done.append(i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    assert not done
+    server.barrier("b1", 3, timeout_s=10)
+    for t in threads:
+        t.join(5)
+    assert sorted(done) == [0, 1]
+    with pytest.raises(SyncError, match="barrier 'b2'"):
+        server.barrier("b2", 2, timeout_s=0.2)
+
+
+def test_client_needs_a_port() -> None:
+    with pytest.raises(ConfigError):
+        TCPStoreControl.client(0)
