@@ -55,6 +55,9 @@ def plan_report(args: argparse.Namespace) -> dict:
     from fastsync.plan.planner import build_plan
     from fastsync.plan.simulate import rank0_baseline, simulate
 
+    for flag, value in (("nic_gbps", args.nic_gbps), ("intra_node_gbps", args.intra_node_gbps)):
+        if value is not None and not value > 0:
+            raise ConfigError(f"--{flag.replace('_', '-')} ({flag}) must be positive, got {value}")
     if args.gpus_per_node <= 0:
         raise ConfigError(f"--gpus-per-node must be positive, got {args.gpus_per_node}")
     max_bytes = None
@@ -67,7 +70,9 @@ def plan_report(args: argparse.Namespace) -> dict:
     trainer = trainer_layout_from_spec(args.trainer, inv)
     engine = engine_layout_from_spec(args.rollout, inv, dtype_out=args.dtype_out)
     t1 = time.perf_counter()
-    plan = build_plan(inv.params, trainer, engine, max_transfer_bytes=max_bytes)
+    # a tied lm_head is the embedding: the engine reads it once, under the embedding's name
+    tied = {"lm_head.weight"} if inv.config.get("tie_word_embeddings") else set()
+    plan = build_plan(inv.params, trainer, engine, max_transfer_bytes=max_bytes, allow_unread=tied)
     digest = plan_hash(plan)
     t2, c2 = time.perf_counter(), time.process_time()
     sim = simulate(plan, nic_gbps=args.nic_gbps, intra_node_gbps=args.intra_node_gbps,
@@ -109,6 +114,7 @@ def plan_report(args: argparse.Namespace) -> dict:
         "planner_seconds": t2 - t1,
         "plan_cpu_seconds": c2 - c0,
         "plan_hash": digest,
+        "unread_params": plan.meta["unread_params"],
         "saved_to": args.save,
     }
 
@@ -138,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
                          f"planner+hash {r['planner_seconds']:.2f} s; {r['plan_cpu_seconds']:.2f} s CPU)"),
         ("plan hash", r["plan_hash"]),
     ]
+    if r["unread_params"]:
+        rows.append(("not sent (tied)", ", ".join(r["unread_params"])))
     if r["saved_to"]:
         rows.append(("saved", r["saved_to"]))
     for k, v in rows:

@@ -26,7 +26,7 @@ Deterministic: the same inputs give the same transfers in the same order, so the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from fastsync.errors import LayoutError, PlanError
@@ -215,7 +215,7 @@ def build_plan(
     max_transfer_bytes: int | None = None,
     min_transfer_bytes: int = 64 << 10,
     coalesce_min_parts: int = 8,
-    allow_unread: bool = False,
+    allow_unread: bool | Collection[str] = False,
 ) -> Plan:
     """Compute the static schedule. See the module docstring for the order of work.
 
@@ -226,7 +226,10 @@ def build_plan(
     ``min_transfer_bytes=0`` to always slice.
 
     ``allow_unread``: a parameter no engine piece reads is an error (nothing is silently
-    skipped) unless this is True. Raises LayoutError/PlanError before anything is planned.
+    skipped) unless this is True or names it (e.g. ``{"lm_head.weight"}`` when the engine ties
+    it to the embedding); unread parameters are listed in ``plan.meta["unread_params"]``.
+
+    Raises LayoutError/PlanError before anything is planned.
     """
     if max_transfer_bytes is not None and max_transfer_bytes <= 0:
         raise PlanError(f"max_transfer_bytes must be positive, got {max_transfer_bytes}")
@@ -247,7 +250,9 @@ def build_plan(
                         raise PlanError(f"engine rank {rank} tensor {tname!r}: {e}") from None
                 by_param[p.src].append((rank, tname, t.dtype, p))
     unread = [n for n, ps in by_param.items() if not ps]
-    if unread and not allow_unread:
+    refused = [n for n in unread if not (allow_unread is True or (allow_unread and n in allow_unread))]
+    if refused:
+        unread = refused
         raise PlanError(
             f"{len(unread)} parameter(s) are read by no engine tensor, e.g. {unread[:3]}: "
             "fix the name map or pass allow_unread=True"

@@ -14,12 +14,14 @@ The model (one fluid, pipelined all-to-all; every assumption stated):
   ``intra_node_gbps`` (NVLink), others share the NIC with the sends. Intra-node pulls default to
   NIC speed when ``intra_node_gbps`` is None. An owner finishes no earlier than its gathers plus
   its gathered sends.
-* Every transfer costs its sender ``per_transfer_s`` (posting a WRITE, default 2 us), added
-  serially; one ``sync_overhead_s`` (start signal + completion notification, default 50 us) is
-  added once.
+* Every transfer costs its sender ``per_transfer_s`` of posting (default 2 us: building and
+  ringing one WRITE). Posting overlaps the DMA of earlier writes (the executor keeps many in
+  flight), so a sender is busy for max(port bytes / bandwidth, transfers x per_transfer_s); one
+  ``per_transfer_s`` (the first write, pipeline fill) and one ``sync_overhead_s`` (start signal +
+  completion notification, default 50 us) are added once.
 
-``predicted = max(NIC-port time, owner gather->send chain, intra-node gather time)
-+ max per-sender posting time + sync overhead``.
+``predicted = max(busiest NIC port or posting-bound sender, owner gather->send chain,
+intra-node gather time) + per_transfer_s + sync_overhead_s``.
 """
 
 from __future__ import annotations
@@ -113,10 +115,12 @@ def simulate(
                 out_nic[src] += nbytes
                 in_nic[owner] += nbytes
 
-    port = [(max(out_nic[r], in_nic[r]), f"trainer rank {r} NIC") for r in range(n_tr)]
-    port += [(recv[r], f"inference rank {r} NIC in") for r in range(plan.num_receivers)]
-    worst_bytes, bottleneck = max(port, key=lambda x: x[0]) if port else (0, "none")
-    nic_s = worst_bytes / bw
+    port = [(max(out_nic[r], in_nic[r]) / bw, f"trainer rank {r} NIC") for r in range(n_tr)]
+    port += [(recv[r] / bw, f"inference rank {r} NIC in") for r in range(plan.num_receivers)]
+    nic_s, bottleneck = max(port, key=lambda x: x[0]) if port else (0.0, "none")
+    posting_s = max(posts, default=0) * per_transfer_s
+    if posting_s > nic_s:
+        nic_s, bottleneck = posting_s, f"posting on trainer rank {posts.index(max(posts))}"
     gather_s = max((max(in_intra[r], out_intra[r]) / intra for r in range(n_tr)), default=0.0)
     chain_s = 0.0
     for r in range(n_tr):
@@ -127,8 +131,7 @@ def simulate(
         bottleneck = "owner gather then send"
     elif gather_s > nic_s:
         bottleneck = "intra-node gathers"
-    posting_s = max(posts, default=0) * per_transfer_s
-    predicted = max(nic_s, gather_s, chain_s) + posting_s + sync_overhead_s
+    predicted = max(nic_s, gather_s, chain_s) + per_transfer_s + sync_overhead_s
 
     smax, smean, sbal = _balance(send)
     rmax, rmean, rbal = _balance(recv)

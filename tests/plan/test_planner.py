@@ -143,6 +143,9 @@ def test_unknown_trainer_name_and_unread_parameter_are_named() -> None:
         build_plan(with_extra, trainer, engine)
     plan = build_plan(with_extra, trainer, engine, allow_unread=True)
     assert plan.meta["unread_params"] == ["model.extra.weight"]
+    assert build_plan(with_extra, trainer, engine, allow_unread={"model.extra.weight"}).plan_hash == plan.plan_hash
+    with pytest.raises(PlanError, match="model.extra.weight"):
+        build_plan(with_extra, trainer, engine, allow_unread={"lm_head.weight"})
 
 
 def test_unknown_transform_is_named() -> None:
@@ -187,3 +190,17 @@ def test_fp8_scale_region_mismatch_is_named() -> None:
 def test_errors_are_fastsync_errors() -> None:
     with pytest.raises(FastSyncError):
         build_plan({}, TrainerLayout(1, {}, {}), EngineLayout(1, {}), max_transfer_bytes=0)
+
+
+def test_tiny_parts_over_many_shards_are_coalesced_through_an_owner() -> None:
+    params = _model()
+    trainer = fsdp_layout(params, 16)  # a 256-element norm in 16 parts of 32 bytes
+    engine = engine_layout(params, DIMS, tp=2)
+    plan = build_plan(params, trainer, engine)
+    norm = "model.norm.weight"
+    assert norm in plan.gathers
+    sends = [t for t in plan.transfers if t.src_param == norm]
+    assert len(sends) == 2 and all(t.gathered and t.src_rank == plan.gathers[norm] for t in sends)
+    sliced = build_plan(params, trainer, engine, min_transfer_bytes=0)
+    assert norm not in sliced.gathers
+    assert sum(t.src_param == norm for t in sliced.transfers) == 32

@@ -26,9 +26,18 @@ def test_lower_bound_is_busiest_port_over_line_rate() -> None:
     assert res.lower_bound_seconds == pytest.approx(4_000_000 / 1e9)  # receiver 0 gets 4 MB
     assert res.max_send_bytes == 3_000_000 and res.max_recv_bytes == 4_000_000
     assert res.bottleneck == "inference rank 0 NIC in"
-    expected = 4_000_000 / (1e9 * 0.95) + 2 * 2e-6 + 50e-6  # rank 1 posts two transfers
+    expected = 4_000_000 / (1e9 * 0.95) + 2e-6 + 50e-6  # bandwidth-bound, plus first write and fence
     assert res.predicted_seconds == pytest.approx(expected)
     assert res.send_balance == pytest.approx(3_000_000 / 2_250_000)
+
+
+def test_many_tiny_transfers_are_posting_bound() -> None:
+    box = ((0, 1),)
+    ts = [Transfer(0, 0, "x", box, "p", box, "copy", 100) for _ in range(1000)]
+    res = simulate(_plan(ts, 1, 1), nic_gbps=8, per_transfer_s=1e-6)
+    assert res.bottleneck == "posting on trainer rank 0"
+    assert res.predicted_seconds == pytest.approx(1000 * 1e-6 + 1e-6 + 50e-6)
+    assert res.posting_seconds == pytest.approx(1e-3)
 
 
 def test_gathers_cost_intra_node_or_nic_time() -> None:
