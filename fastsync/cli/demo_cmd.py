@@ -17,10 +17,13 @@ from fastsync.errors import ConfigError
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="end to end: FSDP2 trainers write into a live vLLM engine (fastsync vs rank-0)")
     p.add_argument("--model", default=None, help="local HF checkpoint directory (default: build a tiny random one)")
-    p.add_argument("--preset", default="tiny-qwen3-moe", help="tiny checkpoint to build: tiny-qwen3-moe | tiny-qwen3")
+    p.add_argument("--preset", default="small-qwen3-moe", help="random checkpoint to build: small-qwen3-moe | tiny-qwen3-moe | tiny-qwen3")
     p.add_argument("--trainers", type=int, default=2, help="trainer processes (2-4)")
     p.add_argument("--tp", type=int, default=1, help="engine tensor_parallel_size")
     p.add_argument("--transport", default="nixl", help="transport for both paths (nixl)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="engine dtype (float32: engine and trainer agree token for token; bfloat16 can flip "
+                        "near-tied greedy choices)")
     p.add_argument("--repeats", type=int, default=3, help="syncs per path (the median is reported)")
     p.add_argument("--max-tokens", type=int, default=8, help="greedy tokens per prompt")
     p.add_argument("--workdir", default=None, help="where the tiny checkpoint is written")
@@ -39,12 +42,13 @@ def run(args: argparse.Namespace) -> int:
     log = (lambda *_: None) if quiet else print
     rep = run_demo(model_dir=args.model, preset=args.preset, num_trainers=args.trainers, workdir=args.workdir,
                    max_tokens=args.max_tokens, transport=args.transport, baseline=not args.no_baseline,
-                   repeats=args.repeats, tp=args.tp, timeout_s=args.timeout, log=log)
+                   repeats=args.repeats, tp=args.tp, timeout_s=args.timeout, dtype=args.dtype, log=log)
     s = summarize(rep)
     if args.json:
         print(json.dumps({"summary": s, "report": rep}, default=str))
         return 0 if s["match"] and s["changed"] else 1
-    print(f"engine start: {rep['engine_start_s']:.1f} s   fastsync set-up (layouts, plan, registration): {rep['setup_s']:.2f} s")
+    print(f"engine start: {rep['engine_start_s']:.1f} s   fastsync set-up (layouts, plan, memory registration; "
+          f"includes waiting for the engine): {rep['setup_s']:.1f} s")
     staged = rep.get("staged", {})
     if staged:
         print(f"staged (cannot be written in place on this engine): {len(staged)} parameters, e.g. "

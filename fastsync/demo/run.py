@@ -198,10 +198,10 @@ def trainer_main(rank: int, world: int, port: int, model_dir: str, opts: dict, o
             dist.destroy_process_group()
 
 
-def run_demo(*, model_dir: str | None = None, preset: str = "tiny-qwen3-moe", num_trainers: int = 2,
+def run_demo(*, model_dir: str | None = None, preset: str = "small-qwen3-moe", num_trainers: int = 2,
              workdir: str | None = None, prompts: list[list[int]] | None = None, max_tokens: int = 8,
              transport: str = "nixl", baseline: bool = True, repeats: int = 3, tp: int = 1,
-             fsdp: bool = True, timeout_s: float = 120.0, dtype: str = "bfloat16", log: Any = print) -> dict:
+             fsdp: bool = True, timeout_s: float = 120.0, dtype: str = "float32", log: Any = print) -> dict:
     """Run the whole demo; returns trainer rank 0's report plus engine start time."""
     from fastsync.control import TCPStoreControl
     from fastsync.demo.checkpoints import build_tiny_checkpoint
