@@ -107,7 +107,7 @@ def trainer_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
                         os._exit(17)  # a trainer dying mid-sync, some writes already landed
             control.barrier(f"bench/{name}/{version}", cfg.trainers + cfg.rollouts, cfg.timeout_s)
             try:
-                m = senders[name].sync(version, verify=verify, on_chunk=on_chunk, timeout_s=cfg.sync_timeout_s)
+                m = senders[name].sync(version, on_chunk=on_chunk, timeout_s=cfg.sync_timeout_s)
                 results.put({"kind": "sync", **m.to_json()})
             except Exception as e:  # reported, the run goes on to the next version
                 results.put({"kind": "sync", "role": "trainer", "rank": rank, "transport": name,

@@ -114,7 +114,8 @@ class WeightReceiver:
             self.landing.begin()
         self.transport.begin_receive(version)
         self._open, self._metrics, self._complete = version, m, False
-        self.control.set(f"recv/{self.rank}/begun/{version}", b"1")
+        # the receiver decides whether this version is verified: senders checksum when asked
+        self.control.set(f"recv/{self.rank}/begun/{version}", b"verify" if self.verify else b"1")
 
     def poll(self) -> bool:
         """Drive the transport once; True when every expected write of the open version landed.

@@ -117,13 +117,14 @@ class WeightSender:
         self,
         version: int,
         *,
-        verify: bool = False,
+        verify: bool | None = None,
         timeout_s: float | None = None,
         wait_receivers: bool = False,
         on_chunk: Callable[[int], None] | None = None,
     ) -> SyncMetrics:
         """Send this rank's share of ``version``. Waits (bounded) until every receiver it writes to
-        has begun ``version``, writes, then publishes done (and checksums with ``verify``). With
+        has begun ``version``, writes, then publishes done (and per-transfer checksums when
+        ``verify`` is True, or when it is None and any of those receivers asked for them). With
         ``wait_receivers`` also waits for those receivers to flip, raising if any refused."""
         if self.program is None:
             raise SyncError(f"trainer rank {self.rank}: sync() before setup()")
@@ -133,11 +134,13 @@ class WeightSender:
         hook = plugins.hook()
         hook.fastsync_before_sync(version=version, role="trainer", rank=self.rank, plan=self.plan)
         try:
+            asked = False
             with m.stage("wait_receivers"):
-                for d in self.dsts:
-                    self.control.get(f"recv/{d}/begun/{version}", max(0.0, deadline - time.monotonic()),
-                                     what=f"inference rank {d} (begin of version {version})")
-            crcs: dict[int, int] | None = {} if verify else None
+                for d in self._waits_for():
+                    got = self.control.get(f"recv/{d}/begun/{version}", max(0.0, deadline - time.monotonic()),
+                                           what=f"inference rank {d} (begin of version {version})")
+                    asked = asked or got == b"verify"
+            crcs: dict[int, int] | None = {} if (verify or (verify is None and asked)) else None
             self.transport.send(version, deadline, m, crcs, on_chunk)
             if crcs is not None:
                 self.control.set(f"send/{self.rank}/crc/{version}", json.dumps(crcs))
@@ -165,6 +168,13 @@ class WeightSender:
             self.last_metrics = m
             hook.fastsync_after_sync(version=version, role="trainer", rank=self.rank, metrics=m.to_json(), ok=m.ok)
         return m
+
+    def _waits_for(self) -> list[int]:
+        """Receivers that must have begun before this rank moves bytes: the ones it writes to
+        (every receiver when the transport's collective reaches them all, as rank0's does)."""
+        if self.transport.name == "rank0" and self.rank == 0:
+            return list(range(self.plan.num_receivers))
+        return self.dsts
 
     def close(self) -> None:
         self.transport.close()

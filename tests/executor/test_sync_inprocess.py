@@ -1,0 +1,163 @@
+"""Sender and receiver end to end in one process (threads, real NIXL agents and a real TCPStore):
+bit-exact delivery, version flip only after complete delivery, a failing sender leaves the
+receiver on its last complete version (in-place writes restored from the backup), the next sync
+succeeds, plan-hash mismatches are refused before any byte moves, and every wait is bounded."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import pytest
+import torch
+
+from fastsync.bench.model import build_bench_model, reference_tensors, trainer_buffers
+from fastsync.control import TCPStoreControl
+from fastsync.errors import PlanError, SyncError
+from fastsync.executor.receiver import WeightReceiver
+from fastsync.executor.sender import WeightSender
+
+pytest.importorskip("nixl._api", reason="NIXL not installed (pip install nixl-cu12==1.5.1 && nixl==1.5.1 --no-deps)")
+
+_ns = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def store() -> TCPStoreControl:
+    return TCPStoreControl.server(port=0, timeout_s=20)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_bench_model(trainers=2, rollouts=1, size_bytes=1 << 20)
+
+
+def _tensors(model) -> dict[str, torch.Tensor]:
+    return {n: torch.zeros(t.shape, dtype=getattr(torch, t.dtype)) for n, t in model.engine.tensors[0].items()}
+
+
+def _equal(tensors: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(tensors[n], want[n]) for n in want)
+
+
+def _run_senders(senders, version, per_rank):
+    errors: dict[int, BaseException] = {}
+
+    def go(s: WeightSender) -> None:
+        try:
+            s.sync(version, **per_rank.get(s.rank, {}))
+        except BaseException as e:  # collected for the test to inspect
+            errors[s.rank] = e
+
+    threads = [threading.Thread(target=go, args=(s,)) for s in senders]
+    for t in threads:
+        t.start()
+    return threads, errors
+
+
+def test_failed_sender_keeps_the_old_version_and_next_sync_succeeds(store, model) -> None:
+    ctl = store.with_prefix(f"t{next(_ns)}")
+    tensors = _tensors(model)
+    ptrs = {n: t.data_ptr() for n, t in tensors.items()}
+    rx = WeightReceiver(rank=0, plan=model.plan, tensors=tensors, control=ctl, transport="nixl", mode="inplace",
+                        backup=True, verify=True, engine_hash=model.engine.fingerprint(), timeout_s=10)
+    rx.setup()
+    bufs = [trainer_buffers(model, r) for r in range(2)]
+    senders = [WeightSender(rank=r, plan=model.plan, sources=bufs[r][1], shards=bufs[r][2], control=ctl,
+                            transport="nixl", staging_bytes=64 << 10, timeout_s=10) for r in range(2)]
+    for s in senders:
+        s.setup()
+    assert len(senders[1].program.chunks) >= 3  # small staging: several chunks, so a mid-sync failure
+
+    def sync(version: int, per_rank: dict | None = None) -> dict[int, BaseException]:
+        for flat, _, _ in bufs:
+            if version % 2 != getattr(flat, "_v", 0) % 2:
+                flat.neg_()
+            flat._v = version
+        rx.begin(version)
+        threads, errors = _run_senders(senders, version, per_rank or {})
+        try:
+            rx.wait(time.monotonic() + 10)
+            rx.finish()
+        except SyncError as e:
+            errors[-1] = e
+        for t in threads:
+            t.join(10)
+        return errors
+
+    assert sync(1) == {} and rx.version == 1
+    v1 = reference_tensors(model, 0, 1)
+    assert _equal(tensors, v1)
+
+    def die(k: int) -> None:
+        if k >= 1:
+            raise RuntimeError("trainer lost mid-sync")
+
+    t0 = time.monotonic()
+    errors = sync(2, {1: {"on_chunk": die}})
+    assert time.monotonic() - t0 < 8  # failed on the sender's report, not on the deadline
+    assert isinstance(errors[1], SyncError) and "trainer lost" in str(errors[1])
+    assert isinstance(errors[-1], SyncError) and "trainer rank 1" in str(errors[-1])
+    assert rx.version == 1
+    assert _equal(tensors, v1)  # in-place writes of version 2 rolled back from the backup
+    assert store.with_prefix(ctl.prefix).get("recv/0/flipped/2", 1).startswith(b"err:")
+
+    assert sync(3) == {} and rx.version == 3
+    assert _equal(tensors, reference_tensors(model, 0, 3))
+    assert all(t.data_ptr() == ptrs[n] for n, t in tensors.items())  # written in place, never replaced
+    for s in senders:
+        s.close()
+    rx.close()
+
+
+def test_receiver_without_senders_fails_by_its_deadline_naming_ranks_and_tensors(store, model) -> None:
+    ctl = store.with_prefix(f"t{next(_ns)}")
+    tensors = _tensors(model)
+    rx = WeightReceiver(rank=0, plan=model.plan, tensors=tensors, control=ctl, transport="nixl", timeout_s=10)
+    rx.setup()
+    rx.begin(1)
+    t0 = time.monotonic()
+    assert rx.wait(time.monotonic() + 0.5) is False
+    with pytest.raises(SyncError, match=r"version 1 incomplete, keeping version 0.*trainer rank 0.*'model\."):
+        rx.finish()
+    assert time.monotonic() - t0 < 3
+    assert rx.version == 0 and all(not t.any() for t in tensors.values())
+    rx.close()
+
+
+def test_sender_without_a_begun_receiver_fails_by_its_deadline(store, model) -> None:
+    ctl = store.with_prefix(f"t{next(_ns)}")
+    rx = WeightReceiver(rank=0, plan=model.plan, tensors=_tensors(model), control=ctl, transport="nixl")
+    rx.setup()  # published, but never begins a version: a stuck or dead engine
+    _, views, shards = trainer_buffers(model, 0)
+    s = WeightSender(rank=0, plan=model.plan, sources=views, shards=shards, control=ctl, transport="nixl")
+    s.setup()
+    t0 = time.monotonic()
+    with pytest.raises(SyncError, match="inference rank 0 .begin of version 1."):
+        s.sync(1, timeout_s=0.5)
+    assert time.monotonic() - t0 < 3
+    assert ctl.get("send/0/done/1", 1).startswith(b"err:")
+    s.close()
+    rx.close()
+
+
+def test_plan_hash_mismatch_is_refused_before_any_byte_moves(store, model) -> None:
+    ctl = store.with_prefix(f"t{next(_ns)}")
+    other = build_bench_model(trainers=2, rollouts=1, size_bytes=2 << 20)
+    assert other.plan.plan_hash != model.plan.plan_hash
+    tensors = _tensors(model)
+    rx = WeightReceiver(rank=0, plan=model.plan, tensors=tensors, control=ctl, transport="nixl")
+    rx.setup()
+    _, views, shards = trainer_buffers(other, 0)
+    s = WeightSender(rank=0, plan=other.plan, sources=views, shards=shards, control=ctl, transport="nixl")
+    with pytest.raises(PlanError, match=f"inference rank 0 holds plan {model.plan.plan_hash}"):
+        s.setup()
+    assert s.program is None and s.transport.agent is None  # refused before agents, registration or writes
+    assert all(not t.any() for t in tensors.values())
+    with pytest.raises(PlanError, match="engine layout"):
+        WeightReceiver(rank=0, plan=model.plan, tensors=tensors, control=ctl, transport="nixl",
+                       engine_hash=other.engine.fingerprint())
+    with pytest.raises(PlanError, match="trainer layout"):
+        WeightSender(rank=0, plan=model.plan, sources=views, shards=other.trainer, control=ctl, transport="nixl")
+    rx.close()
