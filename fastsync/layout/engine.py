@@ -27,6 +27,8 @@ scales cover. Fused MoE weights count blocks per part (gate, up), as vLLM does.
 
 from __future__ import annotations
 
+import bisect
+
 from fastsync.errors import ConfigError, LayoutError
 from fastsync.layout.box import Box, intersect
 from fastsync.layout.namemap import EngineParam, NameMap, Segment
@@ -142,6 +144,28 @@ def _src_box(seg: Segment, inter: Box) -> Box:
     return tuple(out)
 
 
+_SEG_INDEX: dict[int, tuple[tuple[Segment, ...], list[int] | None]] = {}
+
+
+def _expert_segments(ep: EngineParam, experts: tuple[int, int]) -> tuple[Segment, ...] | list[Segment]:
+    """The segments of ``ep`` touching experts ``[e0, e1)``: a bisect over segment starts along
+    the expert dim when they are sorted (per-expert name maps list them in expert order)."""
+    segs, ed = ep.segments, ep.expert_dim
+    assert ed is not None
+    got = _SEG_INDEX.get(id(segs))
+    if got is None or got[0] is not segs:
+        starts = [s.dst_box[ed][0] for s in segs]
+        sorted_ok = all(a <= b for a, b in zip(starts, starts[1:])) and all(s.dst_box[ed][1] - s.dst_box[ed][0] == 1 for s in segs)
+        if len(_SEG_INDEX) > 4096:
+            _SEG_INDEX.clear()
+        got = _SEG_INDEX[id(segs)] = (segs, starts if sorted_ok else None)
+    e0, e1 = experts
+    starts = got[1]
+    if starts is None:
+        return [s for s in segs if s.dst_box[ed][0] < e1 and s.dst_box[ed][1] > e0]
+    return segs[bisect.bisect_left(starts, e0):bisect.bisect_left(starts, e1)]
+
+
 def _pieces(ep: EngineParam, iv: list[list[tuple[int, int]]]) -> tuple[tuple[int, ...], list[Piece]]:
     shape = tuple(sum(b - a for a, b in dim) for dim in iv)
     multi = [d for d, dim in enumerate(iv) if len(dim) > 1]
@@ -158,9 +182,12 @@ def _pieces(ep: EngineParam, iv: list[list[tuple[int, int]]]) -> tuple[tuple[int
             origin = tuple(off if k == d else 0 for k in range(len(iv)))
             cells.append((cell, origin))
             off += b - a
+    segments = ep.segments
+    if ep.expert_dim is not None and len(segments) > 8:  # per-expert sources: keep this rank's experts
+        segments = _expert_segments(ep, iv[ep.expert_dim][0])
     pieces: list[Piece] = []
     for cell, origin in cells:
-        for seg in ep.segments:
+        for seg in segments:
             inter = intersect(cell, seg.dst_box)
             if inter is None:
                 continue

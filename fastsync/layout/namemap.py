@@ -130,11 +130,9 @@ class NameMap:
                         f"engine tensor {ep.name!r}: segment {box_shape(seg.dst_box)} cannot take "
                         f"{box_shape(seg.src_box)} of {seg.src!r}"
                     )
-                for b in boxes:
-                    if intersect(b, seg.dst_box) is not None:
-                        raise LayoutError(f"engine tensor {ep.name!r}: segments {b} and {seg.dst_box} overlap")
                 boxes.append(seg.dst_box)
                 filled += box_numel(seg.dst_box)
+            _check_disjoint(ep.name, boxes)
             if filled != box_numel(full):
                 raise LayoutError(
                     f"engine tensor {ep.name!r}: no trainer parameter fills {box_numel(full) - filled} "
@@ -149,6 +147,22 @@ class NameMap:
         stale = set(self.unused) - set(params)
         if stale:
             raise LayoutError(f"name map declares unused parameter(s) the model lacks: {sorted(stale)[:5]}")
+
+
+def _check_disjoint(name: str, boxes: list[Box]) -> None:
+    """LayoutError if two boxes overlap: a sweep along dim 0 (per-expert segments of a fused MoE
+    tensor only meet the few segments of their own expert)."""
+    if len(boxes) < 2 or not boxes[0]:
+        if len(boxes) > 1:
+            raise LayoutError(f"engine tensor {name!r}: {len(boxes)} segments fill one scalar")
+        return
+    order = sorted(boxes)
+    for i, a in enumerate(order):
+        for b in order[i + 1 :]:
+            if b[0][0] >= a[0][1]:
+                break
+            if intersect(a, b) is not None:
+                raise LayoutError(f"engine tensor {name!r}: segments {a} and {b} overlap")
 
 
 def get_name_map(architecture: str, config: dict, params: dict | None = None) -> NameMap:

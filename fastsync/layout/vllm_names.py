@@ -25,7 +25,7 @@ from collections.abc import Callable
 from fastsync.errors import ConfigError
 from fastsync.layout.box import full_box
 from fastsync.layout.namemap import EngineParam, NameMap, Part, Segment
-from fastsync.models.archs import cfg_get, head_dim_of, is_moe_layer, mla_dims, num_experts_of
+from fastsync.models.archs import cfg_get, expert_format, head_dim_of, is_moe_layer, mla_dims, num_experts_of
 
 __all__ = ["BUILDERS", "vllm_name_map"]
 
@@ -88,8 +88,24 @@ def _mlp(src: str, dst: str, hidden: int, inter: int, out: list[EngineParam]) ->
                       quantizable=True))
 
 
-def _experts(src: str, dst: str, num_experts: int, hidden: int, inter: int, out: list[EngineParam]) -> None:
+def _experts(src: str, dst: str, num_experts: int, hidden: int, inter: int, out: list[EngineParam],
+             fmt: str = "fused") -> None:
     e = f"{dst}.experts.routed_experts"
+    if fmt == "per_expert":
+        w13_segs, w2_segs = [], []
+        for x in range(num_experts):
+            ex = ((x, x + 1),)
+            w13_segs.append(Segment(f"{src}.experts.{x}.gate_proj.weight", full_box((inter, hidden)),
+                                    ex + ((0, inter), (0, hidden))))
+            w13_segs.append(Segment(f"{src}.experts.{x}.up_proj.weight", full_box((inter, hidden)),
+                                    ex + ((inter, 2 * inter), (0, hidden))))
+            w2_segs.append(Segment(f"{src}.experts.{x}.down_proj.weight", full_box((hidden, inter)),
+                                   ex + ((0, hidden), (0, inter))))
+        out.append(EngineParam(f"{e}.w13_weight", (num_experts, 2 * inter, hidden), "column", tuple(w13_segs),
+                               shard_dim=1, parts=(Part(inter), Part(inter)), expert_dim=0, quantizable=True))
+        out.append(EngineParam(f"{e}.w2_weight", (num_experts, hidden, inter), "row", tuple(w2_segs),
+                               shard_dim=2, expert_dim=0, quantizable=True))
+        return
     w13 = _whole(f"{e}.w13_weight", f"{src}.experts.gate_up_proj", (num_experts, 2 * inter, hidden), "column",
                  shard_dim=1, parts=(Part(inter), Part(inter)), expert_dim=0, quantizable=True)
     w2 = _whole(f"{e}.w2_weight", f"{src}.experts.down_proj", (num_experts, hidden, inter), "row",
@@ -134,7 +150,7 @@ def qwen3_moe_map(config: dict) -> NameMap:
         _gqa(config, p, out, qk_norm=True)
         if is_moe_layer(arch, config, i):
             out.append(_whole(f"{p}.mlp.gate.weight", f"{p}.mlp.gate.weight", (num_experts, hidden), "replicated"))
-            _experts(f"{p}.mlp", f"{p}.mlp", num_experts, hidden, moe_inter, out)
+            _experts(f"{p}.mlp", f"{p}.mlp", num_experts, hidden, moe_inter, out, expert_format(config))
         else:
             _mlp(f"{p}.mlp", f"{p}.mlp", hidden, int(cfg_get(config, "intermediate_size")), out)
         _norms(p, hidden, out)
@@ -152,7 +168,7 @@ def mixtral_map(config: dict) -> NameMap:
         _gqa(config, p, out, qk_norm=False)
         m = f"{p}.block_sparse_moe"
         out.append(_whole(f"{m}.gate.weight", f"{p}.mlp.gate.weight", (num_experts, hidden), "replicated"))
-        _experts(f"{p}.mlp", m, num_experts, hidden, inter, out)
+        _experts(f"{p}.mlp", m, num_experts, hidden, inter, out, expert_format(config))
         _norms(p, hidden, out)
     _embed_head(config, out, unused)
     return NameMap("MixtralForCausalLM", ENGINE, out, unused)
@@ -204,7 +220,7 @@ def deepseek_v3_map(config: dict) -> NameMap:
             else:
                 for n in ("gate_proj", "up_proj", "down_proj"):
                     unused[f"{m}.shared_experts.{n}.weight"] = "zero-sized: n_shared_experts=0"
-            _experts(m, m, num_experts, hidden, moe_inter, out)
+            _experts(m, m, num_experts, hidden, moe_inter, out, expert_format(config))
         else:
             _mlp(m, m, hidden, inter, out)
         _norms(f"model.layers.{i}", hidden, out)

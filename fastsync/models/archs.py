@@ -16,12 +16,15 @@ from collections.abc import Callable
 
 from fastsync.errors import ConfigError
 
-__all__ = ["ARCHITECTURES", "enumerate_params", "cfg_get", "head_dim_of", "num_experts_of", "is_moe_layer", "mla_dims"]
+__all__ = ["EXPERT_FORMAT_KEY", "expert_format", "ARCHITECTURES", "enumerate_params", "cfg_get", "head_dim_of", "num_experts_of", "is_moe_layer", "mla_dims"]
 
 Shape = tuple[int, ...]
 Params = list[tuple[str, Shape]]
 
 _MISSING = object()
+
+#: Config key (fastsync's own, never in a published config.json) selecting the expert format.
+EXPERT_FORMAT_KEY = "fastsync_expert_format"
 
 
 def cfg_get(config: dict, key: str, default: object = _MISSING) -> object:
@@ -100,7 +103,24 @@ def _dense_mlp(p: str, hidden: int, inter: int, params: Params) -> None:
     params.append((f"{p}.down_proj.weight", (hidden, inter)))
 
 
-def _experts(p: str, num_experts: int, hidden: int, inter: int, params: Params) -> None:
+def expert_format(config: dict) -> str:
+    """``"fused"`` (transformers v5: ``experts.gate_up_proj`` / ``experts.down_proj``) or
+    ``"per_expert"`` (one ``nn.Linear`` per expert: ``experts.{e}.gate_proj.weight``, ``up_proj``,
+    ``down_proj``, as transformers 4.x and many training frameworks hold them), read from the
+    config key :data:`EXPERT_FORMAT_KEY` that ``inventory_from_config(fused_experts=False)`` sets."""
+    fmt = config.get(EXPERT_FORMAT_KEY, "fused")
+    if fmt not in ("fused", "per_expert"):
+        raise ConfigError(f"config key {EXPERT_FORMAT_KEY!r} must be 'fused' or 'per_expert', got {fmt!r}")
+    return fmt
+
+
+def _experts(p: str, num_experts: int, hidden: int, inter: int, params: Params, fmt: str = "fused") -> None:
+    if fmt == "per_expert":
+        for e in range(num_experts):
+            params.append((f"{p}.experts.{e}.gate_proj.weight", (inter, hidden)))
+            params.append((f"{p}.experts.{e}.up_proj.weight", (inter, hidden)))
+            params.append((f"{p}.experts.{e}.down_proj.weight", (hidden, inter)))
+        return
     params.append((f"{p}.experts.gate_up_proj", (num_experts, 2 * inter, hidden)))
     params.append((f"{p}.experts.down_proj", (num_experts, hidden, inter)))
 
@@ -172,7 +192,7 @@ def qwen3_moe_params(config: dict) -> Params:
             p = f"model.layers.{i}"
             _gqa_attention(config, p, params, qk_norm=True)
             if is_moe_layer(arch, config, i):
-                _experts(f"{p}.mlp", num_experts, hidden, moe_inter, params)
+                _experts(f"{p}.mlp", num_experts, hidden, moe_inter, params, expert_format(config))
                 params.append((f"{p}.mlp.gate.weight", (num_experts, hidden)))
             else:
                 if not inter:
@@ -192,7 +212,7 @@ def mixtral_params(config: dict) -> Params:
             p = f"model.layers.{i}"
             _gqa_attention(config, p, params, qk_norm=False)
             params.append((f"{p}.mlp.gate.weight", (num_experts, hidden)))
-            _experts(f"{p}.mlp", num_experts, hidden, inter, params)
+            _experts(f"{p}.mlp", num_experts, hidden, inter, params, expert_format(config))
             _norms(p, hidden, params)
 
     return _embed_and_head(config, [], body)
@@ -236,7 +256,7 @@ def deepseek_v3_params(config: dict) -> Params:
             params.append((f"{p}.o_proj.weight", (hidden, heads * d["v_head_dim"])))
             m = f"model.layers.{i}.mlp"
             if is_moe_layer(arch, config, i):
-                _experts(m, num_experts, hidden, moe_inter, params)
+                _experts(m, num_experts, hidden, moe_inter, params, expert_format(config))
                 params.append((f"{m}.gate.weight", (num_experts, hidden)))
                 params.append((f"{m}.gate.e_score_correction_bias", (num_experts,)))
                 # transformers builds shared_experts unconditionally (zero-sized when n_shared_experts=0)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from fastsync.errors import ConfigError
 from fastsync.layout.types import DTYPE_BYTES, ParamSpec
-from fastsync.models.archs import ARCHITECTURES, enumerate_params
+from fastsync.models.archs import ARCHITECTURES, EXPERT_FORMAT_KEY, enumerate_params
 
 __all__ = ["Inventory", "load_inventory", "inventory_from_config", "config_dtype"]
 
@@ -63,9 +63,13 @@ def config_dtype(config: dict) -> str:
     return _TORCH_DTYPES[raw]
 
 
-def inventory_from_config(config: dict, *, name: str = "custom", dtype: str | None = None) -> Inventory:
+def inventory_from_config(config: dict, *, name: str = "custom", dtype: str | None = None,
+                          fused_experts: bool | None = None) -> Inventory:
     """Build the inventory of an HF config dict. ``dtype`` overrides the config's dtype (e.g.
-    ``"float32"`` for an FSDP trainer that keeps fp32 master weights)."""
+    ``"float32"`` for an FSDP trainer that keeps fp32 master weights). ``fused_experts=False``
+    lists MoE experts one ``nn.Linear`` per expert (``experts.{e}.gate_proj.weight`` ...) instead
+    of transformers v5's fused ``experts.gate_up_proj``/``down_proj``; the choice is recorded in
+    the inventory's config under ``fastsync_expert_format`` so name maps follow it."""
     archs = config.get("architectures") or []
     if not archs and config.get("model_type") in MODEL_TYPES:
         archs = [MODEL_TYPES[config["model_type"]]]
@@ -73,6 +77,8 @@ def inventory_from_config(config: dict, *, name: str = "custom", dtype: str | No
         raise ConfigError(f"model {name!r}: config.json has no 'architectures' entry; supported: {sorted(ARCHITECTURES)}")
     arch = archs[0]
     config = dict(config, architectures=list(archs))
+    if fused_experts is not None:
+        config[EXPERT_FORMAT_KEY] = "fused" if fused_experts else "per_expert"
     if arch not in ARCHITECTURES:
         raise ConfigError(f"model {name!r}: unsupported architecture {arch!r}; supported: {sorted(ARCHITECTURES)}")
     dt = dtype if dtype is not None else config_dtype(config)
@@ -88,7 +94,7 @@ def _presets() -> dict:
     return plugins.model_presets()
 
 
-def load_inventory(preset_or_dir: str, *, dtype: str | None = None) -> Inventory:
+def load_inventory(preset_or_dir: str, *, dtype: str | None = None, fused_experts: bool | None = None) -> Inventory:
     """The inventory of a registered preset (``qwen3-30b-a3b``, ``kimi-k2``, ...) or of a local
     directory holding an HF ``config.json`` (or the path of that file).
 
@@ -96,7 +102,7 @@ def load_inventory(preset_or_dir: str, *, dtype: str | None = None) -> Inventory
     presets = _presets()
     if preset_or_dir in presets:
         config = presets[preset_or_dir].obj()
-        return inventory_from_config(config, name=preset_or_dir, dtype=dtype)
+        return inventory_from_config(config, name=preset_or_dir, dtype=dtype, fused_experts=fused_experts)
     path = preset_or_dir
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
@@ -114,4 +120,4 @@ def load_inventory(preset_or_dir: str, *, dtype: str | None = None) -> Inventory
         raise ConfigError(f"cannot read {path!r}: {e}") from e
     if not isinstance(config, dict):
         raise ConfigError(f"{path!r} is not a JSON object")
-    return inventory_from_config(config, name=preset_or_dir, dtype=dtype)
+    return inventory_from_config(config, name=preset_or_dir, dtype=dtype, fused_experts=fused_experts)

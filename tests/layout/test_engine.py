@@ -258,3 +258,30 @@ def test_kv_heads_that_do_not_divide_tp_are_refused():
     nm = get_name_map(inv.architecture, inv.config, inv.params)
     with pytest.raises(LayoutError, match=r"qkv_proj.weight.*tensor parallel size 4 is not a multiple of its 3 heads"):
         engine_tensors_for_rank(inv, nm, tp_size=4, tp_rank=0)
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 1), (2, 1), (2, 2), (1, 4)])
+def test_per_expert_sources_fill_the_same_fused_tensors(tp, ep):
+    fused = inventory_from_config(QWEN3_MOE)
+    split = inventory_from_config(QWEN3_MOE, fused_experts=False)
+    assert "model.layers.0.mlp.experts.5.up_proj.weight" in split.params
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in split.params
+    nm_f = get_name_map(fused.architecture, fused.config, fused.params)
+    nm_s = get_name_map(split.architecture, split.config, split.params)
+    full_f = _full(fused)
+    full_s = dict(full_f)
+    m = "model.layers.0.mlp.experts"
+    gu, down = full_s.pop(f"{m}.gate_up_proj"), full_s.pop(f"{m}.down_proj")
+    for e in range(6):
+        full_s[f"{m}.{e}.gate_proj.weight"] = gu[e, :16]
+        full_s[f"{m}.{e}.up_proj.weight"] = gu[e, 16:]
+        full_s[f"{m}.{e}.down_proj.weight"] = down[e]
+    lay_f = build_engine_layout(fused, nm_f, tp=tp, ep=ep, dtype="float32")
+    lay_s = build_engine_layout(split, nm_s, tp=tp, ep=ep, dtype="float32")
+    for rank in range(lay_f.world_size):
+        for name in ("model.layers.0.mlp.experts.routed_experts.w13_weight",
+                     "model.layers.0.mlp.experts.routed_experts.w2_weight"):
+            a, b = lay_f.tensors[rank].get(name), lay_s.tensors[rank].get(name)
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert torch.equal(_materialize(a, full_f), _materialize(b, full_s)), (rank, name)
