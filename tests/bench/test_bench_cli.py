@@ -1,0 +1,31 @@
+"""``fastsync bench`` end to end: real processes, all three transports, bit-exact (T=4, R=2)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fastsync.cli import main
+
+
+@pytest.mark.slow
+def test_bench_json_all_transports_bit_exact(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["bench", "--trainers", "4", "--rollouts", "2", "--size-gb", "0.002", "--steps", "1",
+               "--check-exact", "--json", "--progress", "off", "--timeout", "60"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0, out
+    assert set(out["transports"]) == {"rank0", "torch", "nixl"}
+    for name, r in out["transports"].items():
+        assert r["verified"] is True, (name, r["errors"])
+        assert r["exact"] is True, name  # every receiver equals an independent reference
+        assert r["seconds_median"] > 0 and r["gbps"] > 0
+    assert out["speedup_vs_rank0"] is not None and out["speedup_vs_rank0"] > 0
+    assert out["trainers"] == 4 and out["rollouts"] == 2
+
+
+def test_bench_refuses_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--trainers", "2", "--rollouts", "1", "--size-gb", "1", "--transport", "carrier-pigeon"]) == 2
+    assert "carrier-pigeon" in capsys.readouterr().err
+    assert main(["bench", "--trainers", "0", "--rollouts", "1", "--size-gb", "1"]) == 2
+    assert main(["bench", "--trainers", "2", "--rollouts", "1"]) == 2
