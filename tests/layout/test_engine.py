@@ -285,3 +285,49 @@ def test_per_expert_sources_fill_the_same_fused_tensors(tp, ep):
             assert (a is None) == (b is None)
             if a is not None:
                 assert torch.equal(_materialize(a, full_f), _materialize(b, full_s)), (rank, name)
+
+
+class _OverrideMap:
+    """A third-party name map for Llama that renames the final norm (registered at run time)."""
+
+    @staticmethod
+    def _build(config):
+        from fastsync.layout.vllm_names import llama_map
+
+        nm = llama_map(config)
+        for i, p in enumerate(nm.params):
+            if p.name == "model.norm.weight":
+                nm.params[i] = type(p)("model.final_norm.weight", p.shape, p.style, p.segments)
+        return nm
+
+    from fastsync import hookimpl
+
+    @hookimpl
+    def fastsync_name_map(self, architecture, config):
+        return self._build(config) if architecture == "LlamaForCausalLM" else None
+
+
+def test_third_party_name_map_wins_over_builtin():
+    from fastsync import plugins
+
+    inv = load_inventory("llama-3-8b")
+    name = plugins.register_plugin(_OverrideMap(), name="override_map")
+    try:
+        nm = get_name_map(inv.architecture, inv.config, inv.params)
+        assert "model.final_norm.weight" in nm.by_name() and "model.norm.weight" not in nm.by_name()
+        qwen = load_inventory("qwen3-0.6b")
+        assert "model.norm.weight" in get_name_map(qwen.architecture, qwen.config).by_name()
+    finally:
+        plugins.unregister_plugin(name)
+    assert "model.norm.weight" in get_name_map(inv.architecture, inv.config).by_name()
+
+
+def test_bad_rank_coordinates_are_config_errors():
+    inv = inventory_from_config(QWEN3_MOE)
+    nm = get_name_map(inv.architecture, inv.config)
+    with pytest.raises(ConfigError, match="tp rank 2 outside tp size 2"):
+        engine_tensors_for_rank(inv, nm, tp_size=2, tp_rank=2)
+    with pytest.raises(ConfigError, match="quant 'int4' unknown"):
+        engine_tensors_for_rank(inv, nm, tp_size=1, tp_rank=0, quant="int4")
+    with pytest.raises(ConfigError, match="ep=3 is not a multiple of tp=2"):
+        build_engine_layout(inv, nm, tp=2, ep=3)
