@@ -92,8 +92,9 @@ def _preset_model(preset: str, trainers: int, rollouts: int, size_bytes: int | N
     if size_bytes is not None:
         cfg = dict(inv.config)
         layers = int(cfg.get("num_hidden_layers", 1))
-        per_layer = inv.nbytes / max(layers, 1)
-        cfg["num_hidden_layers"] = max(1, min(layers, int(size_bytes // per_layer)))
+        fixed = sum(p.nbytes for n, p in inv.params.items() if not n.startswith("model.layers."))
+        per_layer = (inv.nbytes - fixed) / max(layers, 1)
+        cfg["num_hidden_layers"] = max(1, min(layers, int((size_bytes - fixed) // max(per_layer, 1))))
         inv = inventory_from_config(cfg, name=inv.name)
     name_map = plugins.hook().fastsync_name_map(architecture=inv.architecture, config=inv.config)
     if name_map is None:

@@ -91,6 +91,13 @@ class WeightSender:
     def setup(self) -> None:
         """Read every receiver's plan hash and tensors (refusing a mismatch before any byte
         moves), compile the program, allocate staging, prepare the transport."""
+        gathered = sorted({t.src_param for t in self.plan.transfers if t.src_rank == self.rank and t.gathered})
+        if gathered:
+            raise ConfigError(
+                f"trainer rank {self.rank}: the plan reads gathered full tensors ({len(gathered)} parameter(s), e.g. "
+                f"{gathered[0]!r}: block-quantised or flat-partitioned sources); owner gathers are not supported by "
+                "this executor yet: plan with copy transforms over FSDP/Megatron shards"
+            )
         dst_info: dict[int, dict[str, TensorInfo]] = {}
         want = self.plan.plan_hash
         for d in range(self.plan.num_receivers):
