@@ -74,7 +74,7 @@ def trainer_layout_from_module(module: Any, rank: int, world_size: int) -> Train
     shards: dict[str, tuple[Shard, ...]] = {}
     kinds: set[str] = set()
     for name, t in module.state_dict(keep_vars=True).items():
-        kinds.add("dtensor" if isinstance(t, DTensor) else "plain")
+        kinds.add(("hsdp" if t.device_mesh.ndim > 1 else "fsdp") if isinstance(t, DTensor) else "plain")
         shape = tuple(int(n) for n in t.shape)
         params[name] = ParamSpec(name, shape, _dtype_name(t))
         if isinstance(t, DTensor):
@@ -85,7 +85,7 @@ def trainer_layout_from_module(module: Any, rank: int, world_size: int) -> Train
             shards[name] = tuple(got)
         else:
             shards[name] = tuple(Shard(r, full_box(shape)) for r in range(world_size))
-    layout = TrainerLayout(world_size, params, shards, kind="fsdp" if kinds == {"dtensor"} else "dtensor",
+    layout = TrainerLayout(world_size, params, shards, kind=kinds.pop() if len(kinds) == 1 else "dtensor",
                            description=f"from DTensor placements of {type(module).__name__}")
     layout.validate()
     return layout

@@ -26,7 +26,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
         from fastsync.layout.box import box_slices
         from fastsync.layout.dtensor import trainer_layout_from_module
-        from fastsync.layout.trainer import fsdp_layout
+        from fastsync.layout.trainer import fsdp_layout, hsdp_layout
         from fastsync.models import inventory_from_config
         from fastsync.plugins import hook
 
@@ -36,20 +36,27 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         mesh = init_device_mesh("cpu", (WORLD,))
         checked = 0
         results = {}
-        for dim in (0, 1):
+        # HSDP over a 2-D (replicate=2, shard=1) mesh: placements (Replicate(), Shard(0))
+        hsdp_mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("replicate", "shard"))
+        for dim in (0, 1, "hsdp"):
             torch.manual_seed(0)
             model = transformers.AutoModelForCausalLM.from_config(cfg)
             full = {n: t.detach().clone() for n, t in model.state_dict().items()}
-            kw = {} if dim == 0 else {"shard_placement_fn": lambda p, d=dim: DShard(d) if p.ndim > d else DShard(0)}
+            kw = {} if dim in (0, "hsdp") else {"shard_placement_fn": lambda p, d=dim: DShard(d) if p.ndim > d else DShard(0)}
+            m = hsdp_mesh if dim == "hsdp" else mesh
             for layer in model.model.layers:
-                fully_shard(layer, mesh=mesh, **kw)
-            fully_shard(model, mesh=mesh, **kw)
+                fully_shard(layer, mesh=m, **kw)
+            fully_shard(model, mesh=m, **kw)
 
             layout = trainer_layout_from_module(model, rank, WORLD)
             via_hook = hook().fastsync_trainer_layout(model=model, rank=rank, world_size=WORLD)
-            expected = fsdp_layout(inv, WORLD, shard_dim=dim)
+            expected = hsdp_layout(inv, WORLD, 1) if dim == "hsdp" else fsdp_layout(inv, WORLD, shard_dim=dim)
+            if dim == "hsdp":
+                placements = model.state_dict()["model.layers.0.mlp.experts.gate_up_proj"].placements
+                assert [type(p).__name__ for p in placements] == ["Replicate", "Shard"], placements
             assert layout.to_json()["shards"] == expected.to_json()["shards"], dim
             assert layout.to_json()["params"] == expected.to_json()["params"]
+            assert layout.kind == ("hsdp" if dim == "hsdp" else "fsdp"), layout.kind
             assert via_hook.to_json() == layout.to_json()
             for name, t in model.state_dict().items():
                 mine = [s for s in layout.shards[name] if s.rank == rank]
