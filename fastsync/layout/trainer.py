@@ -29,7 +29,8 @@ from fastsync.errors import ConfigError, LayoutError
 from fastsync.layout.box import chunk_bounds, flat_range_to_boxes, full_box
 from fastsync.layout.types import ParamSpec, Shard, TrainerLayout
 
-__all__ = ["fsdp_layout", "hsdp_layout", "zero3_layout", "megatron_layout", "replicated_layout", "validate_shared"]
+__all__ = ["fsdp_layout", "hsdp_layout", "zero3_layout", "megatron_layout", "replicated_layout", "validate_shared",
+           "check_params"]
 
 
 def _params(params: object) -> dict[str, ParamSpec]:
@@ -238,3 +239,22 @@ def megatron_layout(params: object, *, tp: int, pp: int = 1, ep: int = 1, dp: in
     out = {n: tuple(v) for n, v in shards.items()}
     desc = f"megatron tp={tp} pp={pp} ep={ep} dp={dp}"
     return _done(TrainerLayout(world, ps, out, kind="megatron", description=desc))
+
+
+def check_params(layout: TrainerLayout, params: object) -> None:
+    """The trainer layout describes exactly the model's parameters with the same shapes: a live
+    layout (from DTensors) against an inventory, before planning. LayoutError naming the first
+    parameter that is missing, extra or of another shape."""
+    ps = _params(params)
+    missing = [n for n in ps if n not in layout.params]
+    if missing:
+        raise LayoutError(f"trainer layout ({layout.kind}) lacks parameter {missing[0]!r} "
+                          f"({len(missing)} missing in all)")
+    extra = [n for n in layout.params if n not in ps]
+    if extra:
+        raise LayoutError(f"trainer layout ({layout.kind}) has parameter {extra[0]!r} the model does not "
+                          f"({len(extra)} extra in all)")
+    for n, spec in ps.items():
+        got = layout.params[n].shape
+        if tuple(got) != tuple(spec.shape):
+            raise LayoutError(f"parameter {n!r}: trainer layout shape {tuple(got)} disagrees with the model's {spec.shape}")

@@ -127,3 +127,19 @@ def test_kimi_fsdp256_shares_shard_tuples():
     # torch.chunk: 384 experts in chunks of 2 fill 192 ranks; the last 64 hold no expert bytes
     assert lay.shards[a] is lay.shards[b] and len(lay.shards[a]) == 192
     assert lay.shards["model.layers.3.input_layernorm.weight"][-1].box == ((7140, 7168),)
+
+
+def test_check_params_names_the_disagreeing_parameter():
+    from fastsync.layout.trainer import check_params
+
+    inv = inventory_from_config(CFG)
+    lay = fsdp_layout(inv, 2)
+    check_params(lay, inv)
+    other = inventory_from_config(dict(CFG, vocab_size=1001))
+    with pytest.raises(LayoutError, match=r"'model.embed_tokens.weight': trainer layout shape \(1000, 32\) disagrees"):
+        check_params(lay, other)
+    fewer = inventory_from_config(dict(CFG, num_hidden_layers=3))
+    with pytest.raises(LayoutError, match=r"has parameter 'model.layers.3.self_attn.q_proj.weight' the model does not"):
+        check_params(lay, fewer)
+    with pytest.raises(LayoutError, match=r"lacks parameter 'model.layers.3"):
+        check_params(fsdp_layout(fewer, 2), inv)
