@@ -9,6 +9,7 @@ one box with several holders. Pure Python: no torch.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 
@@ -126,32 +127,40 @@ class ShardIndex:
 
 
 def build_index(name: str, shape: tuple[int, ...], shards: tuple[Shard, ...]) -> ShardIndex:
+    """Index the shards of one parameter (empty shards dropped, replicas merged)."""
     by_box: dict[Box, list[int]] = {}
     for sh in shards:
-        if sh.box and any(s >= e for s, e in sh.box):
-            continue  # an empty shard (FSDP2 trailing ranks) holds nothing to send
-        by_box.setdefault(sh.box, []).append(sh.rank)
+        got = by_box.get(sh.box)
+        if got is None:
+            by_box[sh.box] = [sh.rank]
+        else:
+            got.append(sh.rank)
     ndim = len(shape)
+    boxes = [b for b in by_box if not any(s >= e for s, e in b)]  # FSDP2 trailing ranks hold nothing
     dim = 0
+    for d in range(ndim):
+        if len({b[d] for b in boxes}) > 1:
+            dim = d
+            break
     if ndim:
-        for d in range(ndim):
-            if len({b[d] for b in by_box}) > 1:
-                dim = d
-                break
-    boxes = sorted(by_box, key=lambda b: (b[dim], b) if ndim else b)
-    holders = [tuple(sorted(set(by_box[b]))) for b in boxes]
+        boxes.sort(key=lambda b: (b[dim], b))
+    holders = [tuple(by_box[b]) if len(by_box[b]) == 1 else tuple(sorted(set(by_box[b]))) for b in boxes]
     starts = [b[dim][0] for b in boxes] if ndim else [0] * len(boxes)
     stops = [b[dim][1] for b in boxes] if ndim else [0] * len(boxes)
     monotone = all(stops[i] <= stops[i + 1] for i in range(len(stops) - 1))
-    total = sum(box_numel(b) for b in boxes)
-    numel = box_numel(tuple((0, n) for n in shape))
+    numel = math.prod(shape)
     ranks = tuple(sorted({r for h in holders for r in h}))
     bis = monotone and ndim > 0
-    slab = bis and all(b[k] == (0, shape[k]) for b in boxes for k in range(ndim) if k != dim)
-    # slabs along one dim are disjoint when each starts at or after the previous one's stop
+    others = tuple((0, n) for n in shape[dim + 1:])
+    head = tuple((0, n) for n in shape[:dim])
+    slab = bis and all(b[:dim] == head and b[dim + 1:] == others for b in boxes)
     if slab:
+        # slabs along one dim are disjoint when each starts at or after the previous one's stop
+        inner = numel // shape[dim] if shape[dim] else 0
+        total = sum(stops) * inner - sum(starts) * inner
         disjoint = all(stops[i] <= starts[i + 1] for i in range(len(boxes) - 1))
     else:
+        total = sum(box_numel(b) for b in boxes)
         disjoint = total <= numel and _pairwise_disjoint(boxes, starts, stops, bis)
     slab = slab and disjoint
     complete = disjoint and total == numel

@@ -26,8 +26,9 @@ Deterministic: the same inputs give the same transfers in the same order, so the
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
 
 from fastsync.errors import LayoutError, PlanError
 from fastsync.layout.box import Box, box_numel, box_shape, squeeze_shape
@@ -98,21 +99,6 @@ def validate_inputs(params: Mapping[str, ParamSpec], trainer: TrainerLayout, eng
                         f"engine rank {rank} tensor {tname!r}: scale region {box_shape(p.dst_box)} "
                         f"does not match the 128x128 blocks {ext} of {p.src!r}{list(p.src_box)}"
                     )
-
-
-@dataclass(slots=True)
-class _Item:
-    """One planned write before its sender is chosen."""
-
-    dst_rank: int
-    dst_tensor: str
-    dst_box: Box
-    param: str
-    src_box: Box
-    transform: str
-    nbytes: int
-    holders: tuple[int, ...]  # empty: sent by the parameter's gather owner
-    src_rank: int = -1
 
 
 def _aligned(sub: Box, piece: Box, block: int) -> bool:
@@ -258,17 +244,26 @@ def build_plan(
             "fix the name map or pass allow_unread=True"
         )
 
-    items: list[_Item] = []
-    ordered: list[_Item] = []  # model order: parameter by parameter, engine ranks ascending
-    gathered: dict[str, list[_Item]] = {}
+    # One pass over the pieces. Parts only one rank holds become Transfers at once; the others
+    # (several holders, or sent by a gather owner) wait as lists for _assign to pick a sender.
+    load = [0] * trainer.world_size
+    ordered: list = []  # model order: parameter by parameter, engine ranks ascending
+    choosable: list[tuple[list, tuple[int, ...]]] = []
+    gathered: dict[str, list[list]] = {}
     indices: dict[str, ShardIndex] = {}
+    # FSDP builders share one shard tuple between same-shaped parameters: index it once
+    shared: dict[tuple[int, tuple[int, ...]], tuple[ShardIndex, dict]] = {}
     for name, plist in by_param.items():
         if not plist:
             continue
         spec = params[name]
-        idx = build_index(name, tuple(spec.shape), trainer.shards[name])
+        shards = trainer.shards[name]
+        hit = shared.get((id(shards), spec.shape))
+        if hit is None:
+            hit = shared[(id(shards), spec.shape)] = (build_index(name, tuple(spec.shape), shards), {})
+        idx = dataclasses.replace(hit[0], name=name) if hit[0].name != name else hit[0]
+        cache = hit[1]
         indices[name] = idx
-        cache: dict[tuple[Box, int], list[tuple[Box, tuple[int, ...]]] | None] = {}
         # replicas share piece objects: a piece's parts are worked out once per dtype
         pcache: dict[tuple[int, str], tuple[bool, list[tuple[Box, Box, int, tuple[int, ...]]]]] = {}
         src_bytes = DTYPE_BYTES[spec.dtype]
@@ -279,21 +274,22 @@ def build_plan(
                     p, idx, cache, kinds[p.transform], DTYPE_BYTES[dtype], src_bytes,
                     max_transfer_bytes, min_transfer_bytes, coalesce_min_parts)
             is_gather, parts = res
+            tf = p.transform
             for sub, dst, nbytes, holders in parts:
-                it = _Item(rank, tname, dst, name, sub, p.transform, nbytes, holders)
-                ordered.append(it)
                 if is_gather:
+                    it = [-1, rank, tname, dst, name, sub, tf, nbytes, True]
                     gathered.setdefault(name, []).append(it)
+                    ordered.append(it)
+                elif len(holders) == 1:
+                    load[holders[0]] += nbytes
+                    ordered.append(Transfer(holders[0], rank, tname, dst, name, sub, tf, nbytes, False))
                 else:
-                    items.append(it)
+                    it = [-1, rank, tname, dst, name, sub, tf, nbytes, False]
+                    choosable.append((it, holders))
+                    ordered.append(it)
 
-    gathers = _assign(items, gathered, indices, trainer.world_size)
-
-    transfers = [
-        Transfer(it.src_rank, it.dst_rank, it.dst_tensor, it.dst_box, it.param, it.src_box, it.transform, it.nbytes,
-                 not it.holders)
-        for it in ordered
-    ]
+    gathers = _assign(load, choosable, gathered, indices)
+    transfers = [t if type(t) is Transfer else Transfer(*t) for t in ordered]
     meta = {
         "planner": "fastsync.plan.planner/1",
         "trainer_kind": trainer.kind,
@@ -307,35 +303,29 @@ def build_plan(
                 engine.world_size, meta)
 
 
-def _assign(items: list[_Item], gathered: dict[str, list[_Item]], indices: dict[str, ShardIndex],
-            num_trainers: int) -> dict[str, int]:
-    """Choose each item's sender and each gathered parameter's owner, balancing send bytes."""
-    load = [0] * num_trainers
-    flexible: list[tuple[int, int, object]] = []  # (-bytes, order, item or param name)
-    for i, it in enumerate(items):
-        if len(it.holders) == 1:
-            it.src_rank = it.holders[0]
-            load[it.src_rank] += it.nbytes
-        else:
-            flexible.append((-it.nbytes, i, it))
-    base = len(items)
+def _assign(load: list[int], choosable: list[tuple[list, tuple[int, ...]]], gathered: dict[str, list[list]],
+            indices: dict[str, ShardIndex]) -> dict[str, int]:
+    """Choose the sender of each part several ranks hold, and the owner of each gathered
+    parameter (any rank holding part of it), balancing send bytes: largest first, to the
+    candidate with the least bytes so far (ties: lowest rank). ``load`` starts with the bytes
+    only one rank can send. Fills in the senders; returns the owners."""
+    units: list[tuple[int, int, object, tuple[int, ...]]] = []  # (-bytes, order, what, candidates)
+    for i, (it, holders) in enumerate(choosable):
+        units.append((-it[7], i, it, holders))
+    base = len(units)
     for j, (name, its) in enumerate(gathered.items()):
-        flexible.append((-sum(it.nbytes for it in its), base + j, name))
-    flexible.sort(key=lambda x: (x[0], x[1]))
+        units.append((-sum(it[7] for it in its), base + j, name, indices[name].ranks))
+    units.sort(key=lambda u: (u[0], u[1]))
     gathers: dict[str, int] = {}
-    for neg, _, what in flexible:
-        if isinstance(what, str):
-            cands = indices[what].ranks
-        else:
-            cands = what.holders
+    for neg, _, what, cands in units:
         best = min(cands, key=lambda r: (load[r], r))
         load[best] -= neg
         if isinstance(what, str):
             gathers[what] = best
             for it in gathered[what]:
-                it.src_rank = best
+                it[0] = best
         else:
-            what.src_rank = best
+            what[0] = best  # type: ignore[index]
     return dict(sorted(gathers.items()))
 
 
@@ -349,10 +339,12 @@ def _gather_sources(gathers: dict[str, int], indices: dict[str, ShardIndex],
         idx = indices[name]
         elem = DTYPE_BYTES[params[name].dtype]
         per: dict[int, int] = {}
-        for box, holders in zip(idx.boxes, idx.holders):
+        shape = params[name].shape
+        inner = math.prod(shape) // shape[idx.dim] if idx.slab and shape[idx.dim] else 0
+        for box, holders, start, stop in zip(idx.boxes, idx.holders, idx.starts, idx.stops):
             if owner in holders:
                 continue
             r = holders[0]
-            per[r] = per.get(r, 0) + box_numel(box) * elem
+            per[r] = per.get(r, 0) + ((stop - start) * inner if idx.slab else box_numel(box)) * elem
         out[name] = [[r, b] for r, b in sorted(per.items())]
     return out
