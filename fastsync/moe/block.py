@@ -27,7 +27,7 @@ from torch import nn
 
 from fastsync.errors import MoEPatchError
 from fastsync.moe.dispatch import DeepEPDispatcher, deep_ep_import_error, ep_experts_forward, require_deep_ep
-from fastsync.moe.experts import grouped_mm_available, local_experts_forward
+from fastsync.moe.experts import _uses_default_swiglu, grouped_mm_available, grouped_mm_fits, local_experts_forward
 from fastsync.moe.replay import RoutingReplay
 from fastsync.moe.te import require_te, swap_linears, te_import_error
 
@@ -88,6 +88,7 @@ class Backend:
     dispatch: str  #: "local" | "all_to_all" | "deepep"
     te: bool
     note: str  #: why, for the one log line
+    strict: bool = True  #: False for "auto": a block grouped_mm cannot take falls back to the loop
 
     def describe(self, requested: str, ep_size: int) -> str:
         return (
@@ -117,13 +118,16 @@ def resolve_backend(requested: str, device: torch.device, ep_group: Any) -> Back
     # auto
     te_why = te_import_error()
     ep_why = deep_ep_import_error() if ep else "no EP group"
-    if device.type == "cuda" and grouped_mm_available():
+    kernel = "grouped_mm" if grouped_mm_available() else "torch"
+    if device.type == "cuda":
         dispatch = "deepep" if (ep and ep_why is None) else a2a
         return Backend(
-            "grouped_mm", dispatch, te_why is None,
-            f"TransformerEngine: {te_why or 'available'}; DeepEP: {ep_why or 'available'}",
+            kernel, dispatch, te_why is None,
+            f"TransformerEngine: {te_why or 'available'}; DeepEP: {ep_why or 'available'}", strict=False,
         )
-    return Backend("torch", a2a, False, f"TransformerEngine not used: {te_why}; DeepEP not used: {ep_why}")
+    return Backend(
+        kernel, a2a, False, f"TransformerEngine not used: {te_why}; DeepEP not used: {ep_why}", strict=False
+    )
 
 
 # ---- experts ------------------------------------------------------------------------------------
@@ -146,6 +150,7 @@ class FastExperts(nn.Module):
         for key, sub in hf._modules.items():
             self.add_module(key, sub)
         self._hf_apply_gate = type(hf)._apply_gate
+        self.fused_swiglu = _uses_default_swiglu(self)
         self.has_bias = bool(getattr(hf, "has_bias", False))
         self.is_transposed = bool(getattr(hf, "is_transposed", False))
         self.num_experts = int(hf.num_experts)
@@ -168,6 +173,10 @@ class FastExperts(nn.Module):
                 shard = nn.Parameter(p.detach()[lo:hi].clone(), requires_grad=p.requires_grad)
                 shard._fastsync_ep_shard = (lo, hi, self.num_experts)  # dim-0 rows of the full tensor
                 self.register_parameter(name, shard)
+        if self.kernel == "grouped_mm" and (why := grouped_mm_fits(self)) is not None:
+            if backend.strict:
+                raise MoEPatchError(f"{type(hf).__name__}: grouped_mm cannot run these experts: {why}")
+            self.kernel = "torch"
         if self.ep_size > 1:
             self.register_state_dict_post_hook(_gather_expert_shards)
             self.register_load_state_dict_pre_hook(_slice_expert_shards)

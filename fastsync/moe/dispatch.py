@@ -21,12 +21,29 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.nn.functional import all_to_all_single as _a2a_autograd
 
 from fastsync.errors import MoEPatchError
 from fastsync.moe.experts import combine_sorted, expert_mlp, sort_by_expert
 
-__all__ = ["ep_experts_forward", "deep_ep_import_error", "DeepEPDispatcher"]
+__all__ = ["ep_experts_forward", "deep_ep_import_error", "DeepEPDispatcher", "AllToAll"]
+
+
+class AllToAll(torch.autograd.Function):
+    """``dist.all_to_all_single`` with uneven splits; backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
+        out = x.new_empty(sum(out_splits), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        out_splits, in_splits = ctx.splits
+        dx = dy.new_empty(sum(in_splits), *dy.shape[1:])
+        dist.all_to_all_single(dx, dy.contiguous(), in_splits, out_splits, group=ctx.group)
+        return dx, None, None, None
 
 
 def ep_experts_forward(
@@ -45,7 +62,7 @@ def ep_experts_forward(
     """
     ep_size = dist.get_world_size(group)
     num_local = experts.num_local_experts
-    num_tokens, hidden = hidden_states.shape
+    num_tokens = hidden_states.shape[0]
     order, token, counts_E = sort_by_expert(top_k_index, experts.num_experts)
 
     # 2. who sends me how many rows for each of my experts: recv_counts[src, local_expert]
@@ -58,7 +75,7 @@ def ep_experts_forward(
 
     # 3. rows out, sorted by global expert = grouped by destination rank
     x_SH = hidden_states.index_select(0, token).contiguous()
-    x_RH = _a2a_autograd(x_SH.new_empty(sum(recv_splits), hidden), x_SH, recv_splits, send_splits, group=group)
+    x_RH = AllToAll.apply(x_SH, recv_splits, send_splits, group)
 
     # 4. source-major -> local-expert-major
     seg_expert = torch.arange(num_local, device=x_RH.device).repeat(ep_size)
@@ -70,7 +87,7 @@ def ep_experts_forward(
     y_RH = y_RH.index_select(0, undo).contiguous()
 
     # 5. rows back to their tokens' rank, weighted and summed there
-    y_SH = _a2a_autograd(y_RH.new_empty(x_SH.shape[0], y_RH.shape[1]), y_RH, send_splits, recv_splits, group=group)
+    y_SH = AllToAll.apply(y_RH, send_splits, recv_splits, group)
     return combine_sorted(y_SH, order, token, top_k_weights, num_tokens, hidden_states.dtype)
 
 

@@ -83,7 +83,36 @@ def test_logs_one_line_naming_the_backend(caplog: pytest.LogCaptureFixture) -> N
         fm.patch(model)
     lines = [r.getMessage() for r in caplog.records if r.name == "fastsync.moe"]
     assert len(lines) == 1
-    assert "backend='auto'" in lines[0] and "kernel='torch'" in lines[0] and "TransformerEngine=off" in lines[0]
+    assert "backend='auto'" in lines[0] and "kernel='grouped_mm'" in lines[0] and "TransformerEngine=off" in lines[0]
+
+
+def test_auto_falls_back_to_loop_where_grouped_mm_cannot_run_and_explicit_request_is_refused() -> None:
+    """grouped_mm needs 16-byte row strides: intermediate size 6 (fp32) cannot; "auto" runs the
+    per-expert loop there (still equal to stock), an explicit "grouped_mm" is a patch-time error."""
+    ref = tiny_model("qwen3_moe", moe_intermediate_size=6)
+    fast = clone(ref)
+    fm.patch(fast)
+    assert fast.model.layers[0].mlp.experts.kernel == "torch"
+    want_out, want_grad = run(ref, _ids())
+    got_out, got_grad = run(fast, _ids())
+    assert_close(got_out, want_out)
+    assert_close(got_grad, want_grad)
+    with pytest.raises(MoEPatchError, match=r"grouped_mm cannot run these experts: .*not multiples of 4"):
+        fm.patch(clone(ref), backend="grouped_mm")
+
+
+@pytest.mark.parametrize("backend", ["torch", "grouped_mm"])
+def test_backward_from_a_broadcast_gradient(backend: str) -> None:
+    """``out.sum().backward()`` sends a stride-0 gradient (HF's grouped_mm path fails on it on CPU)."""
+    ref = tiny_model("mixtral")
+    fast = clone(ref)
+    fm.patch(fast, backend=backend)
+    grads = []
+    for m in (ref, fast):
+        m.zero_grad()
+        m(input_ids=_ids()).logits.sum().backward()
+        grads.append({n: p.grad for n, p in m.named_parameters()})
+    assert_close(grads[1], grads[0])
 
 
 def test_unsupported_block_left_untouched_with_warning() -> None:
