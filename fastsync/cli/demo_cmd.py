@@ -57,7 +57,11 @@ def run(args: argparse.Namespace) -> int:
     for i, (b, a, t) in enumerate(zip(rep["before_engine"], rep["after_engine"], rep["after_trainer"])):
         print(f"  prompt {i}: engine before {b}\n            engine after  {a}\n            trainer model {t}")
     print(f"\nengine version: {s['version'][0]} -> {s['version'][1]}")
-    print(f"changed by the sync: {str(s['changed']).lower()}   engine == trainer after sync: {str(s['match']).lower()}")
+    print(f"changed by the sync: {str(s['changed']).lower()}   engine == trainer after sync: {str(s['match']).lower()} "
+          f"({s['tokens_equal']} tokens equal)")
+    if not s["match"] and args.dtype == "bfloat16":
+        print("  (bf16: the engine's fused CPU kernels and the HF forward round differently; a near-tied greedy "
+              "choice can flip. --dtype float32 compares exactly.)")
     print(f"\n{'path':34} {'sync s (median)':>16}  per repeat")
     fs = rep["sync_s_max_over_ranks"]["fastsync"]
     print(f"{'fastsync (all ranks write, ' + args.transport + ')':34} {s['fastsync_sync_s']:16.4f}  "

@@ -262,9 +262,11 @@ def run_demo(*, model_dir: str | None = None, preset: str = "small-qwen3-moe", n
 def summarize(report: dict) -> dict:
     """The demo's verdicts and headline numbers."""
     fs = statistics.median(report["sync_s_max_over_ranks"]["fastsync"])
+    pairs = [(a, b) for ea, eb in zip(report["after_engine"], report["after_trainer"]) for a, b in zip(ea, eb)]
     out = {
         "changed": report["after_engine"] != report["before_engine"],
         "match": report["after_engine"] == report["after_trainer"],
+        "tokens_equal": f"{sum(a == b for a, b in pairs)}/{len(pairs)}",
         "fastsync_sync_s": fs,
         "version": [report["version_before"], report["version_after"]],
     }

@@ -39,7 +39,7 @@ otherwise turn a worker exception into a dead engine); ``vllm_host`` re-raises t
 from __future__ import annotations
 
 import ctypes
-import json
+import logging
 import platform
 import time
 from typing import Any
@@ -57,6 +57,8 @@ from fastsync.engines.vllm_layout import (
 from fastsync.layout.types import EngineTensor
 
 __all__ = ["FastSyncWorkerExtension", "ensure_amx_permission", "EngineLanding", "EXTENSION"]
+
+log = logging.getLogger(__name__)
 
 #: The value to pass as ``worker_extension_cls``.
 EXTENSION = "fastsync.engines.vllm.FastSyncWorkerExtension"
@@ -151,6 +153,7 @@ class FastSyncWorkerExtension:
     def _fastsync_describe(self, options: dict) -> dict:
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
+        from fastsync import plugins
         from fastsync.layout.engine import engine_tensors_for_rank
         from fastsync.layout.namemap import get_name_map
         from fastsync.models.inventory import inventory_from_config
@@ -168,7 +171,10 @@ class FastSyncWorkerExtension:
         dtype = "bfloat16" if "bfloat16" in dtypes else sorted(dtypes)[0]
         inventory = inventory_from_config(config, name=arch, dtype=dtype)
         name_map = get_name_map(arch, config)
-        expected = engine_tensors_for_rank(inventory, name_map, tp_size=tp_size, tp_rank=tp_rank, dtype=dtype)
+        # A plugin may describe this engine itself (fastsync_engine_layout); else the name map does.
+        expected = plugins.hook().fastsync_engine_layout(engine=model, rank=rank)
+        if expected is None:
+            expected = engine_tensors_for_rank(inventory, name_map, tp_size=tp_size, tp_rank=tp_rank, dtype=dtype)
         check_against(live, expected, rank=rank)
         st = _State(rank, tp_rank, tp_size, live, expected)
         old = getattr(self, "_fastsync", None)
@@ -176,6 +182,9 @@ class FastSyncWorkerExtension:
             st.version, st.receiver, st.staging = old.version, old.receiver, old.staging
         self._fastsync = st
         staged = {n: f"{lp.kind}: {lp.why}" for n, lp in live.items() if lp.kind in ("linear_repack", "moe_repack")}
+        if staged:
+            log.info("fastsync: inference rank %d stages %d of %d parameters (prepacked by the CPU kernels, "
+                     "repacked at each flip), e.g. %s", rank, len(staged), len(live), next(iter(staged.items())))
         return {
             "rank": rank,
             "tp_rank": tp_rank,
