@@ -88,12 +88,18 @@ class EngineParam:
 class NameMap:
     """All engine tensors of a model plus the trainer parameters that deliberately feed nothing
     (``unused``: name -> reason, e.g. a tied ``lm_head.weight``). Everything else must be read.
+    ``engine_only``: name suffixes of parameters the engine creates that no trainer tensor feeds
+    (FP8 KV-cache scales ...): receivers leave them alone rather than report them missing.
     """
 
     architecture: str
     engine: str
     params: list[EngineParam]
     unused: dict[str, str] = field(default_factory=dict)
+    engine_only: dict[str, str] = field(default_factory=dict)
+
+    def is_engine_only(self, name: str) -> bool:
+        return any(name.endswith(suffix) for suffix in self.engine_only)
 
     def by_name(self) -> dict[str, EngineParam]:
         return {p.name: p for p in self.params}

@@ -20,6 +20,7 @@ deepseek_v2}.py``) and layers:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from fastsync.errors import ConfigError
@@ -48,6 +49,37 @@ def _stack(name: str, pieces: list[tuple[str, int, int]], inner: tuple[int, ...]
         off += rows
     return EngineParam(name, (off, *inner), style, tuple(segs), shard_dim=0, parts=tuple(parts),
                        quantizable=quantizable)
+
+
+#: Engine parameters vLLM creates that no trainer tensor feeds (left to vLLM, never written).
+ENGINE_ONLY = {
+    ".attn.k_scale": "FP8 KV-cache scale of a GQA Attention layer (vLLM's default 1.0 unless a checkpoint sets it)",
+    ".attn.v_scale": "FP8 KV-cache scale of a GQA Attention layer",
+    ".attn.q_scale": "FP8 attention query scale",
+    ".attn.prob_scale": "FP8 attention probability scale",
+}
+
+
+def _module(name: str) -> str:
+    if ".routed_experts." in name:
+        return name.split(".routed_experts.")[0]
+    return name.rsplit(".", 1)[0]
+
+
+def _finish(arch: str, config: dict, out: list[EngineParam], unused: dict[str, str]) -> NameMap:
+    """Apply the checkpoint's FP8 ``ignored_layers`` / ``modules_to_not_convert`` the way vLLM's
+    ``is_layer_skipped`` does (exact module names; a fused module is skipped when all its parts
+    are) and wrap up the map."""
+    qc = config.get("quantization_config") or {}
+    ignored = set(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or ())
+    if ignored:
+        for i, p in enumerate(out):
+            if not p.quantizable:
+                continue
+            parts = {_module(seg.src) for seg in p.segments}
+            if _module(p.name) in ignored or (parts and parts <= ignored):
+                out[i] = dataclasses.replace(p, quantizable=False)
+    return NameMap(arch, ENGINE, out, unused, engine_only=dict(ENGINE_ONLY))
 
 
 def _embed_head(config: dict, out: list[EngineParam], unused: dict[str, str]) -> None:
@@ -128,7 +160,7 @@ def _dense(config: dict, *, qk_norm: bool, arch: str) -> NameMap:
         _mlp(f"{p}.mlp", f"{p}.mlp", hidden, inter, out)
         _norms(p, hidden, out)
     _embed_head(config, out, unused)
-    return NameMap(arch, ENGINE, out, unused)
+    return _finish(arch, config, out, unused)
 
 
 def llama_map(config: dict) -> NameMap:
@@ -149,13 +181,15 @@ def qwen3_moe_map(config: dict) -> NameMap:
         p = f"model.layers.{i}"
         _gqa(config, p, out, qk_norm=True)
         if is_moe_layer(arch, config, i):
-            out.append(_whole(f"{p}.mlp.gate.weight", f"{p}.mlp.gate.weight", (num_experts, hidden), "replicated"))
+            # Qwen3-MoE hands its quant_config to the router GateLinear: FP8 checkpoints quantise it
+            out.append(_whole(f"{p}.mlp.gate.weight", f"{p}.mlp.gate.weight", (num_experts, hidden), "replicated",
+                              quantizable=True))
             _experts(f"{p}.mlp", f"{p}.mlp", num_experts, hidden, moe_inter, out, expert_format(config))
         else:
             _mlp(f"{p}.mlp", f"{p}.mlp", hidden, int(cfg_get(config, "intermediate_size")), out)
         _norms(p, hidden, out)
     _embed_head(config, out, unused)
-    return NameMap(arch, ENGINE, out, unused)
+    return _finish(arch, config, out, unused)
 
 
 def mixtral_map(config: dict) -> NameMap:
@@ -171,7 +205,7 @@ def mixtral_map(config: dict) -> NameMap:
         _experts(f"{p}.mlp", m, num_experts, hidden, inter, out, expert_format(config))
         _norms(p, hidden, out)
     _embed_head(config, out, unused)
-    return NameMap("MixtralForCausalLM", ENGINE, out, unused)
+    return _finish("MixtralForCausalLM", config, out, unused)
 
 
 def deepseek_v3_map(config: dict) -> NameMap:
@@ -225,7 +259,7 @@ def deepseek_v3_map(config: dict) -> NameMap:
             _mlp(m, m, hidden, inter, out)
         _norms(f"model.layers.{i}", hidden, out)
     _embed_head(config, out, unused)
-    return NameMap(arch, ENGINE, out, unused)
+    return _finish(arch, config, out, unused)
 
 
 #: architecture -> builder of its vLLM name map.

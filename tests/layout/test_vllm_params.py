@@ -20,6 +20,7 @@ from fastsync.layout.namemap import get_name_map  # noqa: E402
 from fastsync.models import load_inventory  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(__file__), "vllm_params_worker.py")
+FP8 = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic", "fmt": "e4m3"}
 COMMON = dict(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               max_position_embeddings=256)
 CASES = {
@@ -38,6 +39,18 @@ CASES = {
         COMMON, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
         first_k_dense_replace=1, q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=32, qk_nope_head_dim=32,
         v_head_dim=32, n_group=1, topk_group=1, num_experts_per_tok=2, topk_method="noaux_tc"), True),
+    # block FP8 (DeepSeek-V3 style quantization_config): weights float8_e4m3fn + *_scale_inv float32
+    "deepseek-v3-fp8": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        COMMON, hidden_size=256, intermediate_size=512, num_key_value_heads=4, moe_intermediate_size=256,
+        n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=256, kv_lora_rank=128,
+        qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=128, n_group=1, topk_group=1, num_experts_per_tok=2,
+        topk_method="noaux_tc", quantization_config=FP8), True),
+    "qwen3-moe-fp8": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        COMMON, hidden_size=256, intermediate_size=512, num_key_value_heads=2, head_dim=128,
+        moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2,
+        quantization_config=dict(FP8, modules_to_not_convert=[
+            "model.layers.0.mlp.gate", "model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.k_proj",
+            "model.layers.1.self_attn.v_proj"])), False),
 }
 
 
@@ -54,8 +67,9 @@ def vllm_params(tmp_path_factory):
     for cid, (cls, arch, kw, ep) in CASES.items():
         cfg = getattr(transformers, cls)(**kw)
         cfg.architectures = [arch]
-        if "topk_method" in kw:
-            cfg.topk_method = kw["topk_method"]
+        for key in ("topk_method", "quantization_config"):
+            if key in kw:
+                setattr(cfg, key, kw[key])
         d = root / cid
         cfg.save_pretrained(d)
         cases.append({"id": cid, "dir": str(d), "ep": ep})
@@ -93,9 +107,10 @@ def test_engine_tensors_equal_real_vllm_parameters(vllm_params, cid):
     nm = get_name_map(inv.architecture, inv.config, inv.params)
     ep = CASES[cid][3]
     for rank in range(2):
+        quant = "fp8" if "quantization_config" in CASES[cid][2] else None
         ours = engine_tensors_for_rank(inv, nm, tp_size=2, tp_rank=rank, ep_size=2 if ep else 1,
-                                       ep_rank=rank if ep else 0)
-        real = results[rank][cid]
+                                       ep_rank=rank if ep else 0, quant=quant)
+        real = {n: v for n, v in results[rank][cid].items() if not nm.is_engine_only(n)}
         assert sorted(ours) == sorted(real), (rank, set(ours) ^ set(real))
         for name, t in ours.items():
             shape, dtype = real[name]
@@ -105,3 +120,8 @@ def test_engine_tensors_equal_real_vllm_parameters(vllm_params, cid):
             else:
                 assert list(t.shape) == shape, (rank, name, t.shape, shape)
             assert t.dtype == dtype, (name, t.dtype, dtype)
+    if cid == "qwen3-moe-fp8":  # modules_to_not_convert keeps these in bf16, as vLLM does
+        assert ours["model.layers.0.mlp.gate.weight"].dtype == "bfloat16"
+        assert ours["model.layers.1.mlp.gate.weight"].dtype == "float8_e4m3fn"
+        assert ours["model.layers.1.self_attn.qkv_proj.weight"].dtype == "bfloat16"
+        assert ours["model.layers.0.self_attn.qkv_proj.weight"].dtype == "float8_e4m3fn"
