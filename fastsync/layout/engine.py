@@ -38,6 +38,7 @@ __all__ = [
     "VOCAB_PADDING",
     "FP8_BLOCK",
     "engine_tensors_for_rank",
+    "vllm_rank_coords",
     "build_engine_layout",
     "expert_range",
     "scale_name",
@@ -281,6 +282,22 @@ def engine_tensors_for_rank(inventory: object, name_map: NameMap, *, tp_size: in
         for t in ts:
             out[t.name] = t
     return out
+
+
+def vllm_rank_coords(*, tp_size: int, tp_rank: int, dp_size: int = 1, dp_rank: int = 0,
+                     enable_expert_parallel: bool = False) -> dict[str, int]:
+    """The keyword arguments of :func:`engine_tensors_for_rank` for a vLLM worker, from the
+    values a worker knows (its TP/DP coordinates and ``enable_expert_parallel``), following
+    ``FusedMoEParallelConfig.make``: the EP group is all ``tp * dp`` ranks of the engine."""
+    use_ep = enable_expert_parallel and tp_size * dp_size > 1
+    return {
+        "tp_size": tp_size,
+        "tp_rank": tp_rank,
+        "dp_size": dp_size,
+        "dp_rank": dp_rank,
+        "ep_size": tp_size * dp_size if use_ep else 1,
+        "ep_rank": dp_rank * tp_size + tp_rank if use_ep else 0,
+    }
 
 
 def build_engine_layout(inventory: object, name_map: NameMap, *, tp: int, ep: int | bool = 1, dp: int | None = None,

@@ -331,3 +331,18 @@ def test_bad_rank_coordinates_are_config_errors():
         engine_tensors_for_rank(inv, nm, tp_size=1, tp_rank=0, quant="int4")
     with pytest.raises(ConfigError, match="ep=3 is not a multiple of tp=2"):
         build_engine_layout(inv, nm, tp=2, ep=3)
+
+
+def test_vllm_rank_coords_reproduce_the_whole_engine_layout():
+    from fastsync.layout.engine import vllm_rank_coords
+
+    inv = inventory_from_config(QWEN3_MOE)
+    nm = get_name_map(inv.architecture, inv.config, inv.params)
+    for ep in (False, True):
+        lay = build_engine_layout(inv, nm, tp=2, dp=2, ep=ep)
+        for dp_rank in range(2):
+            for tp_rank in range(2):
+                kw = vllm_rank_coords(tp_size=2, tp_rank=tp_rank, dp_size=2, dp_rank=dp_rank,
+                                      enable_expert_parallel=ep)
+                mine = engine_tensors_for_rank(inv, nm, **kw)
+                assert mine == lay.tensors[dp_rank * 2 + tp_rank]
