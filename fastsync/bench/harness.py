@@ -32,7 +32,7 @@ class Cluster:
         self.control = TCPStoreControl.server(port=0, timeout_s=cfg.timeout_s)
         self.cfg = replace(cfg, port=self.control.port)
         self.model = model or build_bench_model(trainers=cfg.trainers, rollouts=cfg.rollouts,
-                                                size_bytes=cfg.size_bytes, preset=cfg.preset)
+                                                size_bytes=cfg.size_bytes, preset=cfg.preset, fp8=cfg.fp8)
         self.control.set("bench/plan", self.model.plan.dumps())
         self.ctx = mp.get_context("spawn")
         self.results = self.ctx.Queue()

@@ -60,7 +60,7 @@ def scaled_dims(size_bytes: int, tp: int):
 
 
 def build_bench_model(*, trainers: int, rollouts: int, size_bytes: int | None = None,
-                      preset: str | None = None) -> BenchModel:
+                      preset: str | None = None, fp8: bool = False) -> BenchModel:
     """Inventory, layouts and plan for ``trainers`` FSDP ranks and one TP=``rollouts`` engine."""
     from fastsync.plan.planner import build_plan
     from fastsync.plan.synthetic import engine_layout, fsdp_layout, small_model
@@ -74,9 +74,9 @@ def build_bench_model(*, trainers: int, rollouts: int, size_bytes: int | None = 
     dims = scaled_dims(size_bytes, rollouts)
     params = small_model(dims)
     trainer = fsdp_layout(params, trainers)
-    engine = engine_layout(params, dims, tp=rollouts, expert_parallel=False)
+    engine = engine_layout(params, dims, tp=rollouts, expert_parallel=False, fp8=fp8)
     plan = build_plan(params, trainer, engine)
-    desc = (f"synthetic Qwen3-MoE-like: {dims.layers} layers, hidden {dims.hidden}, {dims.experts} experts, "
+    desc = (f"synthetic Qwen3-MoE-like{' (FP8 engine)' if fp8 else ''}: {dims.layers} layers, hidden {dims.hidden}, {dims.experts} experts, "
             f"{len(params)} tensors")
     return BenchModel(params, trainer, engine, plan, desc)
 

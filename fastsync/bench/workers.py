@@ -37,7 +37,8 @@ class WorkerConfig:
     torch_threads: int = 1
     # fault injection for tests: (trainer rank, version, chunk index) at which that trainer exits
     kill_at: tuple[int, int, int] | None = None
-    rank0_bucket_bytes: int = 512 << 20
+    rank0_bucket_bytes: int = 256 << 20
+    fp8: bool = False  # engine holds block-FP8 weights + scales (the plan then has owner gathers)
 
 
 def _env(cfg: WorkerConfig) -> None:
@@ -54,7 +55,7 @@ def _model(cfg: WorkerConfig, control: Any):
     from fastsync.plan.types import Plan
 
     model = build_bench_model(trainers=cfg.trainers, rollouts=cfg.rollouts, size_bytes=cfg.size_bytes,
-                              preset=cfg.preset)
+                              preset=cfg.preset, fp8=cfg.fp8)
     shared = Plan.loads(control.get("bench/plan", cfg.timeout_s, what="the benchmark parent").decode())
     if shared.plan_hash != model.plan.plan_hash:
         raise PlanError(f"this process planned {model.plan.plan_hash}, the parent {shared.plan_hash}")
@@ -71,6 +72,14 @@ def _transport_options(name: str, cfg: WorkerConfig) -> dict:
     return {}
 
 
+def _world_if_gathers(cfg: WorkerConfig, control: Any, model: Any, global_rank: int) -> None:
+    """Owner gathers run over the default torch.distributed group: every process joins it."""
+    if model.plan.gathers:
+        from fastsync.transport._dist import ensure_world
+
+        ensure_world(control, global_rank, cfg.trainers + cfg.rollouts, cfg.timeout_s)
+
+
 def trainer_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
     _env(cfg)
     from fastsync.bench.model import trainer_buffers
@@ -80,12 +89,13 @@ def trainer_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
     try:
         control = TCPStoreControl.client(cfg.port, timeout_s=cfg.timeout_s)
         model = _model(cfg, control)
+        _world_if_gathers(cfg, control, model, rank)
         flat, views, shards = trainer_buffers(model, rank)
         sign_version = 0
         senders: dict[str, WeightSender] = {}
         for name, version, verify in cfg.schedule:
             if name not in senders:
-                s = WeightSender(rank=rank, plan=model.plan, sources=views, shards=shards,
+                s = WeightSender(rank=rank, plan=model.plan, sources=views, shards=model.trainer,
                                  control=control.with_prefix(f"fs/{name}"), transport=name,
                                  transport_options=_transport_options(name, cfg), staging_bytes=cfg.staging_bytes,
                                  direct=cfg.direct, min_direct_run_bytes=cfg.min_direct_run_bytes,
@@ -128,11 +138,12 @@ def receiver_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
     from fastsync.bench.model import reference_tensors
     from fastsync.control import TCPStoreControl
     from fastsync.executor.receiver import WeightReceiver
-    from fastsync.executor.staging import Landing
+    from fastsync.executor.staging import Landing, as_bytes
 
     try:
         control = TCPStoreControl.client(cfg.port, timeout_s=cfg.timeout_s)
         model = _model(cfg, control)
+        _world_if_gathers(cfg, control, model, cfg.trainers + rank)
         tensors = {n: torch.zeros(t.shape, dtype=getattr(torch, t.dtype))
                    for n, t in model.engine.tensors[rank].items()}
         landing = Landing(tensors, mode=cfg.mode, backup=cfg.backup and cfg.mode == "inplace")
@@ -170,7 +181,7 @@ def receiver_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
                 if want is None:
                     row["exact"] = all(not t.any() for t in tensors.values())
                 else:
-                    bad = [n for n, t in tensors.items() if not torch.equal(t, want[n])]
+                    bad = [n for n, t in tensors.items() if not torch.equal(as_bytes(t), as_bytes(want[n].contiguous()))]
                     row["exact"] = not bad
                     row["exact_mismatch"] = bad[:5]
             results.put(row)

@@ -25,6 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mode", choices=("inplace", "shadow"), default="inplace",
                    help="receiver atomicity: in-place writes with a backup refreshed between syncs (default), "
                         "or a shadow copy applied at the flip")
+    p.add_argument("--fp8", action="store_true",
+                   help="engine holds 128x128 block-FP8 weights plus scales (quantised on the trainers)")
     p.add_argument("--timeout", type=float, default=120.0, help="deadline of each sync, seconds")
     p.add_argument("--check-exact", action="store_true",
                    help="also compare every receiver's tensors with an independent reference (slow, small models)")
@@ -67,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         trainers=args.trainers, rollouts=args.rollouts, port=0,
         size_bytes=int(args.size_gb * (1 << 30)) if args.size_gb is not None else None, preset=args.model,
         staging_bytes=args.staging_mb << 20, timeout_s=args.timeout, mode=args.mode, check_exact=args.check_exact,
+        fp8=args.fp8,
     )
     progress = None if args.progress == "auto" else args.progress == "on"
     result = run_bench(cfg, transports, steps=args.steps, warmup=args.warmup, progress=progress)

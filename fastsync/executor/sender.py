@@ -21,6 +21,7 @@ import torch
 from fastsync import plugins
 from fastsync.control import ControlPlane
 from fastsync.errors import ConfigError, FastSyncError, PlanError, SyncError
+from fastsync.executor.gather import OwnerGather
 from fastsync.executor.metrics import SyncMetrics
 from fastsync.executor.pack import Packer
 from fastsync.executor.program import SendProgram, TensorInfo, compile_send
@@ -43,7 +44,9 @@ def make_transport(transport: str | Transport, options: dict | None = None) -> T
 
 class WeightSender:
     """One trainer rank's sender. ``sources[param]`` is this rank's local buffer for ``param``
-    holding the shards ``shards[param]`` describe (``Shard.local_offset`` into it)."""
+    holding the shards ``shards[param]`` describe (``Shard.local_offset`` into it). Pass the whole
+    ``TrainerLayout`` as ``shards`` when the plan has owner gathers; they run over
+    ``gather_group`` (default: the default torch.distributed group, trainer rank = group rank)."""
 
     def __init__(
         self,
@@ -60,6 +63,7 @@ class WeightSender:
         direct: bool = True,
         min_direct_run_bytes: int = 16 << 10,
         timeout_s: float = 60.0,
+        gather_group: object = None,
     ) -> None:
         if not 0 <= rank < plan.num_trainers:
             raise ConfigError(f"trainer rank {rank} outside the plan's {plan.num_trainers} trainers")
@@ -71,7 +75,13 @@ class WeightSender:
                     f"plan was built for trainer layout {plan.trainer_hash}, trainer rank {rank} has "
                     f"{shards.fingerprint()}: re-plan"
                 )
+            layout: TrainerLayout | None = shards
             shards = shards.shards_on(rank)
+        else:
+            layout = None
+        self.layout = layout
+        self.gather_group = gather_group
+        self.gather: OwnerGather | None = None
         self.rank = rank
         self.plan = plan
         self.sources = sources
@@ -91,13 +101,14 @@ class WeightSender:
     def setup(self) -> None:
         """Read every receiver's plan hash and tensors (refusing a mismatch before any byte
         moves), compile the program, allocate staging, prepare the transport."""
-        gathered = sorted({t.src_param for t in self.plan.transfers if t.src_rank == self.rank and t.gathered})
-        if gathered:
-            raise ConfigError(
-                f"trainer rank {self.rank}: the plan reads gathered full tensors ({len(gathered)} parameter(s), e.g. "
-                f"{gathered[0]!r}: block-quantised or flat-partitioned sources); owner gathers are not supported by "
-                "this executor yet: plan with copy transforms over FSDP/Megatron shards"
-            )
+        if self.plan.gathers:
+            if self.layout is None:
+                raise ConfigError(
+                    f"trainer rank {self.rank}: the plan gathers {len(self.plan.gathers)} parameter(s) on owner ranks "
+                    f"(e.g. {next(iter(self.plan.gathers))!r}); pass shards= as the whole TrainerLayout"
+                )
+            self.gather = OwnerGather(self.rank, self.plan, self.layout, self.sources, self.gather_group)
+            self.gather.check()
         dst_info: dict[int, dict[str, TensorInfo]] = {}
         want = self.plan.plan_hash
         for d in range(self.plan.num_receivers):
@@ -115,7 +126,9 @@ class WeightSender:
                                     min_direct_run_bytes=self.min_direct_run_bytes)
         staged = self.transport.uses_staging and any(not it.direct for c in self.program.chunks for it in c.items)
         staging = alloc_touched(self.program.staging_bytes) if staged else torch.empty(0, dtype=torch.uint8)
-        packer = Packer(self.program, staging, self.sources, self.shards, check=self.transport.uses_staging)
+        packer = Packer(self.program, staging, self.sources, self.shards,
+                        gathered=self.gather.full if self.gather is not None else None,
+                        check=self.transport.uses_staging)
         ctx = SenderContext(self.rank, self.plan, self.program, packer, self.control, self.world, self.timeout_s,
                             self.sources, self.shards)
         self.transport.setup_sender(ctx)
@@ -148,6 +161,8 @@ class WeightSender:
                                            what=f"inference rank {d} (begin of version {version})")
                     asked = asked or got == b"verify"
             crcs: dict[int, int] | None = {} if (verify or (verify is None and asked)) else None
+            if self.gather is not None and self.transport.uses_staging:  # rank0 assembles its own full tensors
+                self.gather.run(deadline, m)
             self.transport.send(version, deadline, m, crcs, on_chunk)
             if crcs is not None:
                 self.control.set(f"send/{self.rank}/crc/{version}", json.dumps(crcs))

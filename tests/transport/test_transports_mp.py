@@ -1,5 +1,6 @@
-"""Each transport between real processes (spawned, 127.0.0.1): uneven FSDP (T=3) onto TP=2,
-bit-exact against an independent reference, verified by checksums; and a trainer killed
+"""Each transport between real processes (spawned, 127.0.0.1): uneven FSDP (T=3) onto TP=2 with
+block-FP8 engine weights (owner gathers), bit-exact against an independent reference, verified
+by checksums; and a trainer killed
 mid-sync (NIXL) leaves every receiver on its last complete version, after which a restarted
 trainer's sync succeeds."""
 
@@ -17,11 +18,14 @@ def _sync_rows(rows: list[dict], version: int) -> list[dict]:
     return [r for r in rows if r.get("kind") == "sync" and r["version"] == version]
 
 
-def test_all_transports_uneven_trainers_bit_exact_shadow_mode() -> None:
+def test_all_transports_uneven_trainers_fp8_with_owner_gathers_bit_exact_shadow_mode() -> None:
+    """T=3 FSDP shards cut the 128x128 FP8 blocks, so the plan gathers those parameters on owner
+    ranks first; the receivers' FP8 weights and scales must equal the reference bit for bit."""
     cfg = WorkerConfig(trainers=3, rollouts=2, port=0, size_bytes=2 << 20, timeout_s=60, mode="shadow",
-                       check_exact=True, staging_bytes=256 << 10)
+                       check_exact=True, staging_bytes=256 << 10, fp8=True)
     schedule = make_schedule(["rank0", "torch", "nixl"], steps=1, warmup=0, verify=True)
     with Cluster(cfg) as cluster:
+        assert cluster.model.plan.gathers and any(t.transform == "fp8_block" for t in cluster.model.plan.transfers)
         cluster.start(schedule)
         rows = cluster.collect(lambda rs: sum(r.get("kind") == "exit" for r in rs) == 5, timeout_s=240)
     for name, version, verify in schedule:
