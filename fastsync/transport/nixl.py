@@ -124,9 +124,12 @@ class NixlTransport(Transport):
         for msgs in notifs.values():
             for msg in msgs:
                 parts = msg.decode(errors="replace").split("|")
-                if len(parts) != 5 or parts[0] != "fs" or int(parts[1]) != version:
+                try:
+                    v, src, k, n = (int(x) for x in parts[1:]) if len(parts) == 5 and parts[0] == "fs" else (-1,) * 4
+                except ValueError:
+                    continue  # not one of ours
+                if v != version:
                     continue  # another version's (late) notification, or not ours
-                src, k, n = int(parts[2]), int(parts[3]), int(parts[4])
                 if src in self._got:
                     self._got[src].add(k)
                     self._expect[src] = n
@@ -234,8 +237,25 @@ class NixlTransport(Transport):
                         )
                     time.sleep(0.0002)
 
-        run_pipelined(ctx.program.chunks, pack=pack, post=post, drain=drain, deadline=deadline,
-                      metrics=metrics, overlap=self.overlap, on_chunk=on_chunk)
+        try:
+            run_pipelined(ctx.program.chunks, pack=pack, post=post, drain=drain, deadline=deadline,
+                          metrics=metrics, overlap=self.overlap, on_chunk=on_chunk)
+        except BaseException:
+            # Let writes already posted finish (bounded) before the failure is reported, so none
+            # lands after the receivers rolled back.
+            self._quiesce(min(deadline, time.monotonic() + 5.0))
+            raise
+
+    def _quiesce(self, deadline: float) -> None:
+        for entries in self._handles.values():
+            for _, h, _ in entries:
+                while time.monotonic() < deadline:
+                    try:
+                        if self.agent.check_xfer_state(h) != "PROC":
+                            break
+                    except Exception:  # a handle never posted, or already failed: nothing in flight
+                        break
+                    time.sleep(0.0005)
 
     def _close(self) -> None:
         if self.agent is None:
