@@ -165,16 +165,25 @@ def rank0_baseline(
     bucket_bytes: int = 512 << 20,
     efficiency: float = 0.95,
     hop_latency_s: float = 20e-6,
+    overlap: bool = True,
 ) -> Rank0Result:
-    """The "gather on trainer rank 0, broadcast to every inference rank" design (verl's NCCL
-    checkpoint engine, OpenRLHF's broadcast): tensors go in buckets of ``bucket_bytes`` in the
-    trainer dtype; per bucket, rank 0 first all-gathers the bucket's FSDP shards (receives
-    (N-1)/N of it: the other ``gpus_per_node - 1`` GPUs of its node over NVLink, the rest through
-    its NIC), then broadcasts it with one pipelined NCCL tree/ring over all receivers, limited by
-    rank 0's NIC (it sends each byte once per broadcast group; ``num_groups`` > 1 models one
-    broadcast per replica), plus a tree depth of ``hop_latency_s`` per bucket. Gather and
-    broadcast of a bucket run one after the other (the host loop is serial); the receivers
-    quantise to FP8 themselves, so the wire carries the trainer dtype."""
+    """The "gather on trainer rank 0, broadcast to every inference rank" design, modelled on
+    verl's NCCL checkpoint engine (``verl/checkpoint_engine/nccl_checkpoint_engine.py``):
+
+    * tensors are all-gathered (``full_tensor()``) in the trainer dtype and packed into buckets of
+      ``bucket_bytes``; rank 0 receives (N-1)/N of each bucket: the share of the other
+      ``gpus_per_node - 1`` GPUs of its node over NVLink (``intra_node_gbps``), the rest through
+      its NIC;
+    * each bucket is broadcast from trainer rank 0 over one NCCL group holding every inference
+      rank, a pipelined ring/tree whose rate is rank 0's NIC: rank 0 sends each byte once per
+      broadcast group (``num_groups`` > 1 models one broadcast per replica), plus a tree depth of
+      ``hop_latency_s`` per bucket;
+    * verl double-buffers: the gather of bucket b+1 overlaps the broadcast of bucket b
+      (``overlap=True``), so the time is the slower stream plus one bucket of the other;
+      ``overlap=False`` runs them one after the other.
+
+    Receivers quantise to FP8 themselves, so the wire carries the trainer dtype. The assumption
+    favours the baseline: no per-bucket host overhead and a perfect ring."""
     _check_bw("nic_gbps", nic_gbps)
     _check_bw("intra_node_gbps", intra_node_gbps)
     bw = gbps_to_bytes_per_s(nic_gbps) * efficiency
@@ -186,8 +195,14 @@ def rank0_baseline(
     buckets = max(1, math.ceil(model / bucket_bytes))
     depth = max(1, math.ceil(math.log2(num_receivers + 1)))
     bcast_s = num_groups * model / bw + buckets * depth * hop_latency_s
+    if overlap:
+        total = max(gather_s, bcast_s) + min(gather_s, bcast_s) / buckets
+        how = "double-buffered"
+    else:
+        total = gather_s + bcast_s
+        how = "serially"
     assumption = (
-        f"rank 0 all-gathers each {bucket_bytes >> 20} MiB bucket then broadcasts it to {num_receivers} receivers "
-        f"({num_groups} broadcast group(s)), serially, at {nic_gbps:g} Gb/s x {efficiency:g}"
+        f"rank 0 all-gathers {bucket_bytes >> 20} MiB buckets and broadcasts each to {num_receivers} receivers "
+        f"({num_groups} broadcast group(s)), {how}, at {nic_gbps:g} Gb/s x {efficiency:g}"
     )
-    return Rank0Result(gather_s + bcast_s, gather_s, bcast_s, model, buckets, assumption)
+    return Rank0Result(total, gather_s, bcast_s, model, buckets, assumption)

@@ -59,6 +59,15 @@ def test_rank0_baseline_is_model_through_rank0_nic_twice() -> None:
     assert r.model_bytes == 2_000_000 and r.num_buckets == 1
     assert r.gather_seconds == pytest.approx(2_000_000 * 7 / 8 / 1e9)
     assert r.broadcast_seconds == pytest.approx(2_000_000 / 1e9)
+    # one bucket: nothing to overlap, gather then broadcast
+    assert r.predicted_seconds == pytest.approx(r.gather_seconds + r.broadcast_seconds)
+    many = rank0_baseline(params, 4, nic_gbps=8, num_trainers=8, intra_node_gbps=8, efficiency=1.0,
+                          hop_latency_s=0.0, bucket_bytes=200_000)
+    assert many.num_buckets == 10
+    assert many.predicted_seconds == pytest.approx(many.broadcast_seconds + many.gather_seconds / 10)
+    serial = rank0_baseline(params, 4, nic_gbps=8, num_trainers=8, intra_node_gbps=8, efficiency=1.0,
+                            hop_latency_s=0.0, bucket_bytes=200_000, overlap=False)
+    assert serial.predicted_seconds == pytest.approx(many.gather_seconds + many.broadcast_seconds)
     two = rank0_baseline(params, 4, nic_gbps=8, num_trainers=8, num_groups=2, efficiency=1.0, hop_latency_s=0.0)
     assert two.broadcast_seconds == pytest.approx(2 * r.broadcast_seconds)
 
