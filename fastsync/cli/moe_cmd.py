@@ -17,6 +17,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reps", type=int, default=3, help="timed steps per variant (median reported)")
     p.add_argument("--backend", default="auto", help="fastsync backend: auto, torch, grouped_mm, te, deepep")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch threads per variant (default: all cores; "
+                   "split over the --ep processes)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per variant")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
@@ -29,18 +31,22 @@ def _mib(n: int) -> str:
 def run(args: argparse.Namespace) -> int:
     from fastsync.moe.bench import run_bench
     report = run_bench(args.model, tokens=args.tokens, ep=args.ep, reps=args.reps, backend=args.backend,
-                       seed=args.seed, timeout_s=args.timeout)
+                       seed=args.seed, timeout_s=args.timeout, threads=args.threads)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
     print(f"moe-bench {report['model']} ({report['model_type']}): {report['what']}, {report['tokens']} tokens, "
           f"median of {report['reps']}")
-    print(f"{'variant':16} {'tokens/s':>10} {'step s':>8} {'peak MiB':>9} {'expert MiB/rank':>16} {'max abs err':>12}")
+    print(f"{'variant':16} {'tokens/s':>10} {'step s':>8} {'cpu s':>7} {'peak MiB':>9} {'expert MiB/rank':>16} "
+          f"{'max abs err':>12}")
     rows = [*report["baselines"].items(), (f"fastsync ep={report['fastsync']['ep']}", report["fastsync"])]
     for name, r in rows:
-        print(f"{name:16} {r['tokens_per_s']:10.0f} {r['step_s']:8.3f} {_mib(r['peak_mem_bytes']):>9} "
+        print(f"{name:16} {r['tokens_per_s']:10.0f} {r['step_s']:8.3f} {r['cpu_s_per_step']:7.2f} "
+              f"{_mib(r['peak_mem_bytes']):>9} "
               f"{_mib(r['expert_param_bytes_per_rank']):>16} {r['max_abs_err']:12.2e}")
     print(f"fastsync vs HF eager: {report['speedup_vs_hf_eager']:.2f}x, vs HF grouped_mm: "
           f"{report['speedup_vs_hf_grouped_mm']:.2f}x")
+    print(f"threads per variant: {report['threads']}; 1-min load average before/after: "
+          f"{report['load_avg_1min'][0]:.1f}/{report['load_avg_1min'][1]:.1f} (shared machine: wall times are noisy)")
     print(f"peak memory: {report['peak_mem_method']}")
     return 0

@@ -6,7 +6,8 @@ One switch: ``fastsync.moe.patch(model, ep_group=None, backend="auto")``.
 
 from __future__ import annotations
 
+from fastsync.moe.experts import register_transformers_backend
 from fastsync.moe.patch import ep_shards, expert_param_bytes, patch
 from fastsync.moe.replay import RoutingReplay
 
-__all__ = ["patch", "ep_shards", "expert_param_bytes", "RoutingReplay"]
+__all__ = ["patch", "ep_shards", "expert_param_bytes", "RoutingReplay", "register_transformers_backend"]

@@ -122,7 +122,8 @@ def variant_job(job: dict, rank: int, world: int, group: Any) -> dict:
                 dist.all_reduce(grads[n], group=group)
     result["grads"] = grads
 
-    times = []
+    times: list[float] = []
+    cpu_times: list[float] = []
     block.zero_grad(set_to_none=True)
     x.grad = None
     base_kb = _status_kb("VmRSS")
@@ -130,9 +131,10 @@ def variant_job(job: dict, rank: int, world: int, group: Any) -> dict:
     for _ in range(job["reps"]):
         if world > 1:
             dist.barrier(group=group)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         _step(block, x, g)
         dt = time.perf_counter() - t0
+        cpu_times.append(time.process_time() - c0)
         if world > 1:
             t = torch.tensor([dt], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
@@ -143,7 +145,7 @@ def variant_job(job: dict, rank: int, world: int, group: Any) -> dict:
     peak_kb = _status_kb("VmHWM")
     expert_bytes = sum(p.numel() * p.element_size() for p in block.experts.parameters())
     result.update(
-        step_s=statistics.median(times), peak_mem_bytes=max(0, peak_kb - base_kb) * 1024, peak_exact=exact,
+        step_s=statistics.median(times), cpu_s=statistics.median(cpu_times), peak_mem_bytes=max(0, peak_kb - base_kb) * 1024, peak_exact=exact,
         expert_param_bytes=expert_bytes, threads=torch.get_num_threads(),
     )
     return result
@@ -167,7 +169,7 @@ def _cat_ranks(results: list[dict]) -> dict:
 
 def run_bench(
     model: str, tokens: int = 2048, ep: int = 1, reps: int = 3, backend: str = "auto", seed: int = 0,
-    timeout_s: float = 900.0,
+    timeout_s: float = 900.0, threads: int | None = None,
 ) -> dict[str, Any]:
     """Run the three variants; the JSON-able report (``baselines``, ``fastsync``, ...)."""
     if tokens < 1 or ep < 1 or reps < 1:
@@ -175,13 +177,15 @@ def run_bench(
     if tokens % ep:
         raise ConfigError(f"--tokens {tokens} must be divisible by --ep {ep}")
     cfg = load_config_dict(model)
-    threads = os.cpu_count() or 1
+    threads = threads or os.cpu_count() or 1
+    load_before = os.getloadavg()[0]
     job = {"fn": "fastsync.moe.bench:variant_job", "config": cfg, "tokens": tokens, "reps": reps, "seed": seed,
            "backend": backend}
     raw: dict[str, dict] = {}
     for variant in ("hf_eager", "hf_grouped_mm"):
         raw[variant] = spawn_ep({**job, "variant": variant}, 1, timeout_s=timeout_s, threads=threads)[0]
     fast_ranks = spawn_ep({**job, "variant": "fastsync"}, ep, timeout_s=timeout_s, threads=max(1, threads // ep))
+    # (under EP the processes share the threads: N processes x threads/N)
     raw["fastsync"] = _cat_ranks(fast_ranks) if ep > 1 else fast_ranks[0]
     ref = raw["hf_eager"]
 
@@ -190,6 +194,7 @@ def run_bench(
         return {
             "tokens_per_s": tokens / ranks[0]["step_s"],
             "step_s": ranks[0]["step_s"],
+            "cpu_s_per_step": sum(r["cpu_s"] for r in ranks),
             "peak_mem_bytes": max(r["peak_mem_bytes"] for r in ranks),
             "max_abs_err": _max_abs_err(res, ref),
             "expert_param_bytes_per_rank": ranks[0]["expert_param_bytes"],
@@ -205,6 +210,8 @@ def run_bench(
         "reps": reps,
         "what": "first sparse-MoE block, forward+backward, fp32, CPU" if not torch.cuda.is_available()
         else "first sparse-MoE block, forward+backward, fp32",
+        "threads": threads,
+        "load_avg_1min": [load_before, os.getloadavg()[0]],
         "peak_mem_method": PEAK_MEM_METHOD if all(r.get("peak_exact") for r in fast_ranks) else
         "RSS high-water mark delta (VmHWM could not be reset: an upper bound including setup)",
         "baselines": {"hf_eager": entry(raw["hf_eager"]), "hf_grouped_mm": entry(raw["hf_grouped_mm"])},

@@ -16,7 +16,6 @@ file reproduces are swapped (``SUPPORTED``); ``build_block`` returns None for an
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,13 +26,11 @@ from torch import nn
 
 from fastsync.errors import MoEPatchError
 from fastsync.moe.dispatch import DeepEPDispatcher, deep_ep_import_error, ep_experts_forward, require_deep_ep
-from fastsync.moe.experts import _uses_default_swiglu, grouped_mm_available, grouped_mm_fits, local_experts_forward
+from fastsync.moe.experts import uses_default_swiglu, grouped_mm_available, grouped_mm_fits, local_experts_forward
 from fastsync.moe.replay import RoutingReplay
 from fastsync.moe.te import require_te, swap_linears, te_import_error
 
 __all__ = ["ArchSpec", "SUPPORTED", "Backend", "resolve_backend", "FastExperts", "build_block", "is_moe_block"]
-
-log = logging.getLogger("fastsync.moe")
 
 BACKENDS = ("auto", "torch", "grouped_mm", "te", "deepep")
 EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
@@ -150,7 +147,7 @@ class FastExperts(nn.Module):
         for key, sub in hf._modules.items():
             self.add_module(key, sub)
         self._hf_apply_gate = type(hf)._apply_gate
-        self.fused_swiglu = _uses_default_swiglu(self)
+        self.fused_swiglu = uses_default_swiglu(self)
         self.has_bias = bool(getattr(hf, "has_bias", False))
         self.is_transposed = bool(getattr(hf, "is_transposed", False))
         self.num_experts = int(hf.num_experts)

@@ -121,15 +121,44 @@ class _SwiGLU(torch.autograd.Function):
     def backward(ctx: Any, da_SI: torch.Tensor) -> torch.Tensor:
         (h_S2I,) = ctx.saved_tensors
         gate, up = h_S2I.chunk(2, dim=-1)
-        sig = torch.sigmoid(gate)
         dh = torch.empty_like(h_S2I)
         d_gate, d_up = dh.chunk(2, dim=-1)
-        torch.mul(da_SI, gate * sig, out=d_up)
-        torch.mul(da_SI * up, sig * (1 + gate * (1 - sig)), out=d_gate)
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+        torch.mul(da_SI, silu, out=d_up)
+        # d silu(g)/dg = sig + silu * (1 - sig), built in place to keep temporaries few
+        silu.mul_(torch.sub(1, sig)).add_(sig)
+        torch.mul(da_SI, up, out=d_gate)
+        d_gate.mul_(silu)
         return dh
 
 
-def _uses_default_swiglu(experts: torch.nn.Module) -> bool:
+class _WeightedCombine(torch.autograd.Function):
+    """out[t] = sum of w_S[s] * y_SH[s] over the rows s of token t (``index_add``).
+
+    Backward without (S, H) temporaries beyond the one it must return: the incoming gradient is
+    gathered once and scaled in place for dy; dw is a row-wise dot product (``bmm``)."""
+
+    @staticmethod
+    def forward(ctx: Any, y_SH: torch.Tensor, w_S: torch.Tensor, token: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        dtype = torch.promote_types(y_SH.dtype, w_S.dtype)
+        weighted = y_SH.to(dtype) * w_S.to(dtype).unsqueeze(-1)
+        out = weighted.new_zeros(num_tokens, y_SH.shape[-1]).index_add_(0, token, weighted)
+        ctx.save_for_backward(y_SH, w_S, token)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, d_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+        y_SH, w_S, token = ctx.saved_tensors
+        g_SH = d_out.index_select(0, token)
+        dw = None
+        if ctx.needs_input_grad[1]:
+            dw = torch.bmm(g_SH.unsqueeze(1), y_SH.to(g_SH.dtype).unsqueeze(2)).view(-1).to(w_S.dtype)
+        dy = g_SH.mul_(w_S.to(g_SH.dtype).unsqueeze(-1)).to(y_SH.dtype) if ctx.needs_input_grad[0] else None
+        return dy, dw, None, None
+
+
+def uses_default_swiglu(experts: torch.nn.Module) -> bool:
     from transformers.integrations.moe import _default_apply_gate
 
     gate_fn = getattr(experts, "_hf_apply_gate", None) or getattr(type(experts), "_apply_gate", None)
@@ -193,7 +222,7 @@ def expert_mlp(
     h = grouped_linear(x_SH, w1, counts_E, counts, transposed=transposed, backend=backend, bias_EO=b1)
     fused = getattr(experts, "fused_swiglu", None)
     if fused is None:
-        fused = _uses_default_swiglu(experts)
+        fused = uses_default_swiglu(experts)
     a = _SwiGLU.apply(h) if fused else experts._apply_gate(h)
     return grouped_linear(a, w2, counts_E, counts, transposed=transposed, backend=backend, bias_EO=b2)
 
@@ -216,9 +245,7 @@ def combine_sorted(
     """Weight each expert output by its routing weight and sum the top-k rows of each token.
     Accumulates in the promoted dtype (fp32 when the router weights are fp32), like HF."""
     w_S = top_k_weights.reshape(-1).index_select(0, order)
-    weighted = y_SH * w_S.unsqueeze(-1)
-    out = weighted.new_zeros(num_tokens, y_SH.shape[-1]).index_add(0, token, weighted)
-    return out.to(out_dtype)
+    return _WeightedCombine.apply(y_SH, w_S, token, num_tokens).to(out_dtype)
 
 
 def local_experts_forward(

@@ -38,6 +38,19 @@ def patch(
     ``ep_group``: a torch.distributed process group over which experts are sharded (None: no
     expert parallelism). ``backend``: ``"auto"``, ``"torch"``, ``"grouped_mm"``, ``"te"``,
     ``"deepep"``. ``replay``: a ``RoutingReplay`` the blocks consult after routing.
+
+    Under EP each rank routes its own tokens and holds 1/ep_size of every expert tensor; the
+    router and shared experts stay replicated, so their gradients need the usual data-parallel
+    all-reduce over the EP ranks (FSDP/DDP does it when the EP ranks are also DP ranks).
+    ``state_dict()`` is collective under EP (it all-gathers expert shards to HF's full shapes).
+
+    Example::
+
+        model = AutoModelForCausalLM.from_pretrained(path)      # HF v5 MoE model
+        fastsync.moe.patch(model, ep_group=ep_group)            # every training rank, same group
+        model = fully_shard(model, ...)                         # then wrap, then the optimizer
+        optimizer = torch.optim.AdamW(model.parameters())
+        loss = model(**batch).loss; loss.backward(); optimizer.step()
     """
     try:
         device = next(model.parameters()).device

@@ -10,7 +10,8 @@ import torch
 from fastsync.moe.ep_run import spawn_ep
 from moe_equiv import assert_close, run, tiny_model
 
-RUNS = [("qwen3_moe", 2), ("qwen3_moe", 4), ("deepseek_v3", 2), ("gpt_oss", 4)]
+#: (arch, EP size, experts kernel)
+RUNS = [("qwen3_moe", 2, "torch"), ("qwen3_moe", 4, "auto"), ("deepseek_v3", 2, "auto"), ("gpt_oss", 4, "torch")]
 SEED = 3
 
 
@@ -20,9 +21,9 @@ def _ids(world: int) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def ep_results() -> dict:
-    runs = [{"arch": a, "world": w, "seed": SEED, "ids": _ids(w), "backend": "torch"} for a, w in RUNS]
+    runs = [{"arch": a, "world": w, "seed": SEED, "ids": _ids(w), "backend": b} for a, w, b in RUNS]
     per_rank = spawn_ep({"fn": "moe_ep_jobs:multi_job", "runs": runs}, world=4, timeout_s=200)
-    return {i: [per_rank[r][i] for r in range(w)] for i, (_, w) in enumerate(RUNS)}
+    return {i: [per_rank[r][i] for r in range(w)] for i, (_, w, _) in enumerate(RUNS)}
 
 
 def _reference(arch: str, ids: torch.Tensor, world: int):
@@ -37,9 +38,9 @@ def _reference(arch: str, ids: torch.Tensor, world: int):
     return ref, outs, grads
 
 
-@pytest.mark.parametrize("i", range(len(RUNS)), ids=[f"{a}-ep{w}" for a, w in RUNS])
+@pytest.mark.parametrize("i", range(len(RUNS)), ids=[f"{a}-ep{w}-{b}" for a, w, b in RUNS])
 def test_ep_matches_single_process(ep_results: dict, i: int) -> None:
-    arch, world = RUNS[i]
+    arch, world, _ = RUNS[i]
     results = ep_results[i]
     ref, ref_outs, ref_grads = _reference(arch, _ids(world), world)
     for r, res in enumerate(results):  # logits, loss, aux loss of each rank's micro-batch

@@ -5,7 +5,6 @@ relative, in fp32, with random weights; names and shapes stay HF's; bad input is
 from __future__ import annotations
 
 import logging
-import warnings
 
 import pytest
 import torch
