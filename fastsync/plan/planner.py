@@ -76,7 +76,19 @@ def validate_inputs(params: Mapping[str, ParamSpec], trainer: TrainerLayout, eng
     unknown = sorted(set(trainer.params) - set(params))
     if unknown:
         raise LayoutError(f"trainer layout has parameter(s) the model does not: {unknown[:5]}")
-    trainer.validate()
+    # Builders share one shard tuple between same-shaped parameters: validate each distinct
+    # (shards, shape) once with the layout's own validate(), under the first name using it.
+    firsts: dict[tuple[int, tuple[int, ...]], str] = {}
+    for name, spec in trainer.params.items():
+        shards = trainer.shards.get(name)
+        if shards is None:
+            raise LayoutError(f"trainer layout ({trainer.kind}) holds no shard of parameter {name!r}")
+        firsts.setdefault((id(shards), tuple(spec.shape)), name)
+    extra = sorted(set(trainer.shards) - set(trainer.params))
+    if extra:
+        raise LayoutError(f"trainer layout has shards of unknown parameter(s): {extra[:5]}")
+    TrainerLayout(trainer.world_size, {n: trainer.params[n] for n in firsts.values()},
+                  {n: trainer.shards[n] for n in firsts.values()}, trainer.kind).validate()
     # Replicas (and TP ranks holding replicated tensors) repeat equal tensors: check each
     # distinct one once, on the first rank holding it, with the layout's own validate().
     distinct: dict[tuple[str, EngineTensor], int] = {}
