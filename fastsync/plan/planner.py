@@ -164,7 +164,7 @@ def _split(sub: Box, piece_src: Box, block: int, max_elems: int) -> list[Box]:
 def _piece_parts(
     p: Piece,
     idx: ShardIndex,
-    cache: dict[tuple[Box, int], list[tuple[Box, tuple[int, ...]]] | None],
+    cache: dict[tuple[Box, int, int], list[tuple[Box, tuple[int, ...]]] | None],
     block: int,
     elem_bytes: int,
     src_bytes: int,
@@ -175,7 +175,7 @@ def _piece_parts(
     """How one piece is sent: (needs the owner gather, [(src sub-box, dst sub-box, bytes,
     ranks that hold the sub-box)])."""
     is_scale = p.transform == "fp8_scale"
-    key = (p.src_box, block)
+    key = (p.src_box, block, src_bytes)  # the coalescing choice depends on the source dtype
     parts = cache.get(key, ...)
     if parts is ...:
         k = idx.count(p.src_box)
