@@ -199,3 +199,13 @@ def test_engine_checks_live_shapes_against_the_name_map(rig):
     config[key] *= 2
     with pytest.raises(LayoutError, match=r"engine parameter 'model\.layers\.0\.mlp\.[a-z0-9_.]+' has local shape"):
         rig.engine.describe({"config": config})
+
+
+def test_architecture_without_a_name_map_is_refused_by_name(rig):
+    import json
+
+    config = json.load(open(os.path.join(rig.dir, "config.json")))
+    config["architectures"] = ["FooForCausalLM"]
+    with pytest.raises(FastSyncError, match="FooForCausalLM"):
+        rig.engine.describe({"config": config})
+    assert rig.engine.version() == rig.version  # the engine still serves its last complete version
