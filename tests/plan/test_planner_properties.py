@@ -23,7 +23,7 @@ from fastsync.plan.planner import build_plan
 from fastsync.plan.synthetic import ModelDims, engine_layout, fsdp_layout, megatron_layout, small_model, zero3_layout
 from fastsync.plan.types import Plan
 
-SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @st.composite
