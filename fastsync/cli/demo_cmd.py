@@ -66,6 +66,9 @@ def run(args: argparse.Namespace) -> int:
     fs = rep["sync_s_max_over_ranks"]["fastsync"]
     print(f"{'fastsync (all ranks write, ' + args.transport + ')':34} {s['fastsync_sync_s']:16.4f}  "
           + " ".join(f"{x:.4f}" for x in fs))
+    for w in rep.get("engine_side", []):
+        print(f"  engine rank {w['rank']} (last fastsync sync): waited {w['wait_s']:.4f} s for the writes, "
+              f"repacked CPU kernel weights in {w['postprocess_s']:.4f} s")
     if "baseline_sync_s" in s:
         bs = rep["sync_s_max_over_ranks"]["baseline"]
         print(f"{'rank-0 baseline (gather + 1 sender)':34} {s['baseline_sync_s']:16.4f}  " + " ".join(f"{x:.4f}" for x in bs))

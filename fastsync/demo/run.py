@@ -142,6 +142,8 @@ def trainer_main(rank: int, world: int, port: int, model_dir: str, opts: dict, o
         ws.close()
         report["fastsync_s"] = times
         if rank == 0:
+            report["engine_side"] = res.engines[0]  # per worker: wait_s, finish_s, postprocess_s (repack)
+        if rank == 0:
             report["after_engine"] = engine.generate(prompts, max_tokens)
             report["version_after"] = engine.version()
 

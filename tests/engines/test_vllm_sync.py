@@ -120,9 +120,16 @@ def run_ranks(fns: list, timeout_s: float = TIMEOUT_S * 2) -> list:
 @pytest.fixture(scope="module", params=[("tiny-qwen3", 2), ("tiny-qwen3-moe", 1)], ids=["dense-tp2", "moe-tp1"])
 def rig(request, tmp_path_factory):
     preset, tp = request.param
+    saved = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     if tp > 1:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # auto-binding asserts on a single-NUMA host
-    r = Rig(preset, tp, str(tmp_path_factory.mktemp("ckpt")))
+    try:
+        r = Rig(preset, tp, str(tmp_path_factory.mktemp("ckpt")))
+    finally:
+        if saved is None:
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        else:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = saved
     yield r
     r.close()
 
