@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
-
 from fastsync.layout.box import Box
 from fastsync.layout.types import EngineLayout, TrainerLayout
 from fastsync.plan.types import Plan
@@ -27,29 +25,20 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _box_writer() -> Callable[[Box], str]:
-    cache: dict[Box, str] = {}
+class _Boxes(dict):
+    """Box -> its JSON text, written on first use (boxes repeat across ranks and replicas)."""
 
-    def box(b: Box) -> str:
-        s = cache.get(b)
-        if s is None:
-            s = "[" + ",".join(f"[{lo},{hi}]" for lo, hi in b) + "]"
-            cache[b] = s
+    def __missing__(self, b: Box) -> str:
+        s = self[b] = "[" + ",".join(f"[{lo},{hi}]" for lo, hi in b) + "]"
         return s
 
-    return box
 
+class _Names(dict):
+    """String -> its JSON text (quoted, escaped), written on first use."""
 
-def _names() -> Callable[[str], str]:
-    cache: dict[str, str] = {}
-
-    def name(n: str) -> str:
-        s = cache.get(n)
-        if s is None:
-            s = cache[n] = _q(n)
+    def __missing__(self, n: str) -> str:
+        s = self[n] = _q(n)
         return s
-
-    return name
 
 
 def _shape(shape: tuple[int, ...]) -> str:
@@ -58,51 +47,52 @@ def _shape(shape: tuple[int, ...]) -> str:
 
 def trainer_fingerprint(layout: TrainerLayout) -> str:
     """Equal to ``layout.fingerprint()``."""
-    box, q = _box_writer(), _names()
-    params = ",".join(f"{q(n)}:[{_shape(p.shape)},{q(p.dtype)}]" for n, p in sorted(layout.params.items()))
+    box, q = _Boxes(), _Names()
+    params = ",".join(f"{q[n]}:[{_shape(p.shape)},{q[p.dtype]}]" for n, p in sorted(layout.params.items()))
     shards = ",".join(
-        q(n) + ":[" + ",".join(f"[{s.rank},{box(s.box)},{s.local_offset}]" for s in sh) + "]"
+        q[n] + ":[" + ",".join(f"[{s.rank},{box[s.box]},{s.local_offset}]" for s in sh) + "]"
         for n, sh in sorted(layout.shards.items())
     )
-    text = (f'{{"kind":{q(layout.kind)},"params":{{{params}}},"shards":{{{shards}}},'
+    text = (f'{{"kind":{q[layout.kind]},"params":{{{params}}},"shards":{{{shards}}},'
             f'"world_size":{layout.world_size}}}')
     return _digest(text)
 
 
 def engine_fingerprint(layout: EngineLayout) -> str:
     """Equal to ``layout.fingerprint()``."""
-    box, q = _box_writer(), _names()
+    box, q = _Boxes(), _Names()
     frag: dict[tuple[str, int], str] = {}
 
     def tensor(n: str, t: object) -> str:
         key = (n, id(t))
         s = frag.get(key)
         if s is None:
-            pieces = ",".join(f"[{box(p.dst_box)},{q(p.src)},{box(p.src_box)},{q(p.transform)}]" for p in t.pieces)  # type: ignore[attr-defined]
-            s = frag[key] = f"{q(n)}:[{_shape(t.shape)},{q(t.dtype)},[{pieces}]]"  # type: ignore[attr-defined]
+            pieces = ",".join(f"[{box[p.dst_box]},{q[p.src]},{box[p.src_box]},{q[p.transform]}]" for p in t.pieces)  # type: ignore[attr-defined]
+            s = frag[key] = f"{q[n]}:[{_shape(t.shape)},{q[t.dtype]},[{pieces}]]"  # type: ignore[attr-defined]
         return s
 
-    replica = ",".join(f"{q(str(r))}:{v}" for r, v in sorted((str(r), v) for r, v in layout.replica_of.items()))
+    replica = ",".join(f"{q[str(r)]}:{v}" for r, v in sorted((str(r), v) for r, v in layout.replica_of.items()))
     ranks = sorted((str(r), ts) for r, ts in layout.tensors.items())
     tensors = ",".join(
-        q(r) + ":{" + ",".join(tensor(n, t) for n, t in sorted(ts.items(), key=lambda x: x[0])) + "}"
+        q[r] + ":{" + ",".join(tensor(n, t) for n, t in sorted(ts.items(), key=lambda x: x[0])) + "}"
         for r, ts in ranks
     )
-    text = (f'{{"kind":{q(layout.kind)},"replica_of":{{{replica}}},"tensors":{{{tensors}}},'
+    text = (f'{{"kind":{q[layout.kind]},"replica_of":{{{replica}}},"tensors":{{{tensors}}},'
             f'"world_size":{layout.world_size}}}')
     return _digest(text)
 
 
 def plan_hash(plan: Plan) -> str:
     """Equal to ``plan.plan_hash``."""
-    box, q = _box_writer(), _names()
-    gathers = ",".join(f"{q(n)}:{r}" for n, r in sorted(plan.gathers.items()))
-    transfers = ",".join(
-        f"[{t.src_rank},{t.dst_rank},{q(t.dst_tensor)},{box(t.dst_box)},{q(t.src_param)},{box(t.src_box)},"
-        f"{q(t.transform)},{t.nbytes},{'true' if t.gathered else 'false'}]"
+    box, q = _Boxes(), _Names()
+    flag = {True: "true", False: "false"}
+    gathers = ",".join(f"{q[n]}:{r}" for n, r in sorted(plan.gathers.items()))
+    transfers = ",".join([
+        f"[{t.src_rank},{t.dst_rank},{q[t.dst_tensor]},{box[t.dst_box]},{q[t.src_param]},{box[t.src_box]},"
+        f"{q[t.transform]},{t.nbytes},{flag[bool(t.gathered)]}]"
         for t in plan.transfers
-    )
-    text = (f'{{"engine_hash":{q(plan.engine_hash)},"gathers":{{{gathers}}},"num_receivers":{plan.num_receivers},'
-            f'"num_trainers":{plan.num_trainers},"trainer_hash":{q(plan.trainer_hash)},'
+    ])
+    text = (f'{{"engine_hash":{q[plan.engine_hash]},"gathers":{{{gathers}}},"num_receivers":{plan.num_receivers},'
+            f'"num_trainers":{plan.num_trainers},"trainer_hash":{q[plan.trainer_hash]},'
             f'"transfers":[{transfers}],"version":1}}')
     return _digest(text)

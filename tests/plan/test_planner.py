@@ -204,3 +204,14 @@ def test_tiny_parts_over_many_shards_are_coalesced_through_an_owner() -> None:
     sliced = build_plan(params, trainer, engine, min_transfer_bytes=0)
     assert norm not in sliced.gathers
     assert sum(t.src_param == norm for t in sliced.transfers) == 32
+
+
+def test_planned_transfers_are_ordinary_transfers() -> None:
+    from fastsync.plan.planner import _make_transfer
+    from fastsync.plan.types import Transfer
+
+    args = (1, 2, "t", ((0, 1),), "p", ((3, 4),), "copy", 8, False)
+    made = _make_transfer(*args)
+    assert type(made) is Transfer and made == Transfer(*args) and hash(made) == hash(Transfer(*args))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.nbytes = 9  # type: ignore[misc]
