@@ -367,7 +367,8 @@ def _assign(load: list[int], choosable: list[tuple[list, tuple[int, ...]]], gath
 def _gather_sources(gathers: dict[str, int], indices: dict[str, ShardIndex],
                     params: Mapping[str, ParamSpec]) -> dict[str, list[list[int]]]:
     """For each gathered parameter: ``[[rank, bytes], ...]`` the owner pulls in (one holder per
-    distinct shard box: the owner itself when it holds it, else the lowest rank), for the
+    distinct shard box: the owner itself when it holds it, else the replica nearest in rank
+    number, i.e. on its node or in its HSDP group when ranks are laid out that way), for the
     simulator's gather cost."""
     out: dict[str, list[list[int]]] = {}
     for name, owner in gathers.items():
@@ -379,7 +380,7 @@ def _gather_sources(gathers: dict[str, int], indices: dict[str, ShardIndex],
         for box, holders, start, stop in zip(idx.boxes, idx.holders, idx.starts, idx.stops):
             if owner in holders:
                 continue
-            r = holders[0]
+            r = holders[0] if len(holders) == 1 else min(holders, key=lambda h: (abs(h - owner), h))
             per[r] = per.get(r, 0) + ((stop - start) * inner if idx.slab else box_numel(box)) * elem
         out[name] = [[r, b] for r, b in sorted(per.items())]
     return out
