@@ -7,15 +7,22 @@ For every drawn (model, trainer layout, engine layout):
 * receivers get exactly their engine tensors' bytes; the plan is deterministic and survives a
   serialisation round trip; changing either layout changes the plan hash;
 * send balance (max/mean) is within 1.25 whenever the layouts allow it, defined in
-  ``balance_allowed`` below.
+  ``balance_allowed`` below;
+* a corrupted input (a parameter without shards, a hole in its shards, a shape that disagrees,
+  an engine piece reading a name the model lacks) is refused before planning, naming it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import random
+
+import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from fastsync.errors import LayoutError, PlanError
 from fastsync.executor.local import execute_plan_locally, reference_engine_tensors, split_full_params, write_counts
 from fastsync.layout.box import box_numel
 from fastsync.layout.types import TrainerLayout
@@ -184,3 +191,37 @@ def test_plan_hash_changes_with_either_layout(scn: tuple, which: int) -> None:
         other = build_plan(params, trainer, other_en, max_transfer_bytes=max_bytes)
         assert other.engine_hash != plan.engine_hash
     assert other.plan_hash != plan.plan_hash
+
+
+@settings(max_examples=30, deadline=None)
+@given(scenarios(), st.sampled_from(["no_shards", "hole", "shape", "unknown_src"]), st.randoms(use_true_random=False))
+def test_bad_input_is_refused_naming_the_parameter(scn: tuple, how: str, rnd: random.Random) -> None:
+    _, params, trainer, engine, _ = scn
+    params = dict(params)
+    name = rnd.choice(sorted(params))
+    shards = dict(trainer.shards)
+    if how == "no_shards":
+        del shards[name]
+    elif how == "hole":
+        full = [sh for sh in shards[name] if box_numel(sh.box)]
+        boxes = {sh.box for sh in full}
+        victim = rnd.choice(sorted(boxes))
+        shards[name] = tuple(sh for sh in shards[name] if sh.box != victim)
+        if not shards[name]:
+            del shards[name]
+    elif how == "shape":
+        spec = params[name]
+        params[name] = dataclasses.replace(spec, shape=tuple(n + 1 for n in spec.shape))
+    else:
+        rank = rnd.choice(sorted(engine.tensors))
+        tname = rnd.choice(sorted(engine.tensors[rank]))
+        t = engine.tensors[rank][tname]
+        p = t.pieces[0]
+        name = p.src + ".typo"
+        tensors = dict(engine.tensors)
+        tensors[rank] = {**tensors[rank], tname: dataclasses.replace(t, pieces=(dataclasses.replace(p, src=name),) + t.pieces[1:])}
+        engine = dataclasses.replace(engine, tensors=tensors)
+    trainer = dataclasses.replace(trainer, shards=shards)
+    with pytest.raises((LayoutError, PlanError)) as err:
+        build_plan(params, trainer, engine)
+    assert repr(name) in str(err.value), (how, str(err.value))
