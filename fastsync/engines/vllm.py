@@ -154,7 +154,7 @@ class FastSyncWorkerExtension:
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
         from fastsync import plugins
-        from fastsync.layout.engine import engine_tensors_for_rank
+        from fastsync.layout.engine import engine_tensors_for_rank, vllm_rank_coords
         from fastsync.layout.namemap import get_name_map
         from fastsync.models.inventory import inventory_from_config
 
@@ -174,7 +174,13 @@ class FastSyncWorkerExtension:
         # A plugin may describe this engine itself (fastsync_engine_layout); else the name map does.
         expected = plugins.hook().fastsync_engine_layout(engine=model, rank=rank)
         if expected is None:
-            expected = engine_tensors_for_rank(inventory, name_map, tp_size=tp_size, tp_rank=tp_rank, dtype=dtype)
+            pc = self.vllm_config.parallel_config  # type: ignore[attr-defined]
+            if int(getattr(pc, "pipeline_parallel_size", 1)) > 1:
+                raise ConfigError("fastsync's vLLM extension does not describe pipeline-parallel engines yet")
+            coords = vllm_rank_coords(tp_size=tp_size, tp_rank=tp_rank, dp_size=int(getattr(pc, "data_parallel_size", 1)),
+                                      dp_rank=int(getattr(pc, "data_parallel_rank", 0)),
+                                      enable_expert_parallel=bool(getattr(pc, "enable_expert_parallel", False)))
+            expected = engine_tensors_for_rank(inventory, name_map, dtype=dtype, **coords)
         check_against(live, expected, rank=rank)
         st = _State(rank, tp_rank, tp_size, live, expected)
         old = getattr(self, "_fastsync", None)
