@@ -216,3 +216,25 @@ def test_architecture_without_a_name_map_is_refused_by_name(rig):
     with pytest.raises(FastSyncError, match="FooForCausalLM"):
         rig.engine.describe({"config": config})
     assert rig.engine.version() == rig.version  # the engine still serves its last complete version
+
+
+def test_generation_is_fenced_until_the_flip(rig):
+    """A request arriving while a version is open waits, then samples only the new weights."""
+    rig.step(seed=5)
+    rig.version += 1
+    v = rig.version
+    token = rig.engine.begin_update(v, TIMEOUT_S)  # the engine opens v and waits for the writes
+    time.sleep(0.5)
+    got: dict = {}
+    reader = threading.Thread(target=lambda: got.setdefault("tokens", rig.engine_tokens()), daemon=True)
+    reader.start()
+    time.sleep(1.0)
+    assert reader.is_alive(), "generation ran while a weight version was open"
+    run_ranks([lambda r=r: rig.ws[r].sender.sync(v, wait_receivers=True, timeout_s=TIMEOUT_S) for r in range(2)])
+    rig.engine.wait_update(token, TIMEOUT_S)
+    for w in rig.ws:
+        w.version = v
+    reader.join(TIMEOUT_S)
+    assert not reader.is_alive()
+    assert got["tokens"] == rig.hf_tokens()
+    assert rig.engine.version() == v
