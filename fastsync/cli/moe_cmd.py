@@ -16,6 +16,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ep", type=int, default=1, help="expert-parallel processes for fastsync (gloo on CPU)")
     p.add_argument("--reps", type=int, default=3, help="timed steps per variant (median reported)")
     p.add_argument("--backend", default="auto", help="fastsync backend: auto, torch, grouped_mm, te, deepep")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="alternating rounds of HF grouped_mm and fastsync (fresh processes; best reported)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads per variant (default: all cores; "
                    "split over the --ep processes)")
@@ -31,12 +33,12 @@ def _mib(n: int) -> str:
 def run(args: argparse.Namespace) -> int:
     from fastsync.moe.bench import run_bench
     report = run_bench(args.model, tokens=args.tokens, ep=args.ep, reps=args.reps, backend=args.backend,
-                       seed=args.seed, timeout_s=args.timeout, threads=args.threads)
+                       seed=args.seed, timeout_s=args.timeout, threads=args.threads, rounds=args.rounds)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
     print(f"moe-bench {report['model']} ({report['model_type']}): {report['what']}, {report['tokens']} tokens, "
-          f"median of {report['reps']}")
+          f"median of {report['reps']} steps, best of {report['rounds']} alternating rounds")
     print(f"{'variant':16} {'tokens/s':>10} {'step s':>8} {'cpu s':>7} {'peak MiB':>9} {'expert MiB/rank':>16} "
           f"{'max abs err':>12}")
     rows = [*report["baselines"].items(), (f"fastsync ep={report['fastsync']['ep']}", report["fastsync"])]

@@ -12,8 +12,8 @@ from fastsync.cli import main
 
 
 def test_moe_bench_json_ep2(capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["moe-bench", "--model", "tiny-qwen2-moe", "--tokens", "32", "--reps", "1", "--ep", "2", "--json",
-               "--timeout", "120"])
+    rc = main(["moe-bench", "--model", "tiny-qwen2-moe", "--tokens", "32", "--reps", "1", "--rounds", "1",
+               "--ep", "2", "--json", "--timeout", "120"])
     assert rc == 0
     report = json.loads(capsys.readouterr().out)
     assert set(report["baselines"]) == {"hf_eager", "hf_grouped_mm"}
