@@ -94,13 +94,30 @@ class Cluster:
         self.results.close()
 
 
-def make_schedule(transports: list[str], steps: int, warmup: int = 1, verify: bool = True) -> list[tuple[str, int, bool]]:
-    """Per transport: ``warmup`` untimed syncs, ``steps`` timed ones, then one verified sync."""
-    out, v = [], 0
+def make_schedule(transports: list[str], steps: int, warmup: int = 1, verify: bool = True,
+                  interleave: bool = True) -> list[tuple[str, int, bool]]:
+    """``(transport, version, verify)`` in run order: ``warmup`` untimed syncs per transport, then
+    ``steps`` timed ones (round-robin across transports when ``interleave``, so load from other
+    work on the host hits every transport alike), then one verified sync per transport."""
+    out: list[tuple[str, int, bool]] = []
+
+    def add(name: str, ver: bool) -> None:
+        out.append((name, len(out) + 1, ver))
+
     for name in transports:
-        for i in range(warmup + steps + (1 if verify else 0)):
-            v += 1
-            out.append((name, v, verify and i == warmup + steps))
+        for _ in range(warmup):
+            add(name, False)
+    if interleave:
+        for _ in range(steps):
+            for name in transports:
+                add(name, False)
+    else:
+        for name in transports:
+            for _ in range(steps):
+                add(name, False)
+    if verify:
+        for name in transports:
+            add(name, True)
     return out
 
 
