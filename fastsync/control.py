@@ -77,7 +77,7 @@ class ControlPlane(ABC):
             if time.monotonic() >= deadline:
                 raise SyncError(f"control plane: {what or 'peer'} did not publish {key!r} within {timeout_s:.1f} s")
             time.sleep(sleep)
-            sleep = min(sleep * 2, 0.01)
+            sleep = min(sleep * 2, 0.002)
 
     def add(self, key: str, amount: int = 1) -> int:
         return self._add(self._key(key), amount)
