@@ -300,7 +300,9 @@ def build_block(
         )
     dispatcher = None
     if chosen.dispatch == "deepep":
-        hidden_bytes = module.experts.gate_up_proj.shape[-1] * module.experts.gate_up_proj.element_size()
+        w = module.experts.gate_up_proj  # (E, 2I, H), or (E, H, 2I) when transposed (GPT-OSS)
+        hidden = w.shape[1] if getattr(module.experts, "is_transposed", False) else w.shape[-1]
+        hidden_bytes = hidden * max(w.element_size(), 2)  # DeepEP's sizing rule
         dispatcher = DeepEPDispatcher(ep_group, hidden_bytes)
     new = _fast_class(type(module)).__new__(_fast_class(type(module)))
     nn.Module.__init__(new)

@@ -7,6 +7,9 @@ the chosen experts are the recorded ones; the routing weights are recomputed fro
 router logits at those experts with the architecture's own rule (softmax / sigmoid,
 top-k normalisation, scaling), so router gradients flow as usual.
 
+Limitation: with activation checkpointing the recomputed forward calls each block again and
+would consume (or record) a second route; replay with checkpointing is not supported yet.
+
 Example::
 
     replay = RoutingReplay()
