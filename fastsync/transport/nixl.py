@@ -97,6 +97,8 @@ class NixlTransport(Transport):
             st = t.untyped_storage()
             if st.nbytes() and st.data_ptr() not in seen:
                 seen[st.data_ptr()] = (st.data_ptr(), st.nbytes(), _mem(t)[1], "")
+        if not seen:  # a rank whose plan gives it nothing to send or receive registers nothing
+            return
         try:
             self._reg = self.agent.register_memory(list(seen.values()), mem)
         except Exception as e:
