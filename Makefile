@@ -30,7 +30,13 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 plan: $(STAMP)
-	$(BIN)/fastsync plan --model kimi-k2 --trainer fsdp:256 --rollout vllm:tp8,ep4,dp4 --nic-gbps 400 --dtype-out fp8
+	$(BIN)/fastsync plan --model kimi-k2 --trainer fsdp:256 --rollout vllm:tp8,dp4,ep,replicas4 --nic-gbps 400 --dtype-out fp8
+
+bench: $(STAMP)
+	$(BIN)/fastsync bench --trainers 4 --rollouts 2 --size-gb 1 --transport all
+
+moe-bench: $(STAMP)
+	$(BIN)/fastsync moe-bench --model qwen3-30b-a3b
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
