@@ -1,0 +1,295 @@
+"""verl checkpoint-engine backend ``fastsync``: every trainer rank sends its share of the bytes.
+
+verl hands each trainer rank the FULL tensors (``engine.get_per_tensor_param()``: FSDP
+``full_tensor()`` per parameter on every rank) and its built-in backends send them all from rank
+0. Here the trainer side is a ``replicated:N`` layout: fastsync's planner gives each trainer rank
+about 1/N of the bytes (large tensors split at ``max_transfer_bytes``), and each rank WRITEs only
+its share straight into every rollout rank's receive buffer (NIXL one-sided WRITE; control plane
+a TCPStore hosted by trainer rank 0). Rollout ranks yield ``(name, tensor)`` in verl's order.
+
+The plan, the registered buffers and the NIXL connections are built on the first sync and
+replayed afterwards (``finalize`` keeps them unless ``keep_registered=False``).
+
+Enable with::
+
+    actor_rollout_ref.rollout.checkpoint_engine.backend=fastsync
+    actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=fastsync_verl
+
+Order of calls (verl's ``CheckpointEngineManager.update_weights``, every sync)::
+
+    meta = [e.prepare() for e in actors + rollouts]           # rank 0 starts the control plane
+    a_kw, r_kw = FastSyncCheckpointEngine.build_topology(A, R, meta)
+    e.init_process_group(**kw_i)                              # role, rank, sizes, control address
+    await actor.send_weights(per_tensor_param) || async for n, t in rollout.receive_weights(): ...
+    e.finalize()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, Iterable
+from typing import Any
+
+import torch
+from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
+from verl.workers.rollout.utils import ensure_async_iterator
+
+from fastsync.control import DEFAULT_HOST, TCPStoreControl
+from fastsync.errors import ConfigError, SyncError
+from fastsync.executor.receiver import WeightReceiver
+from fastsync.executor.sender import WeightSender
+from fastsync.layout.box import full_box
+from fastsync.layout.types import Shard
+from fastsync_verl.plan import VerlPlan, build_verl_plan, flat_views, inventory_from_json, inventory_of
+
+__all__ = ["FastSyncCheckpointEngine"]
+
+_CONTROL_KEY = "fastsync_control"
+_ROLES = ("trainer", "rollout")
+
+
+@CheckpointEngineRegistry.register("fastsync")
+class FastSyncCheckpointEngine(CheckpointEngine):
+    """One trainer or rollout rank's end of a fastsync weight sync inside verl.
+
+    ``engine_kwargs.fastsync`` keys (all optional): ``transport`` ("nixl"; "torch"/"rank0" also
+    run), ``control_host`` (address trainer rank 0 binds the control plane to; default 127.0.0.1
+    without Ray, Ray's node IP with it), ``control_port`` (0 = free port), ``timeout_s``,
+    ``max_transfer_bytes`` (default: 1/16 of a rank's share, at most verl's bucket size), ``staging_bytes``, ``verify`` (per-transfer
+    checksums), ``keep_registered``.
+    """
+
+    wire_format = "named_tensors"
+
+    def __init__(self, bucket_size: int, is_master: bool = False, *, transport: str = "nixl",
+                 control_host: str | None = None, control_port: int = 0, timeout_s: float = 120.0,
+                 max_transfer_bytes: int | None = None, staging_bytes: int = 64 << 20, verify: bool = False,
+                 keep_registered: bool = True, **unknown: Any) -> None:
+        if unknown:
+            raise ConfigError(f"checkpoint_engine.engine_kwargs.fastsync: unknown key(s) {sorted(unknown)}")
+        if bucket_size <= 0:
+            raise ConfigError(f"checkpoint_engine.update_weights_bucket_megabytes must be positive, got {bucket_size} bytes")
+        if timeout_s <= 0:
+            raise ConfigError(f"engine_kwargs.fastsync.timeout_s must be positive, got {timeout_s}")
+        self.bucket_size = bucket_size
+        self.is_master = is_master
+        self.transport = transport
+        self.control_host = control_host
+        self.control_port = control_port
+        self.timeout_s = timeout_s
+        self.max_transfer_bytes = max_transfer_bytes
+        self.staging_bytes = staging_bytes
+        self.verify = verify
+        self.keep_registered = keep_registered
+        self._server: TCPStoreControl | None = None  # trainer rank 0 only
+        self._topology: tuple | None = None
+        self._control: TCPStoreControl | None = None
+        self._session = 0
+        self._version = 0
+        self._plan: VerlPlan | None = None
+        self._sender: WeightSender | None = None
+        self._receiver: WeightReceiver | None = None
+        self._sources: dict[str, torch.Tensor] = {}
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._flats: list[torch.Tensor] = []
+        self.last_metrics: dict[str, float] = {}
+
+    # ---- topology --------------------------------------------------------------------------
+    def prepare(self) -> dict[str, Any]:
+        """Trainer rank 0 (``is_master``) starts the control plane once and returns its address;
+        other ranks return an empty dict. Buffers are allocated on the first sync, when the
+        tensors' names and shapes are known."""
+        if not self.is_master:
+            return {}
+        if self._server is None:
+            host = self.control_host if self.control_host is not None else _default_host()
+            self._server = TCPStoreControl.server(port=self.control_port, host=host, timeout_s=self.timeout_s)
+        return {_CONTROL_KEY: [self._server.host, self._server.port]}
+
+    @classmethod
+    def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int,
+                       metadata: list[dict]) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        """Every rank gets its role, its rank within the role, both world sizes and the control
+        plane address that the (single) master trainer rank published."""
+        if len(metadata) != actor_wg_world_size + rollout_world_size:
+            raise ConfigError(f"fastsync: {len(metadata)} metadata entries for {actor_wg_world_size} trainer "
+                              f"and {rollout_world_size} rollout ranks")
+        masters = [i for i, m in enumerate(metadata[:actor_wg_world_size]) if m and _CONTROL_KEY in m]
+        if len(masters) != 1:
+            raise ConfigError(f"fastsync: expected exactly one master trainer rank publishing the control plane, "
+                              f"got trainer ranks {masters}")
+        addr = list(metadata[masters[0]][_CONTROL_KEY])
+        a, r = actor_wg_world_size, rollout_world_size
+        common = lambda n: {"num_trainers": [a] * n, "num_receivers": [r] * n, "control": [addr] * n}  # noqa: E731
+        actor = {"role": ["trainer"] * a, "rank": list(range(a)), **common(a)}
+        rollout = {"role": ["rollout"] * r, "rank": list(range(r)), **common(r)}
+        return actor, rollout
+
+    def init_process_group(self, *, role: str, rank: int, num_trainers: int, num_receivers: int,
+                           control: list) -> None:
+        """Connect to the control plane. Unchanged topology keeps the plan and registrations;
+        a changed one (e.g. verl added replicas) drops them and re-plans on the next sync."""
+        if role not in _ROLES:
+            raise ConfigError(f"fastsync: role must be one of {_ROLES}, got {role!r}")
+        size = num_trainers if role == "trainer" else num_receivers
+        if not 0 <= rank < size:
+            raise ConfigError(f"fastsync: {role} rank {rank} outside world size {size}")
+        topology = (role, rank, num_trainers, num_receivers, tuple(control))
+        if topology == self._topology and self._control is not None:
+            return
+        self._reset()
+        self._topology = topology
+        host, port = control
+        if self._server is not None and (host, port) == (self._server.host, self._server.port):
+            self._control = self._server
+        else:
+            self._control = TCPStoreControl.client(port=int(port), host=host, timeout_s=self.timeout_s)
+
+    def finalize(self) -> None:
+        """Keep plan, buffers and NIXL registrations for the next sync (the point of a static
+        plan) unless ``keep_registered=False``."""
+        if not self.keep_registered:
+            self._reset()
+            self._topology = None
+
+    def close(self) -> None:
+        """Release everything, including the control plane on trainer rank 0."""
+        self._reset()
+        self._topology = None
+        self._server = None
+
+    # ---- trainer side ----------------------------------------------------------------------
+    async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                           global_steps: int | None = None) -> dict[str, float]:
+        """Consume verl's full tensors, keep only this rank's share, WRITE it to every rollout
+        rank. Returns per-rank metrics verl merges into the trainer's."""
+        role, rank, num_trainers, num_receivers, _ = self._need("trainer")
+        version = self._version + 1
+        t0 = time.perf_counter()
+        if self._plan is None:
+            full: dict[str, torch.Tensor] = {}
+            inventory = []
+            async for name, tensor in ensure_async_iterator(weights):
+                inventory.append(inventory_of(name, tensor))
+                full[name] = tensor.detach().to("cpu", copy=True)
+            self._plan = build_verl_plan(inventory, num_trainers, num_receivers, self.max_transfer_bytes,
+                                         self.bucket_size)
+            mine = sorted({t.src_param for t in self._plan.plan.transfers if t.src_rank == rank})
+            self._flats, self._sources = flat_views([s for s in inventory if s[0] in set(mine)])
+            for name in mine:
+                self._sources[name].copy_(full[name])
+            del full
+            ctl = self._session_control()
+            if rank == 0:
+                ctl.set("inventory", self._plan.to_json())
+            shards = {n: [Shard(rank, full_box(self._plan.params[n].shape), 0)] for n in mine}
+            self._sender = WeightSender(rank=rank, plan=self._plan.plan, sources=self._sources, shards=shards,
+                                        control=ctl, transport=self.transport, staging_bytes=self.staging_bytes,
+                                        timeout_s=self.timeout_s)
+            await asyncio.to_thread(self._sender.setup)
+        else:
+            await self._copy_share(weights, rank)
+        assert self._sender is not None
+        t1 = time.perf_counter()
+        m = await asyncio.to_thread(self._sender.sync, version, verify=self.verify or None)
+        self._version = version
+        sent = sum(m.bytes_per_link.values())
+        self.last_metrics = {f"fastsync/trainer{rank}/sent_bytes": float(sent),
+                             f"fastsync/trainer{rank}/collect_s": t1 - t0,
+                             f"fastsync/trainer{rank}/send_s": time.perf_counter() - t1}
+        return self.last_metrics
+
+    async def _copy_share(self, weights: Iterable[tuple[str, torch.Tensor]], rank: int) -> None:
+        assert self._plan is not None
+        inventory = self._plan.inventory
+        i = 0
+        async for name, tensor in ensure_async_iterator(weights):
+            got = inventory_of(name, tensor)
+            if i >= len(inventory) or got != inventory[i]:
+                want = inventory[i] if i < len(inventory) else "nothing more"
+                raise ConfigError(f"fastsync trainer rank {rank}: verl sent {got} where the plan expects {want}; "
+                                  "the model changed since the first sync (re-plan by restarting the backend)")
+            i += 1
+            dst = self._sources.get(name)
+            if dst is not None:
+                dst.copy_(tensor.detach())
+        if i != len(inventory):
+            raise ConfigError(f"fastsync trainer rank {rank}: verl sent {i} of the {len(inventory)} planned tensors; "
+                              f"first missing {inventory[i][0]!r}")
+
+    # ---- rollout side ----------------------------------------------------------------------
+    async def receive_weights(self, global_steps: int | None = None) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
+        """Land every trainer rank's writes, flip only when all arrived, then yield
+        ``(name, tensor)`` in verl's order. The tensors are this rank's receive buffers: the
+        consumer copies them (into vLLM) before the next sync overwrites them."""
+        _, rank, num_trainers, num_receivers, _ = self._need("rollout")
+        version = self._version + 1
+        if self._receiver is None:
+            ctl = self._session_control()
+            raw = await _poll(ctl, "inventory", self.timeout_s, f"trainer rank 0 (inventory), for rollout rank {rank}")
+            self._plan = build_verl_plan(inventory_from_json(raw), num_trainers, num_receivers, self.max_transfer_bytes,
+                                         self.bucket_size)
+            self._flats, self._tensors = flat_views(self._plan.inventory)
+            self._receiver = WeightReceiver(rank=rank, plan=self._plan.plan, tensors=self._tensors, control=ctl,
+                                            transport=self.transport, mode="inplace", verify=self.verify,
+                                            engine_hash=self._plan.engine.fingerprint(), timeout_s=self.timeout_s)
+            await asyncio.to_thread(self._receiver.setup)
+        rx = self._receiver
+        rx.begin(version)
+        deadline = time.monotonic() + self.timeout_s
+        while not rx.poll() and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)
+        rx.finish()  # SyncError naming the missing trainer ranks and tensors if incomplete
+        self._version = version
+        assert self._plan is not None
+        for name, _, _ in self._plan.inventory:
+            yield name, self._tensors[name]
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _need(self, role: str) -> tuple:
+        if self._topology is None or self._control is None:
+            raise SyncError(f"fastsync: {role} side used before init_process_group")
+        if self._topology[0] != role:
+            raise SyncError(f"fastsync: {self._topology[0]} rank {self._topology[1]} asked to act as {role}")
+        return self._topology
+
+    def _session_control(self) -> TCPStoreControl:
+        assert self._control is not None and self._topology is not None
+        _, _, a, r, _ = self._topology
+        return self._control.with_prefix(f"fsverl/{a}x{r}/s{self._session}")
+
+    def _reset(self) -> None:
+        for end in (self._sender, self._receiver):
+            if end is not None:
+                end.close()
+        if self._plan is not None:
+            self._session += 1
+        self._sender = self._receiver = None
+        self._plan = None
+        self._sources, self._tensors, self._flats = {}, {}, []
+        self._version = 0
+        if self._control is not None and self._control is not self._server:
+            self._control = None
+
+
+def _default_host() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return DEFAULT_HOST
+
+
+async def _poll(ctl: TCPStoreControl, key: str, timeout_s: float, what: str) -> bytes:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = ctl.try_get(key)
+        if got is not None:
+            return got
+        if time.monotonic() >= deadline:
+            raise SyncError(f"fastsync control plane: {what} did not publish {key!r} within {timeout_s:.1f} s")
+        await asyncio.sleep(0.002)

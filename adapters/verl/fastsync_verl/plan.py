@@ -1,0 +1,95 @@
+"""The static plan behind the verl backend: verl hands every trainer rank the FULL tensors, so
+the trainer layout is ``replicated:N`` and each rollout rank receives a full copy under the HF
+names verl sends. Both sides build the plan from the same inventory (names, shapes, dtypes in
+verl's order), so it is identical everywhere; the sender's setup checks the plan hash."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+from fastsync.errors import ConfigError
+from fastsync.executor.staging import alloc_touched, dtype_name, torch_dtype
+from fastsync.layout.box import full_box
+from fastsync.layout.trainer import replicated_layout
+from fastsync.layout.types import EngineLayout, EngineTensor, ParamSpec, Piece, TrainerLayout
+from fastsync.plan.planner import build_plan
+from fastsync.plan.types import Plan
+
+__all__ = ["Inventory", "VerlPlan", "full_copy_engine_layout", "build_verl_plan", "flat_views"]
+
+Inventory = list[tuple[str, tuple[int, ...], str]]
+
+
+def full_copy_engine_layout(params: dict[str, ParamSpec], num_receivers: int) -> EngineLayout:
+    """Every receiver rank holds every parameter whole, under its own name (one replica each)."""
+    tensors = {
+        r: {n: EngineTensor(n, s.shape, s.dtype, (Piece(full_box(s.shape), n, full_box(s.shape)),))
+            for n, s in params.items()}
+        for r in range(num_receivers)
+    }
+    return EngineLayout(num_receivers, tensors, {r: r for r in range(num_receivers)}, kind="full-copy",
+                        description=f"full copy x {num_receivers}")
+
+
+@dataclass(slots=True)
+class VerlPlan:
+    inventory: Inventory
+    params: dict[str, ParamSpec]
+    trainer: TrainerLayout
+    engine: EngineLayout
+    plan: Plan
+
+    def to_json(self) -> str:
+        return json.dumps([[n, list(s), d] for n, s, d in self.inventory])
+
+
+def inventory_from_json(raw: bytes | str) -> Inventory:
+    return [(n, tuple(s), d) for n, s, d in json.loads(raw)]
+
+
+def build_verl_plan(inventory: Inventory, num_trainers: int, num_receivers: int,
+                    max_transfer_bytes: int | None, cap_bytes: int | None = None) -> VerlPlan:
+    """``replicated:num_trainers`` -> full copy per receiver. ``max_transfer_bytes`` splits large
+    tensors so the planner can spread one tensor's bytes over several trainer ranks; None picks
+    1/16 of a trainer rank's fair share (at most ``cap_bytes``, verl's bucket size), so a few
+    equal large tensors still divide evenly."""
+    if not inventory:
+        raise ConfigError("verl sent no weights: nothing to plan")
+    params: dict[str, ParamSpec] = {}
+    for name, shape, dtype in inventory:
+        if name in params:
+            raise ConfigError(f"verl sent parameter {name!r} twice in one sync")
+        params[name] = ParamSpec(name, tuple(shape), dtype)
+    if max_transfer_bytes is None:
+        share = sum(p.nbytes for p in params.values()) // (num_trainers * 16)
+        max_transfer_bytes = max(4096, share if cap_bytes is None else min(share, cap_bytes))
+    trainer = replicated_layout(params, num_trainers)
+    engine = full_copy_engine_layout(params, num_receivers)
+    plan = build_plan(params, trainer, engine, max_transfer_bytes=max_transfer_bytes)
+    return VerlPlan(inventory, params, trainer, engine, plan)
+
+
+def flat_views(specs: list[tuple[str, tuple[int, ...], str]]) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """One touched buffer per dtype (registered once by the transport), a shaped view per tensor."""
+    by_dtype: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+    for name, shape, dtype in specs:
+        by_dtype.setdefault(dtype, []).append((name, shape))
+    flats: list[torch.Tensor] = []
+    views: dict[str, torch.Tensor] = {}
+    for dtype, items in by_dtype.items():
+        dt = torch_dtype(dtype)
+        sizes = [int(torch.Size(shape).numel()) for _, shape in items]
+        flat = alloc_touched(sum(sizes) * dt.itemsize).view(dt) if sum(sizes) else torch.empty(0, dtype=dt)
+        flats.append(flat)
+        off = 0
+        for (name, shape), n in zip(items, sizes):
+            views[name] = flat[off: off + n].view(shape)
+            off += n
+    return flats, views
+
+
+def inventory_of(name: str, tensor: torch.Tensor) -> tuple[str, tuple[int, ...], str]:
+    return name, tuple(tensor.shape), dtype_name(tensor.dtype)
