@@ -7,6 +7,8 @@ each trainer rank sends about half the bytes, twice (the second sync replays the
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -18,10 +20,9 @@ pytest.importorskip("nixl._api", reason="NIXL not installed")
 from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry  # noqa: E402
 
 import fastsync_verl  # noqa: E402,F401  (registers the backend)
-from fastsync.errors import ConfigError  # noqa: E402
+from fastsync.errors import ConfigError, SyncError  # noqa: E402
 from fastsync_verl.checkpoint_engine import FastSyncCheckpointEngine  # noqa: E402
 
-A, R = 2, 1
 BUCKET = 64 << 10
 
 
@@ -36,12 +37,11 @@ def _weights(version: int) -> list[tuple[str, torch.Tensor]]:
     return [(n, torch.randn(s, generator=g).to(dt)) for n, s, dt in shapes]
 
 
-def _engines() -> tuple[list[CheckpointEngine], list[CheckpointEngine]]:
+def _engines(A: int = 2, R: int = 1, timeout_s: float = 20) -> tuple[list[CheckpointEngine], list[CheckpointEngine]]:
     # as verl builds them: actor ranks with is_master=(rank == 0), rollout workers without it
-    actors = [CheckpointEngineRegistry.new("fastsync", is_master=(r == 0), bucket_size=BUCKET,
-                                           control_host="127.0.0.1", timeout_s=20) for r in range(A)]
-    rollouts = [CheckpointEngineRegistry.new("fastsync", bucket_size=BUCKET, control_host="127.0.0.1", timeout_s=20)
-                for _ in range(R)]
+    kw = {"control_host": "127.0.0.1", "timeout_s": timeout_s}
+    actors = [CheckpointEngineRegistry.new("fastsync", is_master=(r == 0), bucket_size=BUCKET, **kw) for r in range(A)]
+    rollouts = [CheckpointEngineRegistry.new("fastsync", bucket_size=BUCKET, **kw) for _ in range(R)]
     return actors, rollouts
 
 
@@ -60,7 +60,8 @@ def _build_process_group(actors, rollouts) -> None:
         e.init_process_group(**{k: v[i] for k, v in rollout_kw.items()})
 
 
-def _sync(actors, rollouts, weights) -> tuple[dict[int, dict], dict[int, list], dict]:
+def _sync(actors, rollouts, weights, skip: tuple[int, ...] = ()) -> tuple[dict[int, dict], dict[int, list], dict]:
+    A, R = len(actors), len(rollouts)
     sent: dict[int, dict] = {}
     got: dict[int, list] = {}
     errors: dict[str, BaseException] = {}
@@ -79,7 +80,7 @@ def _sync(actors, rollouts, weights) -> tuple[dict[int, dict], dict[int, list], 
         except BaseException as e:
             errors[f"r{r}"] = e
 
-    threads = [threading.Thread(target=trainer, args=(r,)) for r in range(A)]
+    threads = [threading.Thread(target=trainer, args=(r,)) for r in range(A) if r not in skip]
     threads += [threading.Thread(target=rollout, args=(r,)) for r in range(R)]
     for t in threads:
         t.start()
@@ -110,8 +111,9 @@ def test_topology_as_the_manager_dispatches_it() -> None:
         FastSyncCheckpointEngine.build_topology(2, 3, [{}] * 5)
 
 
-def test_two_trainers_one_rollout_bit_identical_and_split() -> None:
-    actors, rollouts = _engines()
+@pytest.mark.parametrize("A,R", [(2, 1), (2, 2)])
+def test_trainers_to_rollouts_bit_identical_and_split(A: int, R: int) -> None:
+    actors, rollouts = _engines(A, R)
     try:
         for version in (1, 2):  # the second sync replays the plan and the registrations
             weights = _weights(version)
@@ -127,6 +129,8 @@ def test_two_trainers_one_rollout_bit_identical_and_split() -> None:
             shares = [sent[r][f"fastsync/trainer{r}/sent_bytes"] for r in range(A)]
             assert sum(shares) == total
             assert max(shares) <= 0.6 * total, shares  # each rank sends about half, not rank 0 everything
+            held = [sum(t.nbytes for t in e._sources.values()) for e in actors]
+            assert max(held) < sum(t.nbytes for _, t in weights), held  # keeps only what it sends
     finally:
         for e in actors + rollouts:
             e.close()
@@ -148,3 +152,35 @@ def test_model_change_between_syncs_is_refused_naming_the_parameter() -> None:
     finally:
         for e in actors + rollouts:
             e.close()
+
+
+def test_missing_trainer_fails_the_rollout_naming_the_rank() -> None:
+    actors, rollouts = _engines(timeout_s=3)
+    try:
+        _build_process_group(actors, rollouts)
+        assert not _sync(actors, rollouts, _weights(1))[2]
+        _build_process_group(actors, rollouts)
+        _, got, errors = _sync(actors, rollouts, _weights(2), skip=(1,))  # trainer rank 1 never sends
+        assert isinstance(errors["r0"], SyncError) and "trainer rank 1" in str(errors["r0"])
+        assert 0 not in got
+    finally:
+        for e in actors + rollouts:
+            e.close()
+
+
+def test_custom_backend_module_registers_in_a_fresh_process() -> None:
+    """What verl's CheckpointEngineWorker and CheckpointEngineManager do with the config keys."""
+    code = (
+        "from verl.workers.config import CheckpointEngineConfig\n"
+        "from verl.utils.import_utils import import_external_libs\n"
+        "from verl.checkpoint_engine import CheckpointEngineRegistry\n"
+        "c = CheckpointEngineConfig(backend='fastsync', custom_backend_module='fastsync_verl',\n"
+        "                           engine_kwargs={'fastsync': {'timeout_s': 5}})\n"
+        "import_external_libs(c.custom_backend_module or None)\n"
+        "e = CheckpointEngineRegistry.new(c.backend, bucket_size=c.update_weights_bucket_megabytes << 20,\n"
+        "                                 **c.engine_kwargs.get(c.backend, {}))\n"
+        "print(type(e).__module__, e.timeout_s)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["fastsync_verl.checkpoint_engine", "5"]

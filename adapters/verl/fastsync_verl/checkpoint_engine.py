@@ -39,9 +39,9 @@ from fastsync.control import DEFAULT_HOST, TCPStoreControl
 from fastsync.errors import ConfigError, SyncError
 from fastsync.executor.receiver import WeightReceiver
 from fastsync.executor.sender import WeightSender
-from fastsync.layout.box import full_box
+from fastsync.layout.box import Box, box_shape, box_slices
 from fastsync.layout.types import Shard
-from fastsync_verl.plan import VerlPlan, build_verl_plan, flat_views, inventory_from_json, inventory_of
+from fastsync_verl.plan import VerlPlan, build_verl_plan, flat_views, inventory_from_json, inventory_of, send_boxes
 
 __all__ = ["FastSyncCheckpointEngine"]
 
@@ -90,7 +90,8 @@ class FastSyncCheckpointEngine(CheckpointEngine):
         self._plan: VerlPlan | None = None
         self._sender: WeightSender | None = None
         self._receiver: WeightReceiver | None = None
-        self._sources: dict[str, torch.Tensor] = {}
+        self._sources: dict[str, torch.Tensor] = {}  # trainer: the region of each tensor this rank sends
+        self._boxes: dict[str, Box] = {}
         self._tensors: dict[str, torch.Tensor] = {}
         self._flats: list[torch.Tensor] = []
         self.last_metrics: dict[str, float] = {}
@@ -162,8 +163,9 @@ class FastSyncCheckpointEngine(CheckpointEngine):
     # ---- trainer side ----------------------------------------------------------------------
     async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
                            global_steps: int | None = None) -> dict[str, float]:
-        """Consume verl's full tensors, keep only this rank's share, WRITE it to every rollout
-        rank. Returns per-rank metrics verl merges into the trainer's."""
+        """Consume verl's full tensors, copy only the regions this rank sends into its registered
+        buffer, WRITE them to every rollout rank. The first sync also plans (holding one host copy
+        of the tensors once), publishes the inventory (rank 0) and sets up the sender. Returns per-rank metrics verl merges into the trainer's."""
         role, rank, num_trainers, num_receivers, _ = self._need("trainer")
         version = self._version + 1
         t0 = time.perf_counter()
@@ -175,15 +177,16 @@ class FastSyncCheckpointEngine(CheckpointEngine):
                 full[name] = tensor.detach().to("cpu", copy=True)
             self._plan = build_verl_plan(inventory, num_trainers, num_receivers, self.max_transfer_bytes,
                                          self.bucket_size)
-            mine = sorted({t.src_param for t in self._plan.plan.transfers if t.src_rank == rank})
-            self._flats, self._sources = flat_views([s for s in inventory if s[0] in set(mine)])
-            for name in mine:
-                self._sources[name].copy_(full[name])
+            self._boxes = send_boxes(self._plan.plan, rank)
+            dtypes = {n: d for n, _, d in inventory}
+            self._flats, self._sources = flat_views([(n, box_shape(b), dtypes[n]) for n, b in self._boxes.items()])
+            for name, box in self._boxes.items():
+                self._sources[name].copy_(full[name][box_slices(box)])
             del full
             ctl = self._session_control()
             if rank == 0:
                 ctl.set("inventory", self._plan.to_json())
-            shards = {n: [Shard(rank, full_box(self._plan.params[n].shape), 0)] for n in mine}
+            shards = {n: [Shard(rank, box, 0)] for n, box in self._boxes.items()}
             self._sender = WeightSender(rank=rank, plan=self._plan.plan, sources=self._sources, shards=shards,
                                         control=ctl, transport=self.transport, staging_bytes=self.staging_bytes,
                                         timeout_s=self.timeout_s)
@@ -213,7 +216,7 @@ class FastSyncCheckpointEngine(CheckpointEngine):
             i += 1
             dst = self._sources.get(name)
             if dst is not None:
-                dst.copy_(tensor.detach())
+                dst.copy_(tensor.detach()[box_slices(self._boxes[name])])
         if i != len(inventory):
             raise ConfigError(f"fastsync trainer rank {rank}: verl sent {i} of the {len(inventory)} planned tensors; "
                               f"first missing {inventory[i][0]!r}")
@@ -267,7 +270,7 @@ class FastSyncCheckpointEngine(CheckpointEngine):
             self._session += 1
         self._sender = self._receiver = None
         self._plan = None
-        self._sources, self._tensors, self._flats = {}, {}, []
+        self._sources, self._boxes, self._tensors, self._flats = {}, {}, {}, []
         self._version = 0
         if self._control is not None and self._control is not self._server:
             self._control = None

@@ -91,5 +91,21 @@ def flat_views(specs: list[tuple[str, tuple[int, ...], str]]) -> tuple[list[torc
     return flats, views
 
 
+def send_boxes(plan: Plan, rank: int) -> dict[str, tuple[tuple[int, int], ...]]:
+    """Per parameter ``rank`` sends from: the hull of its transfers' source boxes. A rank keeps
+    only these regions of verl's full tensors (about its share, not the whole model)."""
+    hull: dict[str, list[list[int]]] = {}
+    for t in plan.transfers:
+        if t.src_rank != rank:
+            continue
+        h = hull.get(t.src_param)
+        if h is None:
+            hull[t.src_param] = [[a, b] for a, b in t.src_box]
+        else:
+            for d, (a, b) in enumerate(t.src_box):
+                h[d][0], h[d][1] = min(h[d][0], a), max(h[d][1], b)
+    return {n: tuple((a, b) for a, b in h) for n, h in sorted(hull.items())}
+
+
 def inventory_of(name: str, tensor: torch.Tensor) -> tuple[str, tuple[int, ...], str]:
     return name, tuple(tensor.shape), dtype_name(tensor.dtype)
