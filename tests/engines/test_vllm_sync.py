@@ -92,7 +92,12 @@ class Rig:
         for w in self.ws:
             w.close()
         self.llm.collective_rpc("fastsync_close")
-        self.llm.llm_engine.engine_core.shutdown()  # stop the engine process before the next rig starts
+        import psutil  # a vLLM dependency
+
+        try:
+            self.llm.llm_engine.engine_core.shutdown()  # stop the engine process before the next rig starts
+        except psutil.NoSuchProcess:
+            pass  # vLLM's kill_process_tree raced a worker that had already exited: it is gone either way
 
 
 def run_ranks(fns: list, timeout_s: float = TIMEOUT_S * 2) -> list:
