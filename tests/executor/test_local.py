@@ -4,7 +4,6 @@ other layouts is refused."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -25,15 +24,7 @@ DIMS = ModelDims(layers=1, hidden=64, q_dim=64, kv_dim=32, inter=96, experts=4, 
 
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    """Many small torch ops: one intra-op thread is far faster on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 def _full(params: dict) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(7)

@@ -3,7 +3,6 @@ per-block loop, plus slice consistency (what lets the planner cut pieces on bloc
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -14,15 +13,7 @@ from fastsync.executor.transforms import FP8_BLOCK, FP8_MAX, apply_transform, to
 
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    """Many small torch ops: one intra-op thread is far faster on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)

@@ -1,19 +1,10 @@
-"""Planner tests run small torch ops by the thousand: one intra-op thread is 10-50x faster on
-this shared 2-core machine than two contending ones. Restored after each test."""
+"""Every planner test runs with one torch thread (see tests/conftest.py: one_torch_thread)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
-import torch
 
 
 @pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+def _one_torch_thread(one_torch_thread: None) -> None:
+    return None
