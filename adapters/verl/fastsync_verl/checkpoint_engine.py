@@ -56,8 +56,11 @@ class FastSyncCheckpointEngine(CheckpointEngine):
     ``engine_kwargs.fastsync`` keys (all optional): ``transport`` ("nixl"; "torch"/"rank0" also
     run), ``control_host`` (address trainer rank 0 binds the control plane to; default 127.0.0.1
     without Ray, Ray's node IP with it), ``control_port`` (0 = free port), ``timeout_s``,
-    ``max_transfer_bytes`` (default: 1/16 of a rank's share, at most verl's bucket size), ``staging_bytes``, ``verify`` (per-transfer
-    checksums), ``keep_registered``.
+    ``max_transfer_bytes`` (default: 1/16 of a rank's share, at most verl's bucket size),
+    ``staging_bytes``, ``verify`` (per-transfer checksums), ``keep_registered``.
+
+    Versions are counted by the engines themselves (trainer and rollout ends advance together,
+    one per sync); verl's ``global_steps`` is accepted and not used.
     """
 
     wire_format = "named_tensors"
@@ -69,7 +72,8 @@ class FastSyncCheckpointEngine(CheckpointEngine):
         if unknown:
             raise ConfigError(f"checkpoint_engine.engine_kwargs.fastsync: unknown key(s) {sorted(unknown)}")
         if bucket_size <= 0:
-            raise ConfigError(f"checkpoint_engine.update_weights_bucket_megabytes must be positive, got {bucket_size} bytes")
+            raise ConfigError("checkpoint_engine.update_weights_bucket_megabytes must be positive, "
+                              f"got {bucket_size} bytes")
         if timeout_s <= 0:
             raise ConfigError(f"engine_kwargs.fastsync.timeout_s must be positive, got {timeout_s}")
         self.bucket_size = bucket_size
@@ -165,7 +169,8 @@ class FastSyncCheckpointEngine(CheckpointEngine):
                            global_steps: int | None = None) -> dict[str, float]:
         """Consume verl's full tensors, copy only the regions this rank sends into its registered
         buffer, WRITE them to every rollout rank. The first sync also plans (holding one host copy
-        of the tensors once), publishes the inventory (rank 0) and sets up the sender. Returns per-rank metrics verl merges into the trainer's."""
+        of the tensors once), publishes the inventory (rank 0) and sets up the sender. Returns
+        per-rank metrics, which verl merges into the trainer's."""
         role, rank, num_trainers, num_receivers, _ = self._need("trainer")
         version = self._version + 1
         t0 = time.perf_counter()
