@@ -84,7 +84,7 @@ def _train_step(model: Any, opt: Any, vocab: int, seed: int) -> float:
     loss.backward()
     opt.step()
     opt.zero_grad()
-    return float(loss)
+    return loss.item()
 
 
 def trainer_main(rank: int, world: int, port: int, model_dir: str, opts: dict, out: Any) -> None:
