@@ -184,3 +184,12 @@ def test_custom_backend_module_registers_in_a_fresh_process() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-2:] == ["fastsync_verl.checkpoint_engine", "5"]
+
+
+def test_bench_runs_and_reports_the_split() -> None:
+    from fastsync_verl.bench import run
+
+    res = run(2, 1, 1 << 20, 2, "all")
+    assert sum(res["sent_bytes_per_trainer"]) == res["model_bytes"] and min(res["sent_bytes_per_trainer"]) > 0
+    base = run(2, 1, 1 << 20, 2, "rank0")
+    assert base["sent_bytes_per_trainer"] == [base["model_bytes"], 0]
