@@ -13,6 +13,7 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import argparse
+import math
 import json
 import time
 from pathlib import Path
@@ -56,8 +57,8 @@ def plan_report(args: argparse.Namespace) -> dict:
     from fastsync.plan.simulate import rank0_baseline, simulate
 
     for flag, value in (("nic_gbps", args.nic_gbps), ("intra_node_gbps", args.intra_node_gbps)):
-        if value is not None and not value > 0:
-            raise ConfigError(f"--{flag.replace('_', '-')} ({flag}) must be positive, got {value}")
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise ConfigError(f"--{flag.replace('_', '-')} ({flag}) must be a positive finite number, got {value}")
     if args.gpus_per_node <= 0:
         raise ConfigError(f"--gpus-per-node must be positive, got {args.gpus_per_node}")
     max_bytes = None
@@ -65,6 +66,8 @@ def plan_report(args: argparse.Namespace) -> dict:
         if args.max_transfer_mb <= 0:
             raise ConfigError(f"--max-transfer-mb must be positive, got {args.max_transfer_mb}")
         max_bytes = int(args.max_transfer_mb * (1 << 20))
+        if max_bytes <= 0:
+            raise ConfigError(f"--max-transfer-mb {args.max_transfer_mb} is under one byte")
     t0, c0 = time.perf_counter(), time.process_time()
     inv = load_inventory(args.model)
     trainer = trainer_layout_from_spec(args.trainer, inv)

@@ -54,7 +54,7 @@ __all__ = [
 
 GRAMMAR = """\
   trainer: fsdp:N[,dim=D] | hsdp:RxS | zero3:N | megatron:tpT[,ppP][,epE][,dpD] | replicated:N
-  engine:  vllm:tpT[,dpD][,ep | ,epE (E = T*D, EP over the whole engine)][,replicasR][,quant=fp8]
+  engine:  vllm:tpT[,dpD][,ep | ,epE (E = T*D, EP over the whole engine)][,replicasR][,quant=fp8][,dtype=bf16|fp16|fp32]
   examples: fsdp:256  hsdp:2x64  zero3:8  megatron:tp8,pp2,ep4,dp2  vllm:tp8,dp4,ep,replicas4 (= vllm:tp8,ep32,replicas4)"""
 
 _ITEM = re.compile(r"^([a-z_]+?)=?(\d+)$")
@@ -124,6 +124,10 @@ def fsdp_builder(args: str, inventory: object) -> TrainerLayout:
     dim = got.get("dim", "0")
     if not str(dim).isdigit():
         raise _err(spec, f"field 'dim' must be a non-negative integer, got {dim!r}")
+    params = getattr(inventory, "params", inventory)
+    max_ndim = max((len(p.shape) for p in params.values()), default=0)  # type: ignore[union-attr]
+    if int(str(dim)) >= max_ndim:
+        raise _err(spec, f"field 'dim'={dim}: no parameter of this model has that dim (at most {max_ndim} dims)")
     return fsdp_layout(inventory, _require(spec, got, "n"), shard_dim=int(str(dim)))
 
 
@@ -189,6 +193,8 @@ def vllm_builder(args: str, inventory: object, name_map: object) -> EngineLayout
         raise _err(spec, f"field 'quant' must be fp8 or bf16, got {quant!r}")
     dtype = str(got.get("dtype", "bfloat16"))
     dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, dtype)
+    if dtype not in ("bfloat16", "float16", "float32"):
+        raise _err(spec, f"field 'dtype' must be bf16, fp16 or fp32 (the engine's weight dtype), got {dtype!r}")
     return build_engine_layout(inventory, name_map, tp=tp, dp=dp, ep=bool(ep), replicas=int(got.get("replicas", 1)),  # type: ignore[arg-type]
                                dtype=dtype, quant="fp8" if quant == "fp8" else None)
 
@@ -231,8 +237,13 @@ def engine_layout_from_spec(spec: str, inventory: object, *, dtype_out: str = "b
     if dtype_out not in ("bf16", "fp8", "bfloat16"):
         raise ConfigError(f"dtype_out must be 'bf16' or 'fp8', got {dtype_out!r}")
     _, args, builder = _split_spec(spec, "engine")
-    if dtype_out == "fp8" and "quant" not in args.lower():
-        args = f"{args},quant=fp8" if args.strip() else "quant=fp8"
+    if dtype_out == "fp8":
+        quant_items = [a.strip().lower() for a in args.split(",") if a.strip().lower().startswith("quant")]
+        if not quant_items:
+            args = f"{args},quant=fp8" if args.strip() else "quant=fp8"
+        elif quant_items != ["quant=fp8"]:
+            raise ConfigError(f"layout spec {spec!r}: dtype_out (--dtype-out) fp8 conflicts with "
+                              f"{', '.join(quant_items)} in the spec; give one of them")
     if name_map is None:
         name_map = get_name_map(inventory.architecture, inventory.config, inventory.params)  # type: ignore[attr-defined]
     layout = builder(args, inventory, name_map)  # type: ignore[operator]

@@ -53,6 +53,13 @@ def test_human_table_from_a_config_directory(capsys: pytest.CaptureFixture[str],
     (["--model", "no-such-model", "--trainer", "fsdp:8", "--rollout", "vllm:tp8"], "no-such-model"),
     (["--model", "qwen3-0.6b", "--trainer", "fsdp:x", "--rollout", "vllm:tp8"], "fsdp:x"),
     (["--model", "qwen3-0.6b", "--trainer", "fsdp:8", "--rollout", "vllm:tp8", "--nic-gbps", "0"], "nic_gbps"),
+    (["--model", "qwen3-0.6b", "--trainer", "fsdp:8", "--rollout", "vllm:tp8", "--nic-gbps", "inf"], "nic_gbps"),
+    (["--model", "qwen3-0.6b", "--trainer", "fsdp:2", "--rollout", "vllm:tp2,quant=bf16", "--dtype-out", "fp8"],
+     "--dtype-out) fp8 conflicts with quant=bf16"),
+    (["--model", "qwen3-0.6b", "--trainer", "fsdp:2", "--rollout", "vllm:tp2,dtype=int8"], "field 'dtype'"),
+    (["--model", "qwen3-0.6b", "--trainer", "fsdp:2,dim=7", "--rollout", "vllm:tp2"], "field 'dim'=7"),
+    (["--model", "qwen3-0.6b", "--trainer", "fsdp:2", "--rollout", "vllm:tp2", "--max-transfer-mb", "1e-9"],
+     "--max-transfer-mb"),
 ])
 def test_bad_input_is_one_clear_error(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
     assert main(["plan", *argv]) == 2
