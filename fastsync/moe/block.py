@@ -30,7 +30,7 @@ from fastsync.moe.experts import uses_default_swiglu, grouped_mm_available, grou
 from fastsync.moe.replay import RoutingReplay
 from fastsync.moe.te import require_te, swap_linears, te_import_error
 
-__all__ = ["ArchSpec", "SUPPORTED", "Backend", "resolve_backend", "FastExperts", "build_block", "is_moe_block"]
+__all__ = ["ArchSpec", "SUPPORTED", "Backend", "resolve_backend", "FastExperts", "build_block", "install_block", "is_moe_block"]
 
 BACKENDS = ("auto", "torch", "grouped_mm", "te", "deepep")
 EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
@@ -319,8 +319,15 @@ def build_block(
     new._fastsync_spec = spec
     new._fastsync_name = name
     new._fastsync_replay = replay
-    if chosen.te:
+    new._fastsync_te = chosen.te  # applied by install_block(), once every block of the model is built
+    return new
+
+
+def install_block(new: nn.Module) -> None:
+    """Finish a built block as it goes into the model: swap its shared experts' Linears for
+    TransformerEngine's when TE was chosen. Not done in ``build_block``, because the shared-expert
+    modules are the original block's own: a later block refusing its build must leave them as they were."""
+    if getattr(new, "_fastsync_te", False):
         for key in ("shared_expert", "shared_experts"):
             if isinstance(getattr(new, key, None), nn.Module):
                 swap_linears(getattr(new, key))
-    return new

@@ -22,7 +22,7 @@ from torch import nn
 
 from fastsync import plugins
 from fastsync.errors import MoEPatchError
-from fastsync.moe.block import FastExperts, FastSyncMoEBlock, is_moe_block, resolve_backend
+from fastsync.moe.block import FastExperts, FastSyncMoEBlock, install_block, is_moe_block, resolve_backend
 from fastsync.moe.replay import RoutingReplay
 
 __all__ = ["patch", "ep_shards", "expert_param_bytes"]
@@ -78,6 +78,7 @@ def patch(
     for name, new in replacements:
         if isinstance(new, FastSyncMoEBlock):
             new._fastsync_replay = replay
+            install_block(new)
         parent_name, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, leaf, new)
     if replacements:
