@@ -20,13 +20,26 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from fastsync import errors
 from fastsync.control import ControlPlane
 from fastsync.errors import ConfigError, FastSyncError, SyncError
 
-__all__ = ["VllmEngine", "RemoteEngine", "serve", "raise_worker_errors"]
+__all__ = ["VllmEngine", "RemoteEngine", "serve", "raise_worker_errors", "error_reply"]
+
+
+def error_reply(e: BaseException) -> dict:
+    """The ``{"error": [class name, message]}`` reply for an exception raised while answering a
+    request (inside a worker's ``collective_rpc`` or in :func:`serve`). A FastSyncError keeps its
+    class; anything else (a vLLM RuntimeError, a TypeError from bad arguments) comes back as a
+    SyncError whose message names the original type, so the caller gets an answer, not a dead
+    engine or a reply that never comes."""
+    if isinstance(e, FastSyncError):
+        return {"error": [type(e).__name__, str(e)]}
+    return {"error": ["SyncError", f"{type(e).__name__}: {e}"]}
 
 
 def raise_worker_errors(results: list[Any], what: str) -> list[Any]:
@@ -44,11 +57,24 @@ def raise_worker_errors(results: list[Any], what: str) -> list[Any]:
 class VllmEngine:
     """One in-process ``vllm.LLM`` started with the fastsync worker extension."""
 
-    def __init__(self, llm: Any, *, rank_offset: int = 0) -> None:
+    def __init__(self, llm: Any, *, rank_offset: int = 0, lock_timeout_s: float = 600.0) -> None:
         self.llm = llm
         self.rank_offset = rank_offset
+        self.lock_timeout_s = lock_timeout_s  # how long a call waits for the fence before SyncError
         self._lock = threading.Lock()  # the fence: generate() and updates never overlap
         self._pending: dict[int, tuple[threading.Thread, list]] = {}
+
+    @contextmanager
+    def _fenced(self, what: str) -> Iterator[None]:
+        """Hold the fence for ``what``; SyncError if another call (e.g. an update whose
+        ``wait_update`` timed out, still running on its thread) keeps it past ``lock_timeout_s``."""
+        if not self._lock.acquire(timeout=self.lock_timeout_s):
+            raise SyncError(f"{what}: the vLLM engine (rank offset {self.rank_offset}) is still busy with another "
+                            f"request (an update or generate) after {self.lock_timeout_s:.0f} s")
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     def _rpc(self, method: str, *args: Any, what: str = "") -> list[Any]:
         return raise_worker_errors(self.llm.collective_rpc(method, args=args), what or method)
@@ -57,18 +83,19 @@ class VllmEngine:
     def describe(self, options: dict | None = None) -> list[dict]:
         """Every worker's engine tensors (checked against the live model), in worker order."""
         opts = {"rank_offset": self.rank_offset, **(options or {})}
-        with self._lock:
+        with self._fenced("vLLM engine describe"):
             return self._rpc("fastsync_describe", opts, what="vLLM engine describe")
 
     def connect(self, plan_json: str, options: dict) -> list[dict]:
-        with self._lock:
+        with self._fenced("vLLM engine connect"):
             return self._rpc("fastsync_connect", plan_json, options, what="vLLM engine connect")
 
     def update(self, version: int, timeout_s: float = 60.0) -> list[dict]:
         """Fenced update: begin, wait for every write, post-process and flip, on every worker.
         Raises the workers' SyncError when the sync failed (they keep their previous version)."""
-        with self._lock:
-            return self._rpc("fastsync_update", version, timeout_s, what=f"vLLM engine update to version {version}")
+        what = f"vLLM engine update to version {version}"
+        with self._fenced(what):
+            return self._rpc("fastsync_update", version, timeout_s, what=what)
 
     def begin_update(self, version: int, timeout_s: float = 60.0) -> int:
         """Start :meth:`update` on a helper thread (the trainers write meanwhile); returns a
@@ -87,7 +114,11 @@ class VllmEngine:
         return version
 
     def wait_update(self, token: int, timeout_s: float = 60.0) -> list[dict]:
-        th, box = self._pending.pop(token)
+        got = self._pending.pop(token, None)
+        if got is None:
+            raise SyncError(f"vLLM engine wait_update: unknown token {token!r} (pending: {sorted(self._pending)}); "
+                            "it was never returned by begin_update or was already waited for")
+        th, box = got
         th.join(timeout_s)
         if th.is_alive():
             raise SyncError(f"vLLM engine update to version {token} did not return within {timeout_s:.0f} s")
@@ -97,7 +128,7 @@ class VllmEngine:
 
     def version(self) -> int:
         """The version every worker serves; SyncError if workers disagree."""
-        with self._lock:
+        with self._fenced("vLLM engine version"):
             got = self.llm.collective_rpc("fastsync_version")
         if len(set(got)) != 1:
             raise SyncError(f"vLLM workers serve different versions: {got}")
@@ -110,7 +141,7 @@ class VllmEngine:
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        with self._lock:
+        with self._fenced("vLLM engine generate"):
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                      use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
@@ -179,18 +210,18 @@ def serve(engine: VllmEngine, control: ControlPlane, *, engine_id: str = "0", id
             if time.monotonic() > deadline:
                 raise SyncError(f"vLLM engine {engine_id}: no request for {idle_timeout_s:.0f} s; stopping")
             time.sleep(0.002)
-        req = json.loads(raw)
-        op, args = req["op"], req["args"]
-        if op == "stop":
-            control.set(f"engine/{engine_id}/reply/{n}", json.dumps({"ok": True}))
-            return n - 1
-        fn = {"describe": engine.describe, "connect": engine.connect, "update": engine.update,
-              "version": engine.version, "generate": engine.generate}.get(op)
         try:
+            req = json.loads(raw)
+            op, args = req["op"], req["args"]
+            if op == "stop":
+                control.set(f"engine/{engine_id}/reply/{n}", json.dumps({"ok": True}))
+                return n - 1
+            fn = {"describe": engine.describe, "connect": engine.connect, "update": engine.update,
+                  "version": engine.version, "generate": engine.generate}.get(op)
             if fn is None:
                 raise ConfigError(f"unknown engine request {op!r}")
-            reply = {"ok": fn(**args)}
-        except FastSyncError as e:
-            reply = {"error": [type(e).__name__, str(e)]}
-        control.set(f"engine/{engine_id}/reply/{n}", json.dumps(reply))
+            reply = json.dumps({"ok": fn(**args)})
+        except Exception as e:  # any failure is answered: the client must not wait out its timeout
+            reply = json.dumps(error_reply(e))
+        control.set(f"engine/{engine_id}/reply/{n}", reply)
         n += 1

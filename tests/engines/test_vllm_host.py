@@ -1,0 +1,69 @@
+"""The host-side handles without an engine: ``serve`` answers every request (even one that
+raises a non-fastsync exception) and keeps serving; the fence lock and ``wait_update`` fail by
+name instead of blocking or raising a bare KeyError. No vLLM engine starts here: every request
+below fails in the handle's own code before it would reach ``llm``."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("torch")
+
+from fastsync.control import TCPStoreControl  # noqa: E402
+from fastsync.engines.vllm_host import RemoteEngine, VllmEngine, error_reply, raise_worker_errors, serve  # noqa: E402
+from fastsync.errors import ConfigError, LayoutError, SyncError  # noqa: E402
+
+
+def test_error_reply_keeps_fastsync_classes_and_names_other_types():
+    assert error_reply(LayoutError("engine parameter 'x'")) == {"error": ["LayoutError", "engine parameter 'x'"]}
+    got = error_reply(RuntimeError("collective_rpc died"))
+    assert got == {"error": ["SyncError", "RuntimeError: collective_rpc died"]}
+    with pytest.raises(SyncError, match="worker: RuntimeError: collective_rpc died"):
+        raise_worker_errors([{"ok": 1}, got], "worker")
+
+
+def test_serve_answers_failing_requests_and_keeps_serving():
+    control = TCPStoreControl.server(port=0)
+    engine = VllmEngine(llm=None)
+    served: list = []
+    th = threading.Thread(target=lambda: served.append(serve(engine, control, engine_id="e", idle_timeout_s=30.0)),
+                          daemon=True)
+    th.start()
+    client = RemoteEngine(control, engine_id="e", timeout_s=10.0)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(SyncError, match="TypeError: .*bogus"):
+            client.call("version", bogus=1)  # a TypeError from the handle's own signature
+        with pytest.raises(ConfigError, match="unknown engine request 'frobnicate'"):
+            client.call("frobnicate")
+        with pytest.raises(SyncError, match="AttributeError"):
+            client.version()  # llm=None: the call itself raises AttributeError inside the engine handle
+        assert time.monotonic() - t0 < 5.0, "failed requests must be answered at once, not by the client's timeout"
+    finally:
+        client.stop()
+        th.join(10.0)
+    assert not th.is_alive()
+    assert served == [3]  # the loop survived all three failures and stopped on request
+
+
+def test_fence_lock_wait_has_a_deadline():
+    engine = VllmEngine(llm=None, lock_timeout_s=0.2)
+    assert engine._lock.acquire(timeout=1.0)  # an update still running on its thread holds the fence
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(SyncError, match="vLLM engine version: .*still busy"):
+            engine.version()
+        with pytest.raises(SyncError, match="vLLM engine update to version 3: .*still busy"):
+            engine.update(3)
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        engine._lock.release()
+
+
+def test_wait_update_unknown_token_is_a_sync_error():
+    engine = VllmEngine(llm=None)
+    with pytest.raises(SyncError, match="unknown token 7"):
+        engine.wait_update(7, timeout_s=1.0)
