@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from fastsync.errors import ConfigError
-from fastsync.layout.box import box_numel, box_shape, box_slices, full_box
+from fastsync.layout.box import box_numel, box_shape, box_slices
 from fastsync.layout.types import EngineLayout, ParamSpec, Shard, TrainerLayout
 from fastsync.plan.types import Plan
 
@@ -165,7 +165,3 @@ def reference_tensors(model: BenchModel, rank: int, version: int) -> dict[str, t
     full = {n: full_values(model.params[n], model.trainer.shards[n], version) for n in needed}
     sub = EngineLayout(model.engine.world_size, {rank: model.engine.tensors[rank]}, {}, model.engine.kind)
     return reference_engine_tensors(full, sub)[rank]
-
-
-def full_box_of(spec: ParamSpec) -> tuple:
-    return full_box(spec.shape)

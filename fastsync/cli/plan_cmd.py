@@ -74,7 +74,7 @@ def plan_report(args: argparse.Namespace) -> dict:
     engine = engine_layout_from_spec(args.rollout, inv, dtype_out=args.dtype_out)
     t1 = time.perf_counter()
     # a tied lm_head is the embedding: the engine reads it once, under the embedding's name
-    tied = {"lm_head.weight"} if inv.config.get("tie_word_embeddings") else set()
+    tied = {"lm_head.weight"} if inv.tied_embeddings else set()
     plan = build_plan(inv.params, trainer, engine, max_transfer_bytes=max_bytes, allow_unread=tied)
     digest = plan_hash(plan)
     t2, c2 = time.perf_counter(), time.process_time()

@@ -29,6 +29,7 @@ import torch
 
 from fastsync.errors import ConfigError
 from fastsync.executor.program import ALIGN_BYTES, TensorInfo
+from fastsync.executor.transforms import to_torch_dtype
 
 __all__ = ["alloc_touched", "as_bytes", "dtype_name", "torch_dtype", "Landing", "LANDING_MODES"]
 
@@ -46,11 +47,8 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    got = getattr(torch, name, None)
-    if not isinstance(got, torch.dtype):
-        raise ConfigError(f"unknown dtype name {name!r}")
-    return got
+#: layout dtype name -> torch dtype (one definition, in the transforms module)
+torch_dtype = to_torch_dtype
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

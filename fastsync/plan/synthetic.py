@@ -23,7 +23,6 @@ __all__ = [
     "zero3_layout",
     "megatron_layout",
     "engine_layout",
-    "total_bytes",
 ]
 
 BLOCK = 128
@@ -309,7 +308,3 @@ def _experts(P: dict[str, ParamSpec], d: ModelDims, ex: str, t: int, tp: int, ep
     out = _stack(ex + "w13_weight", w13, dtype, fp8)
     out.update(_stack(ex + "w2_weight", w2, dtype, fp8))
     return out
-
-
-def total_bytes(engine: EngineLayout) -> int:
-    return sum(t.nbytes for ts in engine.tensors.values() for t in ts.values())
