@@ -42,7 +42,10 @@ _FAILURE_CHECK_S = 0.05
 
 
 class WeightReceiver:
-    """One inference rank's receiver. ``version`` is the last complete version it serves."""
+    """One inference rank's receiver. ``version`` is the last complete version it serves;
+    ``attempted`` the last version it began, complete or not. A version number is spent once
+    begun: its control-plane keys and transport notifications may linger after a failure, so a
+    retry must use a newer number (``begin`` refuses ``version <= attempted``)."""
 
     def __init__(
         self,
@@ -78,6 +81,7 @@ class WeightReceiver:
         self.engine_hash = engine_hash
         self.timeout_s = timeout_s
         self.version = initial_version
+        self.attempted = initial_version
         self.landing = landing if landing is not None else Landing(tensors, mode=mode, backup=backup)
         self.program: RecvProgram | None = None
         self._open: int | None = None
@@ -108,6 +112,10 @@ class WeightReceiver:
             raise SyncError(f"inference rank {self.rank}: version {version} begun while {self._open} is open")
         if version <= self.version:
             raise SyncError(f"inference rank {self.rank}: version {version} is not newer than held {self.version}")
+        if version <= self.attempted:
+            raise SyncError(f"inference rank {self.rank}: version {version} was already attempted (last attempted "
+                            f"{self.attempted}); a retry needs a new version number")
+        self.attempted = version
         m = SyncMetrics(version, "engine", self.rank, self.transport.name, start=time.time())
         plugins.hook().fastsync_before_sync(version=version, role="engine", rank=self.rank, plan=self.plan)
         with m.stage("backup"):

@@ -96,6 +96,7 @@ class WeightSender:
         self.world = World(plan.num_trainers, plan.num_receivers)
         self.dsts = sorted({t.dst_rank for t in plan.transfers if t.src_rank == rank})
         self.program: SendProgram | None = None
+        self.attempted = 0  # the last version sync() was called with: spent, even if it failed
         self.last_metrics: SyncMetrics | None = None
 
     def setup(self) -> None:
@@ -143,11 +144,16 @@ class WeightSender:
         on_chunk: Callable[[int], None] | None = None,
     ) -> SyncMetrics:
         """Send this rank's share of ``version``. Waits (bounded) until every receiver it writes to
-        has begun ``version``, writes, then publishes done (and per-transfer checksums when
+        has begun ``version`` (a version number is spent once attempted: a retry after a failure
+        needs a newer one), writes, then publishes done (and per-transfer checksums when
         ``verify`` is True, or when it is None and any of those receivers asked for them). With
         ``wait_receivers`` also waits for those receivers to flip, raising if any refused."""
         if self.program is None:
             raise SyncError(f"trainer rank {self.rank}: sync() before setup()")
+        if version <= self.attempted:
+            raise SyncError(f"trainer rank {self.rank}: version {version} was already attempted (last attempted "
+                            f"{self.attempted}); a retry needs a new version number")
+        self.attempted = version
         timeout = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
         m = SyncMetrics(version, "trainer", self.rank, self.transport.name, start=time.time())

@@ -60,15 +60,22 @@ def _build_process_group(actors, rollouts) -> None:
         e.init_process_group(**{k: v[i] for k, v in rollout_kw.items()})
 
 
-def _sync(actors, rollouts, weights, skip: tuple[int, ...] = ()) -> tuple[dict[int, dict], dict[int, list], dict]:
+def _sync(actors, rollouts, weights, skip: tuple[int, ...] = (),
+          fail: tuple[int, ...] = ()) -> tuple[dict[int, dict], dict[int, list], dict]:
     A, R = len(actors), len(rollouts)
     sent: dict[int, dict] = {}
     got: dict[int, list] = {}
     errors: dict[str, BaseException] = {}
 
+    def export(r: int):
+        for i, (n, t) in enumerate(weights):
+            if r in fail and i == 2:
+                raise RuntimeError(f"trainer rank {r} lost while exporting")
+            yield n, t.clone()
+
     def trainer(r: int) -> None:
         try:  # every trainer rank gets the FULL tensors, as verl's get_per_tensor_param gives them
-            sent[r] = asyncio.run(actors[r].send_weights(((n, t.clone()) for n, t in weights), global_steps=1))
+            sent[r] = asyncio.run(actors[r].send_weights(export(r), global_steps=1))
         except BaseException as e:
             errors[f"t{r}"] = e
 
@@ -163,6 +170,31 @@ def test_missing_trainer_fails_the_rollout_naming_the_rank() -> None:
         _, got, errors = _sync(actors, rollouts, _weights(2), skip=(1,))  # trainer rank 1 never sends
         assert isinstance(errors["r0"], SyncError) and "trainer rank 1" in str(errors["r0"])
         assert 0 not in got
+    finally:
+        for e in actors + rollouts:
+            e.close()
+
+
+def test_retry_after_a_failed_sync_is_bit_identical() -> None:
+    """A trainer rank fails mid-sync (after the rollout began and trainer rank 0 wrote its share);
+    the next sync on the same engines must land every byte: each end spent the failed version, so
+    no control-plane key or notification of the failed attempt is taken for the retry's."""
+    actors, rollouts = _engines(timeout_s=3)
+    try:
+        _build_process_group(actors, rollouts)
+        assert not _sync(actors, rollouts, _weights(1))[2]
+        _build_process_group(actors, rollouts)
+        _, got, errors = _sync(actors, rollouts, _weights(2), fail=(1,))
+        assert "lost while exporting" in str(errors["t1"])
+        assert isinstance(errors["r0"], SyncError) and 0 not in got
+        assert [e._version for e in actors + rollouts] == [2, 2, 2]  # spent on every end, failed or not
+        weights = _weights(3)
+        _build_process_group(actors, rollouts)
+        _, got, errors = _sync(actors, rollouts, weights)
+        assert not errors, errors
+        assert [n for n, _ in got[0]] == [n for n, _ in weights]
+        for (n, want), (_, have) in zip(weights, got[0]):
+            assert torch.equal(have.view(torch.uint8), want.view(torch.uint8)), n
     finally:
         for e in actors + rollouts:
             e.close()

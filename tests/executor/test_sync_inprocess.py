@@ -1,7 +1,8 @@
 """Sender and receiver end to end in one process (threads, real NIXL agents and a real TCPStore):
 bit-exact delivery, version flip only after complete delivery, a failing sender leaves the
-receiver on its last complete version (in-place writes restored from the backup), the next sync
-succeeds, plan-hash mismatches are refused before any byte moves, and every wait is bounded."""
+receiver on its last complete version (in-place writes restored from the backup), reusing the
+failed version is refused on both ends and the retry with the next one succeeds bit-exact,
+plan-hash mismatches are refused before any byte moves, and every wait is bounded."""
 
 from __future__ import annotations
 
@@ -102,6 +103,14 @@ def test_failed_sender_keeps_the_old_version_and_next_sync_succeeds(store, model
     assert rx.version == 1
     assert _equal(tensors, v1)  # in-place writes of version 2 rolled back from the backup
     assert store.with_prefix(ctl.prefix).get("recv/0/flipped/2", 1).startswith(b"err:")
+    # version 2 is spent: its keys (begun, flipped=err, done=err) and notifications linger, so
+    # reusing it is refused on both ends before anything moves; the retry takes version 3
+    assert rx.attempted == 2 and all(s.attempted == 2 for s in senders)
+    with pytest.raises(SyncError, match="version 2 was already attempted"):
+        rx.begin(2)
+    with pytest.raises(SyncError, match="version 2 was already attempted"):
+        senders[0].sync(2, timeout_s=1)
+    assert rx._open is None and _equal(tensors, v1)
 
     assert sync(3) == {} and rx.version == 3
     assert _equal(tensors, reference_tensors(model, 0, 3))

@@ -59,8 +59,10 @@ class FastSyncCheckpointEngine(CheckpointEngine):
     ``max_transfer_bytes`` (default: 1/16 of a rank's share, at most verl's bucket size),
     ``staging_bytes``, ``verify`` (per-transfer checksums), ``keep_registered``.
 
-    Versions are counted by the engines themselves (trainer and rollout ends advance together,
-    one per sync); verl's ``global_steps`` is accepted and not used.
+    Versions are counted by the engines themselves: every trainer and rollout end advances its
+    count at the start of each sync, failed or not (a version number is spent once attempted, so
+    a retry after a failure never meets the failed attempt's control-plane keys or NIXL
+    notifications); verl's ``global_steps`` is accepted and not used.
     """
 
     wire_format = "named_tensors"
@@ -172,9 +174,9 @@ class FastSyncCheckpointEngine(CheckpointEngine):
         of the tensors once), publishes the inventory (rank 0) and sets up the sender. Returns
         per-rank metrics, which verl merges into the trainer's."""
         role, rank, num_trainers, num_receivers, _ = self._need("trainer")
-        version = self._version + 1
+        version = self._version = self._version + 1  # spent now, even if this sync fails
         t0 = time.perf_counter()
-        if self._plan is None:
+        if self._sender is None:
             full: dict[str, torch.Tensor] = {}
             inventory = []
             async for name, tensor in ensure_async_iterator(weights):
@@ -192,16 +194,20 @@ class FastSyncCheckpointEngine(CheckpointEngine):
             if rank == 0:
                 ctl.set("inventory", self._plan.to_json())
             shards = {n: [Shard(rank, box, 0)] for n, box in self._boxes.items()}
-            self._sender = WeightSender(rank=rank, plan=self._plan.plan, sources=self._sources, shards=shards,
-                                        control=ctl, transport=self.transport, staging_bytes=self.staging_bytes,
-                                        timeout_s=self.timeout_s)
-            await asyncio.to_thread(self._sender.setup)
+            sender = WeightSender(rank=rank, plan=self._plan.plan, sources=self._sources, shards=shards,
+                                  control=ctl, transport=self.transport, staging_bytes=self.staging_bytes,
+                                  timeout_s=self.timeout_s)
+            try:
+                await asyncio.to_thread(sender.setup)
+            except BaseException:
+                sender.close()  # the next sync plans and sets up again
+                raise
+            self._sender = sender
         else:
             await self._copy_share(weights, rank)
         assert self._sender is not None
         t1 = time.perf_counter()
         m = await asyncio.to_thread(self._sender.sync, version, verify=self.verify or None)
-        self._version = version
         sent = sum(m.bytes_per_link.values())
         self.last_metrics = {f"fastsync/trainer{rank}/sent_bytes": float(sent),
                              f"fastsync/trainer{rank}/collect_s": t1 - t0,
@@ -232,24 +238,29 @@ class FastSyncCheckpointEngine(CheckpointEngine):
         ``(name, tensor)`` in verl's order. The tensors are this rank's receive buffers: the
         consumer copies them (into vLLM) before the next sync overwrites them."""
         _, rank, num_trainers, num_receivers, _ = self._need("rollout")
-        version = self._version + 1
+        version = self._version = self._version + 1  # spent now, even if this sync fails
         if self._receiver is None:
             ctl = self._session_control()
-            raw = await _poll(ctl, "inventory", self.timeout_s, f"trainer rank 0 (inventory), for rollout rank {rank}")
+            raw = await asyncio.to_thread(ctl.get, "inventory", self.timeout_s,
+                                          f"trainer rank 0 (inventory), for rollout rank {rank}")
             self._plan = build_verl_plan(inventory_from_json(raw), num_trainers, num_receivers, self.max_transfer_bytes,
                                          self.bucket_size)
             self._flats, self._tensors = flat_views(self._plan.inventory)
-            self._receiver = WeightReceiver(rank=rank, plan=self._plan.plan, tensors=self._tensors, control=ctl,
-                                            transport=self.transport, mode="inplace", verify=self.verify,
-                                            engine_hash=self._plan.engine.fingerprint(), timeout_s=self.timeout_s)
-            await asyncio.to_thread(self._receiver.setup)
+            receiver = WeightReceiver(rank=rank, plan=self._plan.plan, tensors=self._tensors, control=ctl,
+                                      transport=self.transport, mode="inplace", verify=self.verify,
+                                      engine_hash=self._plan.engine.fingerprint(), timeout_s=self.timeout_s)
+            try:
+                await asyncio.to_thread(receiver.setup)
+            except BaseException:
+                receiver.close()  # the next sync sets up again
+                raise
+            self._receiver = receiver
         rx = self._receiver
         rx.begin(version)
         deadline = time.monotonic() + self.timeout_s
         while not rx.poll() and time.monotonic() < deadline:
             await asyncio.sleep(0.001)
         rx.finish()  # SyncError naming the missing trainer ranks and tensors if incomplete
-        self._version = version
         assert self._plan is not None
         for name, _, _ in self._plan.inventory:
             yield name, self._tensors[name]
@@ -291,13 +302,3 @@ def _default_host() -> str:
         pass
     return DEFAULT_HOST
 
-
-async def _poll(ctl: TCPStoreControl, key: str, timeout_s: float, what: str) -> bytes:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = ctl.try_get(key)
-        if got is not None:
-            return got
-        if time.monotonic() >= deadline:
-            raise SyncError(f"fastsync control plane: {what} did not publish {key!r} within {timeout_s:.1f} s")
-        await asyncio.sleep(0.002)
