@@ -99,6 +99,11 @@ class WeightSync:
 
     ``layout``/``sources``/``params`` replace the model's own description (e.g. a rank-0 holder
     of gathered full tensors, the host frameworks' baseline).
+
+    ``name`` keys this WeightSync's set-up on the control plane: every call of :meth:`setup`
+    (on every rank, the same number of times) uses its own keys, so a retried set-up never reads
+    an earlier one's plan or error; a second WeightSync on the same control plane needs another
+    name. A version number is spent once :meth:`sync` tried it: retry a failed sync with a newer one.
     """
 
     def __init__(
@@ -128,6 +133,8 @@ class WeightSync:
             raise ConfigError("WeightSync needs a model or layout= and sources=")
         if timeout_s <= 0:
             raise ConfigError(f"timeout_s must be positive, got {timeout_s}")
+        if control_port is not None and control_port <= 0:
+            raise ConfigError(f"control_port must be positive, got {control_port}")
         self.model = model
         self.rank = rank
         self.world_size = world_size
@@ -144,6 +151,8 @@ class WeightSync:
         self.plan: Plan | None = None
         self.sender: Any = None
         self.version = 0
+        self.attempted = 0
+        self._setups = 0
         self.engine_info: list[list[dict]] = []
         self.setup_s = 0.0
 
@@ -194,50 +203,77 @@ class WeightSync:
 
     def setup(self) -> None:
         """Layouts, plan and transport set-up, once. Raises (on every rank) before any write
-        when the trainer's parameters and the engines' disagree."""
+        when the trainer's parameters and the engines' disagree; a failure on trainer rank 0
+        reaches the other ranks as the same error class, not as a timeout."""
         from fastsync.executor.sender import WeightSender
         from fastsync.layout.types import Shard
 
         t0 = time.perf_counter()
-        layout, sources = self._trainer_layout()
-        key = f"{self.name}/plan"
+        self.close()  # a re-setup replaces the previous sender
+        self._setups += 1
+        key = f"{self.name}/setup{self._setups}"
         if self.rank == 0:
-            if not self.engines:
-                raise ConfigError("trainer rank 0 needs the engine handles (engines=[...])")
-            try:
-                plan = self._build_plan(layout)
-            except FastSyncError as e:
-                self.control.set(key, f"err:{type(e).__name__}:{e}")
-                raise
-            plan_json = plan.dumps()
-            options = {"control_port": self.control_port, "transport": self.transport,
-                       "transport_options": self.transport_options, "timeout_s": self.timeout_s,
-                       "verify": self.verify, "control_prefix": getattr(self.control, "prefix", "fs")}
-            if options["control_port"] is None:
-                raise ConfigError("WeightSync needs control_port= (the engines' workers join the same TCPStore)")
-            self.control.set(key, plan_json)
-            try:
-                for h in self.engines:
-                    h.connect(plan_json, options)
-            except FastSyncError as e:
-                self.control.set(f"{self.name}/connected", f"err:{type(e).__name__}:{e}")
-                raise
-            self.control.set(f"{self.name}/connected", b"ok")
+            layout, sources, plan = self._setup_rank0(key)
         else:
-            raw = self.control.get(key, self.timeout_s * 4, what="trainer rank 0 (plan)").decode()
+            layout, sources = self._trainer_layout()
+            raw = self.control.get(f"{key}/plan", self.timeout_s * 4, what="trainer rank 0 (plan)").decode()
             if raw.startswith("err:"):
                 raise _reraise(raw[4:], f"trainer rank {self.rank}: trainer rank 0 could not plan")
             plan = Plan.loads(raw)
-            got = self.control.get(f"{self.name}/connected", self.timeout_s * 4, what="engines (connect)").decode()
+            got = self.control.get(f"{key}/connected", self.timeout_s * 4, what="engines (connect)").decode()
             if got.startswith("err:"):
                 raise _reraise(got[4:], f"trainer rank {self.rank}: engines refused the plan")
         shards: dict[str, list[Shard]] = layout.shards_on(self.rank)
-        self.sender = WeightSender(rank=self.rank, plan=plan, sources=sources, shards=shards, control=self.control,
-                                   transport=self.transport, transport_options=self.transport_options,
-                                   timeout_s=self.timeout_s)
-        self.sender.setup()
+        sender = WeightSender(rank=self.rank, plan=plan, sources=sources, shards=shards, control=self.control,
+                              transport=self.transport, transport_options=self.transport_options,
+                              timeout_s=self.timeout_s)
+        try:
+            sender.setup()
+        except BaseException:
+            sender.close()  # no agent or registration outlives a failed set-up
+            raise
+        self.sender = sender
         self.plan = plan
         self.setup_s = time.perf_counter() - t0
+
+    def _setup_rank0(self, key: str) -> tuple[TrainerLayout, dict[str, torch.Tensor], Plan]:
+        """Trainer rank 0: check, plan, publish the plan, connect the engines. Any failure is
+        published (``err:{Type}:{message}``) where the other ranks wait, then re-raised."""
+        try:
+            if not self.engines:
+                raise ConfigError("trainer rank 0 needs the engine handles (engines=[...])")
+            if self.control_port is None:
+                raise ConfigError("WeightSync needs control_port= (the engines' workers join the same TCPStore)")
+            layout, sources = self._trainer_layout()
+            plan = self._build_plan(layout)
+            plan_json = plan.dumps()
+        except BaseException as e:
+            self._publish_error(f"{key}/plan", e)
+            raise
+        options = {"control_port": self.control_port, "transport": self.transport,
+                   "transport_options": self.transport_options, "timeout_s": self.timeout_s,
+                   "verify": self.verify, "control_prefix": getattr(self.control, "prefix", "fs")}
+        self.control.set(f"{key}/plan", plan_json)
+        try:
+            for h in self.engines:
+                h.connect(plan_json, options)
+        except BaseException as e:
+            self._publish_error(f"{key}/connected", e)
+            raise
+        self.control.set(f"{key}/connected", b"ok")
+        return layout, sources, plan
+
+    def _publish_error(self, key: str, e: BaseException) -> None:
+        """``err:{Type}:{message}`` under ``key`` (a non-fastsync error travels as FastSyncError
+        naming its own type); best effort: the original error is what the caller raises."""
+        if isinstance(e, FastSyncError):
+            text = f"err:{type(e).__name__}:{e}"
+        else:
+            text = f"err:FastSyncError:{type(e).__name__}: {e}"
+        try:
+            self.control.set(key, text)
+        except Exception:
+            pass
 
     # ---- per step -------------------------------------------------------------------------
     def sync(self, version: int, *, timeout_s: float | None = None) -> SyncResult:
@@ -248,6 +284,10 @@ class WeightSync:
             raise SyncError(f"trainer rank {self.rank}: sync() before setup()")
         if version <= self.version:
             raise SyncError(f"trainer rank {self.rank}: version {version} is not newer than {self.version}")
+        if version <= self.attempted:
+            raise SyncError(f"trainer rank {self.rank}: version {version} was already attempted (last attempted "
+                            f"{self.attempted}); a retry needs a new version number")
+        self.attempted = version
         timeout = self.timeout_s if timeout_s is None else timeout_s
         t0 = time.perf_counter()
         tokens = [h.begin_update(version, timeout) for h in self.engines]

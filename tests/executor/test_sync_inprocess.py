@@ -170,3 +170,61 @@ def test_plan_hash_mismatch_is_refused_before_any_byte_moves(store, model) -> No
     with pytest.raises(PlanError, match="trainer layout"):
         WeightSender(rank=0, plan=model.plan, sources=views, shards=other.trainer, control=ctl, transport="nixl")
     rx.close()
+
+
+class _FailingEngine:
+    """An engine handle whose describe() fails as a non-fastsync error would (a dead actor,
+    a driver bug): WeightSync must carry it to the other trainer ranks, not let them time out."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def describe(self, options: dict | None = None) -> list[dict]:
+        raise RuntimeError(self.message)
+
+
+def _setup_all(syncs) -> dict[int, BaseException]:
+    errors: dict[int, BaseException] = {}
+
+    def go(ws) -> None:
+        try:
+            ws.setup()
+        except BaseException as e:  # collected for the test to inspect
+            errors[ws.rank] = e
+
+    threads = [threading.Thread(target=go, args=(ws,)) for ws in syncs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    assert not any(t.is_alive() for t in threads), "set-up did not fail within its deadline"
+    return errors
+
+
+def test_rank0_setup_failures_reach_the_other_ranks_and_a_retry_reads_its_own_keys(store, model) -> None:
+    from fastsync.errors import ConfigError, FastSyncError
+    from fastsync.sync import WeightSync
+
+    ctl = store.with_prefix(f"t{next(_ns)}")
+    srcs = [trainer_buffers(model, r)[1] for r in range(2)]
+    engine = _FailingEngine("engine actor died")
+    syncs = [WeightSync(rank=r, world_size=2, control=ctl, engines=[engine] if r == 0 else [], layout=model.trainer,
+                        sources=srcs[r], timeout_s=10) for r in range(2)]
+    t0 = time.monotonic()
+    errors = _setup_all(syncs)
+    assert time.monotonic() - t0 < 5  # published by rank 0, not rank 1's 4 x timeout_s wait
+    assert isinstance(errors[0], RuntimeError)
+    assert type(errors[1]) is FastSyncError and "RuntimeError: engine actor died" in str(errors[1])
+    # the same objects set up again: rank 1 must read this attempt's outcome, not the first one's
+    engine.message = "engine actor died again"
+    errors = _setup_all(syncs)
+    assert "died again" in str(errors[1]), errors[1]
+    assert all(ws.sender is None for ws in syncs)
+    # rank 0 without engine handles: a ConfigError on rank 0 and, by name, on rank 1
+    bare = [WeightSync(rank=r, world_size=2, control=ctl, layout=model.trainer, sources=srcs[r], timeout_s=10,
+                       name="bare") for r in range(2)]
+    errors = _setup_all(bare)
+    assert isinstance(errors[0], ConfigError) and isinstance(errors[1], ConfigError)
+    assert "engine handles" in str(errors[1])
+    with pytest.raises(ConfigError, match="control_port"):
+        WeightSync(rank=0, world_size=1, control=ctl, layout=model.trainer, sources=srcs[0], control_port=0)
