@@ -54,5 +54,6 @@ def test_plugins_command_lists_a_runtime_plugin(capsys):
         out = capsys.readouterr().out
         assert "toy_cli" in out and "registered at run time" in out
         assert "unavailable: pip install toy-transport" in out
+        assert "name maps" in out and "Qwen3MoeForCausalLM" in out and "DeepseekV3ForCausalLM" in out
     finally:
         plugins.unregister_plugin(name)

@@ -22,7 +22,13 @@ def collect() -> dict:
         "models": {n: {"plugin": r.plugin} for n, r in plugins.model_presets().items()},
         "transforms": {n: {"plugin": r.plugin} for n, r in plugins.transforms().items()},
     }
-    return {"plugins": plugins.list_plugins(), "registered": registries}
+    from fastsync.layout.vllm_names import BUILDERS
+
+    # Name maps answer a firstresult hook per architecture, so they cannot be enumerated; list the
+    # built-in ones and which plugins implement the hook.
+    name_map_plugins = sorted(r["name"] for r in plugins.list_plugins() if "fastsync_name_map" in r["hooks"])
+    registries["name_maps"] = {arch: {"plugin": "builtin_namemaps"} for arch in sorted(BUILDERS)}
+    return {"plugins": plugins.list_plugins(), "registered": registries, "name_map_plugins": name_map_plugins}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -34,6 +40,12 @@ def run(args: argparse.Namespace) -> int:
     for row in info["plugins"]:
         print(f"{row['name']:24} {row['source']:34} {', '.join(h.removeprefix('fastsync_') for h in row['hooks'])}")
     for kind, regs in info["registered"].items():
+        if kind == "name_maps":
+            print(f"\nname maps (vLLM engine names; plugins answering fastsync_name_map: "
+                  f"{', '.join(info['name_map_plugins'])}):")
+            for arch in regs:
+                print(f"  {arch}")
+            continue
         print(f"\n{kind}:")
         for name, meta in sorted(regs.items()):
             extra = ""
