@@ -32,8 +32,12 @@ complete (a trainer died, a transfer is missing, the deadline passed) is rolled 
 parameters are restored from their snapshot, prepacked ones were never touched, and the worker
 keeps serving the last complete version.
 
+A failed post-processing step (a layer's repack raising) is part of the same rollback: every
+layer repacked so far gets its previous packed weights back and the flip is never published.
+
 Errors cross ``collective_rpc`` as ``{"error": [class name, message]}`` results (vLLM would
-otherwise turn a worker exception into a dead engine); ``vllm_host`` re-raises them.
+otherwise turn a worker exception into a dead engine; an exception that is not a FastSyncError
+comes back as SyncError naming its type); ``vllm_host`` re-raises them.
 """
 
 from __future__ import annotations
@@ -42,12 +46,14 @@ import ctypes
 import logging
 import platform
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from fastsync.errors import ConfigError, FastSyncError, LayoutError, SyncError
+from fastsync.errors import ConfigError, LayoutError, SyncError
 from fastsync.executor.staging import Landing, as_bytes
+from fastsync.engines.vllm_host import error_reply
 from fastsync.engines.vllm_layout import (
     LiveParam,
     check_against,
@@ -96,8 +102,10 @@ class EngineLanding(Landing):
     written in their live memory (``backup_names``). Staging tensors of prepacked parameters need
     none: the kernels' packed copies change only at the flip."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], backup_names: list[str]) -> None:
+    def __init__(self, tensors: dict[str, torch.Tensor], backup_names: list[str],
+                 on_apply: Callable[[], None] | None = None) -> None:
         super().__init__(tensors, mode="inplace", backup=False)
+        self.on_apply = on_apply
         total = sum(self.infos[n].nbytes for n in backup_names)
         self._backup_arena = torch.zeros(max(total, 1), dtype=torch.uint8)  # touched once, at setup
         off = 0
@@ -106,6 +114,14 @@ class EngineLanding(Landing):
             self._backup[n] = self._backup_arena[off: off + nbytes]
             off += nbytes
         self.backup = bool(backup_names)
+
+    def apply(self, names: list[str] | None = None) -> None:
+        """The flip's data step; then ``on_apply`` (the extension's post-processing), still
+        inside ``WeightReceiver.finish``'s rollback scope: a SyncError raised there rolls the
+        in-place parameters back and publishes the failure instead of the flip."""
+        super().apply(names)
+        if self.on_apply is not None:
+            self.on_apply()
 
 
 class _State:
@@ -123,14 +139,44 @@ class _State:
         self.version = 0
         self.open: int | None = None
         self.last: dict = {}
+        # module states replaced by the open version's post-processing, kept until the flip is
+        # final so a failure anywhere before it can put the previous ones back
+        self.undo: list[_ModuleState] = []
+        self.postprocess_s = 0.0
+
+
+class _ModuleState:
+    """What a layer's post-load step replaces (``cpu_linear``, the parameter objects and their
+    data), saved before it runs so the layer can be put back exactly as it was."""
+
+    _MISSING = object()
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.cpu_linear = module.__dict__.get("cpu_linear", self._MISSING)
+        self.params = dict(module._parameters)
+        self.data = {n: p.data for n, p in self.params.items() if p is not None}
+
+    def restore(self) -> None:
+        m = self.module
+        if self.cpu_linear is self._MISSING:
+            m.__dict__.pop("cpu_linear", None)
+        else:
+            m.cpu_linear = self.cpu_linear
+        m._parameters.clear()
+        m._parameters.update(self.params)
+        for n, d in self.data.items():
+            self.params[n].data = d
 
 
 def _result(fn: Any) -> Any:
-    """Run ``fn``; a FastSyncError comes back as a result the host re-raises (see module doc)."""
+    """Run ``fn``; any exception comes back as a result the host re-raises (see module doc): an
+    exception escaping ``collective_rpc`` would kill the engine."""
     try:
         return fn()
-    except FastSyncError as e:
-        return {"error": [type(e).__name__, str(e)]}
+    except Exception as e:
+        log.warning("fastsync worker call failed: %s: %s", type(e).__name__, e)
+        return error_reply(e)
 
 
 def _config_dict(hf_config: Any) -> dict:
@@ -221,7 +267,8 @@ class FastSyncWorkerExtension:
         if "control_port" not in options:
             raise ConfigError("fastsync_connect: options need 'control_port' (the TCPStore the trainers use)")
         if st.receiver is not None:
-            st.receiver.close()
+            old, st.receiver = st.receiver, None  # never left pointing at a closed receiver
+            old.close()
         plan = Plan.loads(plan_json)
         t0 = time.perf_counter()
         dest: dict[str, torch.Tensor] = {}
@@ -237,19 +284,28 @@ class FastSyncWorkerExtension:
             else:
                 dest[name] = lp.live
                 backup.append(name)
-        landing = EngineLanding(dest, backup)
+        landing = EngineLanding(dest, backup, on_apply=lambda: self._fastsync_postprocess(self._fastsync_state()))
         control = TCPStoreControl.client(int(options["control_port"]), host=options.get("control_host", DEFAULT_HOST),
                                          prefix=options.get("control_prefix", "fs"))
-        st.receiver = WeightReceiver(
+        rx = WeightReceiver(
             rank=st.rank, plan=plan, tensors=dest, control=control,
             transport=options.get("transport", "nixl"), transport_options=options.get("transport_options"),
             timeout_s=float(options.get("timeout_s", 60.0)), verify=bool(options.get("verify", False)),
             initial_version=st.version, landing=landing,
         )
-        st.receiver.setup()
+        try:
+            rx.setup()
+        except BaseException:
+            try:  # release the transport agent and registered memory of the half-set-up receiver
+                rx.close()
+            except Exception as e:  # the setup error is the one to report
+                log.warning("fastsync: closing the half-set-up receiver of rank %d failed: %s: %s",
+                            st.rank, type(e).__name__, e)
+            raise
+        st.receiver = rx
         return {
             "rank": st.rank,
-            "transport": st.receiver.transport.name,
+            "transport": rx.transport.name,
             "setup_s": time.perf_counter() - t0,
             "staged_bytes": sum(b.numel() * b.element_size() for b in st.staging.values()),
             "inplace_bytes": sum(dest[n].numel() * dest[n].element_size() for n in backup),
@@ -278,23 +334,28 @@ class FastSyncWorkerExtension:
             raise SyncError(f"inference rank {st.rank}: finish({version}) but the open version is {st.open}")
         rx = st.receiver
         t0 = time.perf_counter()
+        st.undo, st.postprocess_s = [], 0.0
         try:
             rx.wait(time.monotonic() + timeout_s)
             t_wait = time.perf_counter() - t0
-            rx.finish()  # raises SyncError (after rolling back) when incomplete
-        except FastSyncError:
-            st.open = None
-            rx.abort("failed")  # no-op when finish() already rolled back
-            raise
+            # verifies, then EngineLanding.apply runs the post-processing, then the flip is
+            # published; raises SyncError (after rolling back) when incomplete or post-processing failed
+            rx.finish()
         except BaseException as e:
             st.open = None
-            rx.abort(f"{type(e).__name__}: {e}")
+            if rx.version == version:  # flipped and published; a step after the flip raised
+                st.version, st.undo = version, []
+                raise
+            for saved in reversed(st.undo):  # layers repacked before the failure get their old state back
+                saved.restore()
+            st.undo = []
+            rx.abort(f"{type(e).__name__}: {e}")  # no-op when finish() already rolled back
             raise
-        t1 = time.perf_counter()
-        self._fastsync_postprocess(st)
+        st.undo = []  # the flip is final: the previous packed weights can go
         st.version, st.open = version, None
-        st.last = {"rank": st.rank, "version": version, "wait_s": t_wait, "finish_s": t1 - t0 - t_wait,
-                   "postprocess_s": time.perf_counter() - t1, "total_s": time.perf_counter() - t0}
+        total = time.perf_counter() - t0
+        st.last = {"rank": st.rank, "version": version, "wait_s": t_wait,
+                   "finish_s": total - t_wait - st.postprocess_s, "postprocess_s": st.postprocess_s, "total_s": total}
         return st.last
 
     def fastsync_update(self, version: int, timeout_s: float = 60.0) -> dict:
@@ -326,16 +387,38 @@ class FastSyncWorkerExtension:
         return st
 
     def _fastsync_postprocess(self, st: _State) -> None:
-        """Re-run exactly the post-load steps the CPU kernels read from, on the new values."""
-        for name, lp in st.live.items():
-            if lp.kind == "linear_repack":
-                # UnquantizedLinearMethod on CPU: dispatch_cpu_unquantized_gemm(remove_weight=True)
-                # packs a copy (sgl VNNI or a oneDNN handle) and empties the parameter again.
-                lp.module.weight = torch.nn.Parameter(st.staging[name], requires_grad=False)
-                lp.module.quant_method.process_weights_after_loading(lp.module)
-            elif lp.kind == "inplace_repack":
-                lp.module.quant_method.process_weights_after_loading(lp.module)
-            elif lp.kind == "moe_repack":
-                experts = lp.module.quant_method.moe_kernel.fused_experts
-                live = getattr(lp.module, lp.attr).data
-                torch.ops._C.prepack_moe_weight(st.staging[name], live, experts.isa)
+        """Re-run exactly the post-load steps the CPU kernels read from, on the new values.
+
+        Runs inside ``WeightReceiver.finish`` before the flip is published. Each layer's state is
+        saved (``st.undo``) before its step, and the new packed weights are built beside the old
+        ones, so a failure at any layer puts every layer back as it was (the previous packed
+        weights stay alive until the flip is final: transiently one more copy of them) and is
+        reported as SyncError, which makes the receiver roll back and keep the old version."""
+        t0 = time.perf_counter()
+        name = ""
+        try:
+            for name, lp in st.live.items():
+                if lp.kind == "linear_repack":
+                    st.undo.append(_ModuleState(lp.module))
+                    # UnquantizedLinearMethod on CPU: dispatch_cpu_unquantized_gemm(remove_weight=True)
+                    # packs a copy (sgl VNNI or a oneDNN handle) and empties the parameter again.
+                    lp.module.weight = torch.nn.Parameter(st.staging[name], requires_grad=False)
+                    lp.module.quant_method.process_weights_after_loading(lp.module)
+                elif lp.kind == "inplace_repack":
+                    st.undo.append(_ModuleState(lp.module))
+                    lp.module.quant_method.process_weights_after_loading(lp.module)
+                elif lp.kind == "moe_repack":
+                    experts = lp.module.quant_method.moe_kernel.fused_experts
+                    param = getattr(lp.module, lp.attr)
+                    packed = torch.empty_like(param.data)
+                    torch.ops._C.prepack_moe_weight(st.staging[name], packed, experts.isa)
+                    st.undo.append(_ModuleState(lp.module))
+                    param.data = packed  # the kernel reads the layer's parameter at each forward
+        except Exception as e:
+            for saved in reversed(st.undo):
+                saved.restore()
+            st.undo = []
+            raise SyncError(f"inference rank {st.rank}: post-processing engine parameter {name!r} failed "
+                            f"({type(e).__name__}: {e}); every layer keeps version {st.version}") from e
+        finally:
+            st.postprocess_s = time.perf_counter() - t0

@@ -243,3 +243,14 @@ def test_generation_is_fenced_until_the_flip(rig):
     assert not reader.is_alive()
     assert got["tokens"] == rig.hf_tokens()
     assert rig.engine.version() == v
+
+
+def test_failed_connect_leaves_no_half_set_up_receiver(rig):
+    """Runs last: it drops the rig's receiver. A connect that fails after the old receiver was
+    closed must leave the worker unconnected (a clear SyncError), not holding a dead receiver."""
+    served = rig.engine.version()
+    with pytest.raises(FastSyncError):
+        rig.engine.connect("not a plan", {"control_port": rig.control.port})
+    with pytest.raises(SyncError, match=r"fastsync_connect\(\) has not run"):
+        rig.engine.update(rig.version + 1, 1.0)
+    assert rig.engine.version() == served
