@@ -77,7 +77,13 @@ class VllmEngine:
             self._lock.release()
 
     def _rpc(self, method: str, *args: Any, what: str = "") -> list[Any]:
-        return raise_worker_errors(self.llm.collective_rpc(method, args=args), what or method)
+        """Call the extension on every worker, waiting at most ``lock_timeout_s`` for the answers."""
+        try:
+            got = self.llm.collective_rpc(method, timeout=self.lock_timeout_s, args=args)
+        except TimeoutError as e:
+            raise SyncError(f"{what or method}: the vLLM workers (rank offset {self.rank_offset}) did not answer "
+                            f"within {self.lock_timeout_s:.0f} s") from e
+        return raise_worker_errors(got, what or method)
 
     # ---- the handle WeightSync uses -------------------------------------------------------
     def describe(self, options: dict | None = None) -> list[dict]:
