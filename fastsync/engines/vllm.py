@@ -266,8 +266,10 @@ class FastSyncWorkerExtension:
             raise ConfigError(f"fastsync_connect: unknown option(s) {sorted(unknown)}")
         if "control_port" not in options:
             raise ConfigError("fastsync_connect: options need 'control_port' (the TCPStore the trainers use)")
+        last_attempted = st.version
         if st.receiver is not None:
             old, st.receiver = st.receiver, None  # never left pointing at a closed receiver
+            last_attempted = max(last_attempted, old.attempted)  # a failed version stays spent
             old.close()
         plan = Plan.loads(plan_json)
         t0 = time.perf_counter()
@@ -293,6 +295,7 @@ class FastSyncWorkerExtension:
             timeout_s=float(options.get("timeout_s", 60.0)), verify=bool(options.get("verify", False)),
             initial_version=st.version, landing=landing,
         )
+        rx.attempted = last_attempted
         try:
             rx.setup()
         except BaseException:
