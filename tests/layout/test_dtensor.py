@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
@@ -19,27 +17,11 @@ WORLD = 2
 WORKER = os.path.join(os.path.dirname(__file__), "fsdp2_worker.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_fsdp2_dtensor_layout_matches_fsdp_layout(tmp_path):
-    port = _free_port()
+def test_fsdp2_dtensor_layout_matches_fsdp_layout(tmp_path, free_port, run_workers):
+    port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, WORKER, str(r), str(port), str(tmp_path)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(WORLD)]
-    outputs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=180)
-            outputs.append(out.decode(errors="replace")[-3000:])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
+    outputs = run_workers([[sys.executable, WORKER, str(r), str(port), str(tmp_path)] for r in range(WORLD)],
+                          env, timeout_s=180, tail_chars=3000)
     results = []
     for r in range(WORLD):
         path = tmp_path / f"rank{r}.json"

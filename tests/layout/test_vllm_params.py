@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
@@ -54,14 +52,9 @@ CASES = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def vllm_params(tmp_path_factory):
+def vllm_params(tmp_path_factory, free_port, run_workers):
+
     root = tmp_path_factory.mktemp("vllm_models")
     cases = []
     for cid, (cls, arch, kw, ep) in CASES.items():
@@ -74,21 +67,11 @@ def vllm_params(tmp_path_factory):
         cfg.save_pretrained(d)
         cases.append({"id": cid, "dir": str(d), "ep": ep})
     (root / "cases.json").write_text(json.dumps(cases))
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
                VLLM_DIST_IDENT=f"fastsync-test-{port}")
-    procs = [subprocess.Popen([sys.executable, WORKER, str(r), str(port), str(root / "cases.json"), str(root)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
-    logs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=300)
-            logs.append(out.decode(errors="replace")[-4000:])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
+    logs = run_workers([[sys.executable, WORKER, str(r), str(port), str(root / "cases.json"), str(root)]
+                        for r in range(2)], env, timeout_s=300)
     results = []
     for r in range(2):
         path = root / f"rank{r}.json"
