@@ -24,6 +24,7 @@ import torch
 
 from fastsync.control import ControlPlane
 from fastsync.errors import ConfigError, FastSyncError, LayoutError, SyncError
+from fastsync.executor.version import spend_version
 from fastsync.layout.types import EngineLayout, ParamSpec, TrainerLayout
 from fastsync.plan.types import Plan
 
@@ -284,10 +285,7 @@ class WeightSync:
             raise SyncError(f"trainer rank {self.rank}: sync() before setup()")
         if version <= self.version:
             raise SyncError(f"trainer rank {self.rank}: version {version} is not newer than {self.version}")
-        if version <= self.attempted:
-            raise SyncError(f"trainer rank {self.rank}: version {version} was already attempted (last attempted "
-                            f"{self.attempted}); a retry needs a new version number")
-        self.attempted = version
+        self.attempted = spend_version(f"trainer rank {self.rank}", version, self.attempted)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         t0 = time.perf_counter()
         tokens = [h.begin_update(version, timeout) for h in self.engines]

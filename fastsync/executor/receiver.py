@@ -28,6 +28,7 @@ import torch
 from fastsync import plugins
 from fastsync.control import ControlPlane
 from fastsync.errors import ConfigError, FastSyncError, PlanError, SyncError
+from fastsync.executor.version import spend_version
 from fastsync.executor.metrics import SyncMetrics
 from fastsync.executor.program import RecvProgram, compile_recv
 from fastsync.executor.sender import make_transport
@@ -112,10 +113,7 @@ class WeightReceiver:
             raise SyncError(f"inference rank {self.rank}: version {version} begun while {self._open} is open")
         if version <= self.version:
             raise SyncError(f"inference rank {self.rank}: version {version} is not newer than held {self.version}")
-        if version <= self.attempted:
-            raise SyncError(f"inference rank {self.rank}: version {version} was already attempted (last attempted "
-                            f"{self.attempted}); a retry needs a new version number")
-        self.attempted = version
+        self.attempted = spend_version(f"inference rank {self.rank}", version, self.attempted)
         m = SyncMetrics(version, "engine", self.rank, self.transport.name, start=time.time())
         plugins.hook().fastsync_before_sync(version=version, role="engine", rank=self.rank, plan=self.plan)
         with m.stage("backup"):

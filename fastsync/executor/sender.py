@@ -21,6 +21,7 @@ import torch
 from fastsync import plugins
 from fastsync.control import ControlPlane
 from fastsync.errors import ConfigError, FastSyncError, PlanError, SyncError
+from fastsync.executor.version import spend_version
 from fastsync.executor.gather import OwnerGather
 from fastsync.executor.metrics import SyncMetrics
 from fastsync.executor.pack import Packer
@@ -150,10 +151,7 @@ class WeightSender:
         ``wait_receivers`` also waits for those receivers to flip, raising if any refused."""
         if self.program is None:
             raise SyncError(f"trainer rank {self.rank}: sync() before setup()")
-        if version <= self.attempted:
-            raise SyncError(f"trainer rank {self.rank}: version {version} was already attempted (last attempted "
-                            f"{self.attempted}); a retry needs a new version number")
-        self.attempted = version
+        self.attempted = spend_version(f"trainer rank {self.rank}", version, self.attempted)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
         m = SyncMetrics(version, "trainer", self.rank, self.transport.name, start=time.time())
