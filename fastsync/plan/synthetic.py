@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastsync.layout.box import Box, box_numel, box_shape, chunk_bounds, flat_range_to_boxes, full_box
+from fastsync.layout.box import Box, box_numel, box_shape, chunk_bounds, full_box
+from fastsync.layout.trainer import zero3_layout  # the one ZeRO-3 partitioning, re-exported for tests
 from fastsync.layout.types import EngineLayout, EngineTensor, ParamSpec, Piece, Shard, TrainerLayout
 
 __all__ = [
@@ -96,24 +97,6 @@ def fsdp_layout(params: dict[str, ParamSpec], num_shards: int, *, dim: int = 0, 
         shards[name] = tuple(out)
     kind = "hsdp" if replicas > 1 else "fsdp"
     return TrainerLayout(num_shards * replicas, dict(params), shards, kind, f"{kind} Shard({dim}) x{num_shards}")
-
-
-def zero3_layout(params: dict[str, ParamSpec], world: int) -> TrainerLayout:
-    """DeepSpeed ZeRO-3: each parameter's flat elements split into ``world`` equal (padded)
-    partitions; a rank's partition may be several boxes at increasing local offsets."""
-    shards: dict[str, tuple[Shard, ...]] = {}
-    for name, spec in params.items():
-        n = spec.numel
-        per = -(-n // world)
-        out = []
-        for r in range(world):
-            lo, hi = min(r * per, n), min((r + 1) * per, n)
-            off = 0
-            for box in flat_range_to_boxes(lo, hi, spec.shape):
-                out.append(Shard(r, box, off))
-                off += box_numel(box)
-        shards[name] = tuple(out)
-    return TrainerLayout(world, dict(params), shards, "zero3", f"zero3 x{world}")
 
 
 def _megatron_dim(name: str, ndim: int) -> int | None:
