@@ -9,9 +9,16 @@ a spec later; they are never renamed or removed (pluggy passes a plugin only the
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
+
+if TYPE_CHECKING:  # types only: hookspecs import nothing else from fastsync at run time
+    import torch
+
+    from fastsync.layout.namemap import NameMap
+    from fastsync.layout.types import EngineTensor, TrainerLayout
+    from fastsync.plan.types import Plan
 
 __all__ = ["hookspec", "hookimpl", "PROJECT"]
 
@@ -57,9 +64,23 @@ def fastsync_register_models(register: Callable[..., None]) -> None:
     """
 
 
+@hookspec
+def fastsync_register_architectures(register: Callable[..., None]) -> None:
+    """Register model architectures (config.json ``architectures[0]``) whose parameters fastsync
+    can enumerate from a config alone.
+
+    Called by ``fastsync.plugins.architectures()`` wherever an inventory is built from a config
+    (CLI, planner's host, engine receivers). Call ``register(architecture, enumerate_params,
+    model_types=(...))``: ``enumerate_params(config) -> list[(name, shape)]`` lists the HF
+    (transformers v5) parameters in order; ``model_types`` are the config ``model_type`` values
+    that mean this architecture when ``architectures`` is missing.
+    """
+
+
 @hookspec(firstresult=True)
-def fastsync_name_map(architecture: str, config: dict) -> Any:
-    """Return the name map for an HF architecture (e.g. ``"Qwen3MoeForCausalLM"``), or None.
+def fastsync_name_map(architecture: str, config: dict, engine: str) -> NameMap | None:
+    """Return the name map for an HF architecture (e.g. ``"Qwen3MoeForCausalLM"``) on inference
+    engine ``engine`` (e.g. ``"vllm"``), or None when the plugin does not know that pair.
 
     Called by the planner's host and by engine receivers when they build an engine layout, once
     per layout build. The name map (``fastsync.layout.namemap.NameMap``) turns trainer (HF
@@ -69,7 +90,7 @@ def fastsync_name_map(architecture: str, config: dict) -> Any:
 
 
 @hookspec(firstresult=True)
-def fastsync_trainer_layout(model: Any, rank: int, world_size: int) -> Any:
+def fastsync_trainer_layout(model: Any, rank: int, world_size: int) -> TrainerLayout | None:
     """Describe a live trainer model's sharding as a ``TrainerLayout``, or None if not yours.
 
     Called by ``WeightSync`` once at setup on every trainer rank, with the rank's model object
@@ -79,7 +100,7 @@ def fastsync_trainer_layout(model: Any, rank: int, world_size: int) -> Any:
 
 
 @hookspec(firstresult=True)
-def fastsync_engine_layout(engine: Any, rank: int) -> Any:
+def fastsync_engine_layout(engine: Any, rank: int) -> dict[str, EngineTensor] | None:
     """Describe a live inference engine's parameters on this rank as ``EngineTensor``s, or None.
 
     Called inside each inference worker (e.g. the vLLM worker extension) once at setup.
@@ -101,7 +122,7 @@ def fastsync_register_transforms(register: Callable[..., None]) -> None:
 
 
 @hookspec
-def fastsync_before_sync(version: int, role: str, rank: int, plan: Any) -> None:
+def fastsync_before_sync(version: int, role: str, rank: int, plan: Plan | None) -> None:
     """Called on every rank (``role`` is ``"trainer"`` or ``"engine"``) right before a sync of
     ``version`` starts, before any byte moves: the place to pause generation, fence, or start timers.
     An exception aborts the sync; receivers keep their previous version."""
@@ -118,7 +139,7 @@ def fastsync_after_sync(version: int, role: str, rank: int, metrics: dict, ok: b
 
 
 @hookspec(firstresult=True)
-def fastsync_swap_moe(module: Any, name: str, config: Any, ep_group: Any, backend: str) -> Any:
+def fastsync_swap_moe(module: torch.nn.Module, name: str, config: Any, ep_group: Any, backend: str) -> torch.nn.Module | None:
     """Return a replacement for one MoE block of an HF model, or None to leave it alone.
 
     Called by ``fastsync.moe.patch(model, ...)`` on every training rank, once per submodule whose

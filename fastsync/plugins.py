@@ -27,6 +27,7 @@ __all__ = [
     "transports",
     "layout_kinds",
     "model_presets",
+    "architectures",
     "transforms",
     "get_transport_factory",
     "list_plugins",
@@ -126,6 +127,11 @@ def layout_kinds() -> dict[str, Registered]:
 def model_presets() -> dict[str, Registered]:
     """Preset name -> Registered(obj=config_factory)."""
     return _collect("fastsync_register_models")
+
+
+def architectures() -> dict[str, Registered]:
+    """Architecture -> Registered(obj=enumerate_params, extra={'model_types': tuple[str, ...]})."""
+    return _collect("fastsync_register_architectures")
 
 
 def transforms() -> dict[str, Registered]:

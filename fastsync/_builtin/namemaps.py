@@ -4,13 +4,19 @@ entry-point group like any third-party plugin."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
+from fastsync.engines.vllm import ENGINE
 from fastsync.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from fastsync.layout.namemap import NameMap
 
 
 @hookimpl
-def fastsync_name_map(architecture: str, config: dict) -> Any:
-    from fastsync.layout.vllm_names import vllm_name_map
+def fastsync_name_map(architecture: str, config: dict, engine: str) -> NameMap | None:
+    if engine != ENGINE:
+        return None
+    from fastsync.engines.vllm.names import vllm_name_map
 
     return vllm_name_map(architecture, config)

@@ -38,7 +38,7 @@ class BenchModel:
 def scaled_dims(size_bytes: int, tp: int):
     """Qwen3-MoE-like dims whose bf16 inventory is close to ``size_bytes``: many tensors of mixed
     sizes (norms, router, attention, fused experts, embedding and lm_head)."""
-    from fastsync.plan.synthetic import ModelDims
+    from fastsync.testing.synthetic import ModelDims
 
     if size_bytes >= 256 << 20:
         base = dict(hidden=1024, q_dim=1024, kv_dim=256, experts=16, moe_inter=512, vocab=16384)
@@ -50,7 +50,7 @@ def scaled_dims(size_bytes: int, tp: int):
         if base[k] % tp:
             raise ConfigError(f"--rollouts {tp} does not divide the synthetic model's {k}={base[k]}")
     one = ModelDims(layers=1, **base)
-    from fastsync.plan.synthetic import small_model
+    from fastsync.testing.synthetic import small_model
 
     p1 = sum(p.nbytes for p in small_model(one).values())
     p2 = sum(p.nbytes for p in small_model(ModelDims(layers=2, **base)).values())
@@ -63,7 +63,7 @@ def build_bench_model(*, trainers: int, rollouts: int, size_bytes: int | None = 
                       preset: str | None = None, fp8: bool = False) -> BenchModel:
     """Inventory, layouts and plan for ``trainers`` FSDP ranks and one TP=``rollouts`` engine."""
     from fastsync.plan.planner import build_plan
-    from fastsync.plan.synthetic import engine_layout, fsdp_layout, small_model
+    from fastsync.testing.synthetic import engine_layout, fsdp_layout, small_model
 
     if trainers < 1 or rollouts < 1:
         raise ConfigError(f"need at least one trainer and one rollout rank, got {trainers} and {rollouts}")
@@ -159,7 +159,7 @@ def trainer_buffers(model: BenchModel, rank: int) -> tuple[torch.Tensor, dict[st
 
 def reference_tensors(model: BenchModel, rank: int, version: int) -> dict[str, torch.Tensor]:
     """What inference ``rank`` must hold after syncing ``version`` (computed without transports)."""
-    from fastsync.executor.local import reference_engine_tensors
+    from fastsync.testing.local import reference_engine_tensors
 
     needed = {p.src for t in model.engine.tensors[rank].values() for p in t.pieces}
     full = {n: full_values(model.params[n], model.trainer.shards[n], version) for n in needed}

@@ -84,7 +84,7 @@ def trainer_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
     _env(cfg)
     from fastsync.bench.model import trainer_buffers
     from fastsync.control import TCPStoreControl
-    from fastsync.executor.sender import WeightSender
+    from fastsync.sync.sender import WeightSender
 
     try:
         control = TCPStoreControl.client(cfg.port, timeout_s=cfg.timeout_s)
@@ -137,7 +137,7 @@ def receiver_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
 
     from fastsync.bench.model import reference_tensors
     from fastsync.control import TCPStoreControl
-    from fastsync.executor.receiver import WeightReceiver
+    from fastsync.sync.receiver import WeightReceiver
     from fastsync.executor.staging import Landing, as_bytes
 
     try:

@@ -31,7 +31,7 @@ def _mib(n: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fastsync.moe.bench import run_bench
+    from fastsync.bench.moe import run_bench
     report = run_bench(args.model, tokens=args.tokens, ep=args.ep, reps=args.reps, backend=args.backend,
                        seed=args.seed, timeout_s=args.timeout, threads=args.threads, rounds=args.rounds)
     if args.json:

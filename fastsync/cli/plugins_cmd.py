@@ -22,7 +22,7 @@ def collect() -> dict:
         "models": {n: {"plugin": r.plugin} for n, r in plugins.model_presets().items()},
         "transforms": {n: {"plugin": r.plugin} for n, r in plugins.transforms().items()},
     }
-    from fastsync.layout.vllm_names import BUILDERS
+    from fastsync.engines.vllm.names import BUILDERS
 
     # Name maps answer a firstresult hook per architecture, so they cannot be enumerated; list the
     # built-in ones and which plugins implement the hook.

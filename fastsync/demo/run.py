@@ -1,7 +1,7 @@
 """The end-to-end demo: trainer processes holding FSDP2 shards write into a live vLLM engine.
 
 One process hosts the vLLM engine (with the fastsync worker extension) and serves requests over
-the control plane (``fastsync.engines.vllm_host.serve``); ``num_trainers`` spawned processes
+the control plane (``fastsync.engines.vllm.host.serve``); ``num_trainers`` spawned processes
 form a gloo world, shard an HF transformers-v5 model with FSDP2 ``fully_shard``, take a real
 training step (Adam on random tokens), and sync:
 
@@ -97,7 +97,7 @@ def trainer_main(rank: int, world: int, port: int, model_dir: str, opts: dict, o
     from torch.distributed.fsdp import fully_shard
 
     from fastsync.control import TCPStoreControl
-    from fastsync.engines.vllm_host import RemoteEngine
+    from fastsync.engines.vllm.host import RemoteEngine
     from fastsync.layout.types import ParamSpec, Shard, TrainerLayout
     from fastsync.layout.box import full_box
     from fastsync.sync import WeightSync
@@ -232,7 +232,7 @@ def run_demo(*, model_dir: str | None = None, preset: str = "small-qwen3-moe", n
     try:
         from vllm import LLM
 
-        from fastsync.engines.vllm_host import VllmEngine, serve
+        from fastsync.engines.vllm.host import VllmEngine, serve
 
         t0 = time.perf_counter()
         llm = LLM(**engine_kwargs(model_dir, tp, dtype))

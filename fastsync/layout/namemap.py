@@ -20,7 +20,7 @@ Parallel styles (what vLLM's layers do with ``tp`` ranks):
   dim is split over expert-parallel ranks first (vLLM's linear placement), then ``style`` applies
   with the MoE tensor-parallel size (``tp`` without EP, 1 with EP).
 
-Built-in maps (vLLM 0.32 names) live in ``fastsync.layout.vllm_names`` and register through the
+Built-in maps (vLLM 0.32 names) live in ``fastsync.engines.vllm.names`` and register through the
 ``fastsync_name_map`` hook in ``fastsync._builtin.namemaps``; :func:`get_name_map` asks the hook.
 """
 
@@ -31,9 +31,12 @@ from dataclasses import dataclass, field
 from fastsync.errors import LayoutError
 from fastsync.layout.box import Box, box_numel, box_shape, full_box, intersect, squeeze_shape
 
-__all__ = ["STYLES", "Part", "Segment", "EngineParam", "NameMap", "get_name_map"]
+__all__ = ["STYLES", "Part", "Segment", "EngineParam", "NameMap", "get_name_map", "DEFAULT_ENGINE"]
 
 STYLES = ("replicated", "column", "row", "vocab")
+
+#: The engine a name map is asked for when the caller names none (the only built-in engine).
+DEFAULT_ENGINE = "vllm"
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,19 +174,17 @@ def _check_disjoint(name: str, boxes: list[Box]) -> None:
                 raise LayoutError(f"engine tensor {name!r}: segments {a} and {b} overlap")
 
 
-def get_name_map(architecture: str, config: dict, params: dict | None = None) -> NameMap:
-    """The name map for ``architecture`` from the ``fastsync_name_map`` hook (first plugin that
-    answers wins). With ``params`` (an inventory's ``params``) it is validated against them.
+def get_name_map(architecture: str, config: dict, params: dict | None = None, *, engine: str = DEFAULT_ENGINE) -> NameMap:
+    """The name map for ``architecture`` on ``engine`` from the ``fastsync_name_map`` hook (first
+    plugin that answers wins). With ``params`` (an inventory's ``params``) it is validated against them.
     Raises LayoutError naming the architecture when no plugin knows it."""
     from fastsync import plugins
 
-    nm = plugins.hook().fastsync_name_map(architecture=architecture, config=config)
+    nm = plugins.hook().fastsync_name_map(architecture=architecture, config=config, engine=engine)
     if nm is None:
-        from fastsync.layout.vllm_names import BUILDERS
-
         raise LayoutError(
-            f"no name map for architecture {architecture!r}; built-in: {sorted(BUILDERS)} "
-            "(plugins add more through the fastsync_name_map hook)"
+            f"no name map for architecture {architecture!r} on engine {engine!r}; registered architectures: "
+            f"{sorted(plugins.architectures())} (plugins add name maps through the fastsync_name_map hook)"
         )
     if not isinstance(nm, NameMap):
         raise LayoutError(f"fastsync_name_map for {architecture!r} returned {type(nm).__name__}, not a NameMap")

@@ -236,7 +236,7 @@ def engine_layout_from_spec(spec: str, inventory: object, *, dtype_out: str = "b
 
     if dtype_out not in ("bf16", "fp8", "bfloat16"):
         raise ConfigError(f"dtype_out must be 'bf16' or 'fp8', got {dtype_out!r}")
-    _, args, builder = _split_spec(spec, "engine")
+    kind, args, builder = _split_spec(spec, "engine")
     if dtype_out == "fp8":
         quant_items = [a.strip().lower() for a in args.split(",") if a.strip().lower().startswith("quant")]
         if not quant_items:
@@ -245,7 +245,8 @@ def engine_layout_from_spec(spec: str, inventory: object, *, dtype_out: str = "b
             raise ConfigError(f"layout spec {spec!r}: dtype_out (--dtype-out) fp8 conflicts with "
                               f"{', '.join(quant_items)} in the spec; give one of them")
     if name_map is None:
-        name_map = get_name_map(inventory.architecture, inventory.config, inventory.params)  # type: ignore[attr-defined]
+        name_map = get_name_map(inventory.architecture, inventory.config, inventory.params,  # type: ignore[attr-defined]
+                                engine=kind)
     layout = builder(args, inventory, name_map)  # type: ignore[operator]
     if not isinstance(layout, EngineLayout):
         raise ConfigError(f"layout spec {spec!r}: builder returned {type(layout).__name__}, not an EngineLayout")

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from fastsync.errors import ConfigError
 
-__all__ = ["EXPERT_FORMAT_KEY", "expert_format", "ARCHITECTURES", "enumerate_params", "cfg_get", "head_dim_of", "num_experts_of", "is_moe_layer", "mla_dims"]
+__all__ = ["EXPERT_FORMAT_KEY", "expert_format", "ARCHITECTURES", "MODEL_TYPES", "enumerate_params", "cfg_get", "head_dim_of", "num_experts_of", "is_moe_layer", "mla_dims"]
 
 Shape = tuple[int, ...]
 Params = list[tuple[str, Shape]]
@@ -268,7 +268,9 @@ def deepseek_v3_params(config: dict) -> Params:
     return _embed_and_head(config, [], body)
 
 
-#: architecture name (config.json ``architectures[0]``) -> parameter enumerator.
+#: The built-in architectures (config.json ``architectures[0]``) -> parameter enumerator. They are
+#: registered through the ``fastsync_register_architectures`` hook (``fastsync._builtin.models``)
+#: like a plugin's; code that needs the full set asks ``fastsync.plugins.architectures()``.
 ARCHITECTURES: dict[str, Callable[[dict], Params]] = {
     "LlamaForCausalLM": llama_params,
     "Qwen3ForCausalLM": qwen3_params,
@@ -278,8 +280,22 @@ ARCHITECTURES: dict[str, Callable[[dict], Params]] = {
 }
 
 
+#: ``model_type`` -> built-in architecture, for configs without an ``architectures`` entry.
+MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "kimi_k2": "DeepseekV3ForCausalLM",
+}
+
+
 def enumerate_params(architecture: str, config: dict) -> Params:
-    fn = ARCHITECTURES.get(architecture)
-    if fn is None:
-        raise ConfigError(f"unsupported architecture {architecture!r}; supported: {sorted(ARCHITECTURES)}")
-    return fn(config)
+    """The parameters of ``architecture`` (any registered one) for ``config``."""
+    from fastsync import plugins
+
+    regs = plugins.architectures()
+    if architecture not in regs:
+        raise ConfigError(f"unsupported architecture {architecture!r}; supported: {sorted(regs)}")
+    return regs[architecture].obj(config)

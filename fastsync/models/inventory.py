@@ -10,19 +10,9 @@ from dataclasses import dataclass
 
 from fastsync.errors import ConfigError
 from fastsync.layout.types import DTYPE_BYTES, ParamSpec
-from fastsync.models.archs import ARCHITECTURES, EXPERT_FORMAT_KEY, enumerate_params
+from fastsync.models.archs import EXPERT_FORMAT_KEY, enumerate_params
 
 __all__ = ["Inventory", "load_inventory", "inventory_from_config", "config_dtype"]
-
-#: ``model_type`` -> architecture, for configs without an ``architectures`` entry.
-MODEL_TYPES = {
-    "llama": "LlamaForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "deepseek_v3": "DeepseekV3ForCausalLM",
-    "kimi_k2": "DeepseekV3ForCausalLM",
-}
 
 _TORCH_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "bf16": "bfloat16",
                  "fp16": "float16", "fp32": "float32", "half": "float16", "float": "float32"}
@@ -70,17 +60,22 @@ def inventory_from_config(config: dict, *, name: str = "custom", dtype: str | No
     lists MoE experts one ``nn.Linear`` per expert (``experts.{e}.gate_proj.weight`` ...) instead
     of transformers v5's fused ``experts.gate_up_proj``/``down_proj``; the choice is recorded in
     the inventory's config under ``fastsync_expert_format`` so name maps follow it."""
+    from fastsync import plugins
+
+    registered = plugins.architectures()
     archs = config.get("architectures") or []
-    if not archs and config.get("model_type") in MODEL_TYPES:
-        archs = [MODEL_TYPES[config["model_type"]]]
     if not archs:
-        raise ConfigError(f"model {name!r}: config.json has no 'architectures' entry; supported: {sorted(ARCHITECTURES)}")
+        by_type = {t: a for a, r in registered.items() for t in r.extra.get("model_types", ())}
+        if config.get("model_type") in by_type:
+            archs = [by_type[config["model_type"]]]
+    if not archs:
+        raise ConfigError(f"model {name!r}: config.json has no 'architectures' entry; supported: {sorted(registered)}")
     arch = archs[0]
     config = dict(config, architectures=list(archs))
     if fused_experts is not None:
         config[EXPERT_FORMAT_KEY] = "fused" if fused_experts else "per_expert"
-    if arch not in ARCHITECTURES:
-        raise ConfigError(f"model {name!r}: unsupported architecture {arch!r}; supported: {sorted(ARCHITECTURES)}")
+    if arch not in registered:
+        raise ConfigError(f"model {name!r}: unsupported architecture {arch!r}; supported: {sorted(registered)}")
     dt = dtype if dtype is not None else config_dtype(config)
     if dt not in DTYPE_BYTES:
         raise ConfigError(f"model {name!r}: unknown dtype {dt!r}; known: {sorted(DTYPE_BYTES)}")

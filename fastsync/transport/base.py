@@ -1,7 +1,7 @@
 """The transport protocol: how planned bytes move from trainer ranks to inference ranks.
 
 A transport instance lives in one process and plays one role: sender (trainer rank) or receiver
-(inference rank). The executor (``fastsync.executor.sender`` / ``receiver``) owns the plan, the
+(inference rank). The executor (``fastsync.sync.sender`` / ``receiver``) owns the plan, the
 staging and landing memory and the version handshake; the transport only moves bytes and says
 when they arrived. The public methods here check state and arguments, then call the ``_method``
 each backend implements.

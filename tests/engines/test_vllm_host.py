@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("torch")
 
 from fastsync.control import TCPStoreControl  # noqa: E402
-from fastsync.engines.vllm_host import RemoteEngine, VllmEngine, error_reply, raise_worker_errors, serve  # noqa: E402
+from fastsync.engines.vllm.host import RemoteEngine, VllmEngine, error_reply, raise_worker_errors, serve  # noqa: E402
 from fastsync.errors import ConfigError, LayoutError, SyncError  # noqa: E402
 
 

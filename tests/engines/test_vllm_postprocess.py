@@ -11,8 +11,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
-from fastsync.engines.vllm import FastSyncWorkerExtension, _State  # noqa: E402
-from fastsync.engines.vllm_layout import LiveParam  # noqa: E402
+from fastsync.engines.vllm.extension import FastSyncWorkerExtension, _State  # noqa: E402
+from fastsync.engines.vllm.layout import LiveParam  # noqa: E402
 from fastsync.errors import SyncError  # noqa: E402
 
 

@@ -43,7 +43,7 @@ class Rig:
         import transformers
         from vllm import LLM
 
-        from fastsync.engines.vllm_host import VllmEngine
+        from fastsync.engines.vllm.host import VllmEngine
 
         self.dir = str(build_tiny_checkpoint(preset, os.path.join(tmp, preset)))
         t0 = time.perf_counter()

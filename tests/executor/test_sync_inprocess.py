@@ -16,8 +16,8 @@ import torch
 from fastsync.bench.model import build_bench_model, reference_tensors, trainer_buffers
 from fastsync.control import TCPStoreControl
 from fastsync.errors import PlanError, SyncError
-from fastsync.executor.receiver import WeightReceiver
-from fastsync.executor.sender import WeightSender
+from fastsync.sync.receiver import WeightReceiver
+from fastsync.sync.sender import WeightSender
 
 pytest.importorskip("nixl._api", reason="NIXL not installed (pip install nixl-cu12==1.5.1 && nixl==1.5.1 --no-deps)")
 

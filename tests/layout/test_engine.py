@@ -292,7 +292,7 @@ class _OverrideMap:
 
     @staticmethod
     def _build(config):
-        from fastsync.layout.vllm_names import llama_map
+        from fastsync.engines.vllm.names import llama_map
 
         nm = llama_map(config)
         for i, p in enumerate(nm.params):

@@ -37,8 +37,8 @@ from verl.workers.rollout.utils import ensure_async_iterator
 
 from fastsync.control import DEFAULT_HOST, TCPStoreControl
 from fastsync.errors import ConfigError, SyncError
-from fastsync.executor.receiver import WeightReceiver
-from fastsync.executor.sender import WeightSender
+from fastsync.sync.receiver import WeightReceiver
+from fastsync.sync.sender import WeightSender
 from fastsync.layout.box import Box, box_shape, box_slices
 from fastsync.layout.types import Shard
 from fastsync_verl.plan import VerlPlan, build_verl_plan, flat_views, inventory_from_json, inventory_of, send_boxes

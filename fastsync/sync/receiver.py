@@ -28,10 +28,10 @@ import torch
 from fastsync import plugins
 from fastsync.control import ControlPlane
 from fastsync.errors import ConfigError, FastSyncError, PlanError, SyncError
-from fastsync.executor.version import spend_version
+from fastsync.sync.handshake import spend_version
 from fastsync.executor.metrics import SyncMetrics
 from fastsync.executor.program import RecvProgram, compile_recv
-from fastsync.executor.sender import make_transport
+from fastsync.sync.sender import make_transport
 from fastsync.executor.staging import Landing
 from fastsync.executor.verify import compare_checksums, receiver_checksums
 from fastsync.plan.types import Plan

@@ -24,7 +24,7 @@ import torch
 
 from fastsync.control import ControlPlane
 from fastsync.errors import ConfigError, FastSyncError, LayoutError, SyncError
-from fastsync.executor.version import spend_version
+from fastsync.sync.handshake import spend_version
 from fastsync.layout.types import EngineLayout, ParamSpec, TrainerLayout
 from fastsync.plan.types import Plan
 
@@ -32,7 +32,7 @@ __all__ = ["WeightSync", "EngineHandle", "SyncResult", "local_sources"]
 
 
 class EngineHandle(Protocol):
-    """What WeightSync needs from an inference engine (see ``fastsync.engines.vllm_host``)."""
+    """What WeightSync needs from an inference engine (see ``fastsync.engines.vllm.host``)."""
 
     def describe(self, options: dict | None = None) -> list[dict]: ...
 
@@ -171,11 +171,13 @@ class WeightSync:
         return layout, local_sources(self.model, names)
 
     def _describe_engines(self) -> tuple[EngineLayout, dict[str, str]]:
-        from fastsync.engines.vllm_layout import engine_tensors_from_json
+        from fastsync.layout.namemap import DEFAULT_ENGINE
+        from fastsync.layout.wire import engine_tensors_from_json
 
         tensors: dict[int, dict] = {}
         replica_of: dict[int, int] = {}
         unused: dict[str, str] = {}
+        kinds: set[str] = set()
         offset = 0
         self.engine_info = []
         for i, h in enumerate(self.engines):
@@ -183,12 +185,16 @@ class WeightSync:
             self.engine_info.append(got)
             for w in got:
                 tensors[int(w["rank"])] = engine_tensors_from_json(w["tensors"])
+                kinds.add(str(w.get("engine", DEFAULT_ENGINE)))
                 replica_of[int(w["rank"])] = i
                 unused.update(w.get("unused", {}))
             offset += len(got)
         if sorted(tensors) != list(range(offset)):
             raise LayoutError(f"engines reported inference ranks {sorted(tensors)}, expected 0..{offset - 1}")
-        return EngineLayout(offset, tensors, replica_of, kind="vllm", description="live engines"), unused
+        if len(kinds) > 1:
+            raise LayoutError(f"engines of different kinds {sorted(kinds)} in one WeightSync")
+        kind = kinds.pop() if kinds else DEFAULT_ENGINE
+        return EngineLayout(offset, tensors, replica_of, kind=kind, description="live engines"), unused
 
     def _build_plan(self, layout: TrainerLayout) -> Plan:
         from fastsync.plan.planner import build_plan
@@ -206,7 +212,7 @@ class WeightSync:
         """Layouts, plan and transport set-up, once. Raises (on every rank) before any write
         when the trainer's parameters and the engines' disagree; a failure on trainer rank 0
         reaches the other ranks as the same error class, not as a timeout."""
-        from fastsync.executor.sender import WeightSender
+        from fastsync.sync.sender import WeightSender
         from fastsync.layout.types import Shard
 
         t0 = time.perf_counter()

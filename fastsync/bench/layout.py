@@ -1,7 +1,7 @@
 """Time the layout model on real model sizes: inventory, name map, trainer and engine layouts.
 
-    python -m fastsync.layout.bench                      # Kimi-K2: fsdp:256 -> vllm:tp8,dp4,ep,replicas4 fp8
-    python -m fastsync.layout.bench --model deepseek-v3 --trainer hsdp:2x64 --rollout vllm:tp8,replicas4 --json
+    python -m fastsync.bench.layout                      # Kimi-K2: fsdp:256 -> vllm:tp8,dp4,ep,replicas4 fp8
+    python -m fastsync.bench.layout --model deepseek-v3 --trainer hsdp:2x64 --rollout vllm:tp8,replicas4 --json
 
 Prints one row per stage (seconds, best of ``--repeat``), tensor and piece counts; ``--json``
 prints one JSON object instead. Figures, not assertions: tests never time anything.
@@ -54,7 +54,7 @@ def run(model: str, trainer: str, rollout: str, dtype_out: str, repeat: int) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fastsync.layout.bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m fastsync.bench.layout", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="kimi-k2")
     ap.add_argument("--trainer", default="fsdp:256")
     ap.add_argument("--rollout", default="vllm:tp8,dp4,ep,replicas4")

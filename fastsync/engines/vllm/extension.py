@@ -16,7 +16,7 @@ in this order:
    completes), then runs the post-processing the CPU kernels need, then flips the version.
 4. ``fastsync_version()`` any time: the weight version the worker serves (0 = the checkpoint).
 
-Where the bytes land (see ``fastsync.engines.vllm_layout`` for how each kind is detected):
+Where the bytes land (see ``fastsync.engines.vllm.layout`` for how each kind is detected):
 ``inplace`` parameters (embedding, norms) are written in their live memory and snapshotted at
 ``begin`` so a failed sync restores them; prepacked CPU weights (linear layers, fused MoE
 experts) cannot be written in place, because the kernels read a packed copy: each gets one
@@ -27,7 +27,7 @@ live expert tensors). Those parameters are listed at ``fastsync_describe``, with
 Fence: a ``collective_rpc`` runs inside the engine-core loop, so no forward pass runs while
 ``fastsync_finish`` (or ``fastsync_update``) is in progress; between ``fastsync_begin`` and
 ``fastsync_finish`` the host must not schedule generation (``VllmEngine`` in
-``fastsync.engines.vllm_host`` keeps both inside one call). Atomicity: a sync that does not
+``fastsync.engines.vllm.host`` keeps both inside one call). Atomicity: a sync that does not
 complete (a trainer died, a transfer is missing, the deadline passed) is rolled back: in-place
 parameters are restored from their snapshot, prepacked ones were never touched, and the worker
 keeps serving the last complete version.
@@ -53,14 +53,15 @@ import torch
 
 from fastsync.errors import ConfigError, LayoutError, SyncError
 from fastsync.executor.staging import Landing, as_bytes
-from fastsync.engines.vllm_host import error_reply
-from fastsync.engines.vllm_layout import (
+from fastsync.engines.vllm import ENGINE
+from fastsync.engines.vllm.host import error_reply
+from fastsync.engines.vllm.layout import (
     LiveParam,
     check_against,
-    engine_tensors_to_json,
     read_live_params,
 )
 from fastsync.layout.types import EngineTensor
+from fastsync.layout.wire import engine_tensors_to_json
 
 __all__ = ["FastSyncWorkerExtension", "ensure_amx_permission", "EngineLanding", "EXTENSION"]
 
@@ -216,7 +217,7 @@ class FastSyncWorkerExtension:
         dtypes = {lp.dtype for lp in live.values()}
         dtype = "bfloat16" if "bfloat16" in dtypes else sorted(dtypes)[0]
         inventory = inventory_from_config(config, name=arch, dtype=dtype)
-        name_map = get_name_map(arch, config)
+        name_map = get_name_map(arch, config, engine=ENGINE)
         # A plugin may describe this engine itself (fastsync_engine_layout); else the name map does.
         expected = plugins.hook().fastsync_engine_layout(engine=model, rank=rank)
         if expected is None:
@@ -242,6 +243,7 @@ class FastSyncWorkerExtension:
             "tp_rank": tp_rank,
             "tp_size": tp_size,
             "architecture": arch,
+            "engine": ENGINE,
             "tensors": engine_tensors_to_json(expected),
             "staged": staged,
             "inplace": sorted(n for n, lp in live.items() if lp.kind in ("inplace", "inplace_repack")),
@@ -256,7 +258,7 @@ class FastSyncWorkerExtension:
 
     def _fastsync_connect(self, plan_json: str, options: dict) -> dict:
         from fastsync.control import DEFAULT_HOST, TCPStoreControl
-        from fastsync.executor.receiver import WeightReceiver
+        from fastsync.sync.receiver import WeightReceiver
         from fastsync.plan.types import Plan
 
         st = self._fastsync_state()

@@ -1,6 +1,6 @@
 """Read a live vLLM model's parameters and check them against the name map's engine tensors.
 
-The name map (``fastsync.layout.vllm_names``) says which engine tensors one vLLM worker should
+The name map (``fastsync.engines.vllm.names``) says which engine tensors one vLLM worker should
 hold for its tensor-parallel rank: engine names, local shapes, dtypes. This module reads what the
 worker really holds and refuses, naming the parameter, when the two disagree, before any byte is
 written.
@@ -34,16 +34,13 @@ from typing import Any
 import torch
 
 from fastsync.errors import LayoutError
-from fastsync.layout.box import Box
-from fastsync.layout.types import EngineTensor, Piece
+from fastsync.layout.types import EngineTensor
 
 __all__ = [
     "LiveParam",
     "KINDS",
     "read_live_params",
     "check_against",
-    "engine_tensors_to_json",
-    "engine_tensors_from_json",
 ]
 
 #: How a live parameter takes new values (see the module docstring).
@@ -165,26 +162,3 @@ def check_against(live: dict[str, LiveParam], expected: dict[str, EngineTensor],
                 f"inference rank {rank}: engine parameter {name!r} is {lp.dtype} in the live model, the plan "
                 f"expects {t.dtype}"
             )
-
-
-# ---- JSON of one rank's engine tensors (the control plane carries it to the planner) -----------
-
-
-def _box(b: list) -> Box:
-    return tuple((int(s), int(e)) for s, e in b)
-
-
-def engine_tensors_to_json(tensors: dict[str, EngineTensor]) -> dict:
-    return {
-        n: [list(t.shape), t.dtype, [[[list(b) for b in p.dst_box], p.src, [list(b) for b in p.src_box], p.transform]
-                                     for p in t.pieces]]
-        for n, t in sorted(tensors.items())
-    }
-
-
-def engine_tensors_from_json(data: dict) -> dict[str, EngineTensor]:
-    out: dict[str, EngineTensor] = {}
-    for n, (shape, dtype, pieces) in data.items():
-        ps = tuple(Piece(_box(db), src, _box(sb), tf) for db, src, sb, tf in pieces)
-        out[n] = EngineTensor(n, tuple(int(x) for x in shape), dtype, ps)
-    return out

@@ -185,7 +185,7 @@ def run_bench(
     cfg = load_config_dict(model)
     threads = threads or os.cpu_count() or 1
     load_before = os.getloadavg()[0]
-    job = {"fn": "fastsync.moe.bench:variant_job", "config": cfg, "tokens": tokens, "reps": reps, "seed": seed,
+    job = {"fn": "fastsync.bench.moe:variant_job", "config": cfg, "tokens": tokens, "reps": reps, "seed": seed,
            "backend": backend}
 
     def one(variant: str) -> list[dict]:

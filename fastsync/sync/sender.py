@@ -21,8 +21,8 @@ import torch
 from fastsync import plugins
 from fastsync.control import ControlPlane
 from fastsync.errors import ConfigError, FastSyncError, PlanError, SyncError
-from fastsync.executor.version import spend_version
-from fastsync.executor.gather import OwnerGather
+from fastsync.sync.handshake import spend_version
+from fastsync.sync.gather import OwnerGather
 from fastsync.executor.metrics import SyncMetrics
 from fastsync.executor.pack import Packer
 from fastsync.executor.program import SendProgram, TensorInfo, compile_send
