@@ -1,15 +1,41 @@
-"""Weight version numbers: each is spent once attempted.
+"""The handshake between trainer ranks and engine ranks: the control-plane keys both sides use,
+and the version rule.
 
-A failed sync leaves its control-plane keys and NIXL notifications behind, so a retry under the
-same number could read them as its own. Senders, receivers and WeightSync therefore refuse any
-version at or below the last one they attempted, before anything is armed or published.
+Keys (under the control plane's prefix; transports keep their own ``nixl/``, ``torch/``,
+``rank0/`` namespaces):
+
+* ``{name}/setup{n}/plan``, ``{name}/setup{n}/connected``: WeightSync's n-th set-up (trainer
+  rank 0 publishes the plan, then "ok" once engines connected, or ``err:{Type}:{message}``).
+* ``recv/{engine_rank}/info``: plan hash, engine-layout hash and landing tensors of one engine rank.
+* ``recv/{engine_rank}/begun/{version}``: the engine rank is armed for ``version`` ("verify"
+  asks senders for checksums).
+* ``send/{trainer_rank}/crc/{version}``, ``send/{trainer_rank}/done/{version}``: a trainer rank's
+  checksums and its "ok" / ``err:...`` for ``version``.
+* ``recv/{engine_rank}/flipped/{version}``: the engine rank serves ``version`` ("ok") or rolled
+  back (``err:...``).
+
+Version rule: each version number is spent once attempted. A failed sync leaves its control-plane
+keys and transport notifications behind, so a retry under the same number could read them as its
+own. Every party (WeightSync, each sender, each receiver, an engine worker across re-set-ups)
+therefore holds a :class:`Versions` and refuses any version at or below the last it attempted,
+before anything is armed or published.
 """
 
 from __future__ import annotations
 
 from fastsync.errors import SyncError
 
-__all__ = ["spend_version"]
+__all__ = [
+    "Versions",
+    "spend_version",
+    "setup_plan_key",
+    "setup_connected_key",
+    "receiver_info_key",
+    "begun_key",
+    "flipped_key",
+    "sender_crc_key",
+    "sender_done_key",
+]
 
 
 def spend_version(who: str, version: int, attempted: int) -> int:
@@ -18,3 +44,44 @@ def spend_version(who: str, version: int, attempted: int) -> int:
         raise SyncError(f"{who}: version {version} was already attempted (last attempted {attempted}); "
                         "a retry needs a new version number")
     return version
+
+
+class Versions:
+    """The version numbers one party has spent: ``spend(v)`` refuses ``v <= attempted``."""
+
+    __slots__ = ("who", "attempted")
+
+    def __init__(self, who: str, attempted: int = 0) -> None:
+        self.who = who
+        self.attempted = attempted  # the last version attempted: spent, even if it failed
+
+    def spend(self, version: int) -> None:
+        self.attempted = spend_version(self.who, version, self.attempted)
+
+
+def setup_plan_key(name: str, setup: int) -> str:
+    return f"{name}/setup{setup}/plan"
+
+
+def setup_connected_key(name: str, setup: int) -> str:
+    return f"{name}/setup{setup}/connected"
+
+
+def receiver_info_key(engine_rank: int) -> str:
+    return f"recv/{engine_rank}/info"
+
+
+def begun_key(engine_rank: int, version: int) -> str:
+    return f"recv/{engine_rank}/begun/{version}"
+
+
+def flipped_key(engine_rank: int, version: int) -> str:
+    return f"recv/{engine_rank}/flipped/{version}"
+
+
+def sender_crc_key(trainer_rank: int, version: int) -> str:
+    return f"send/{trainer_rank}/crc/{version}"
+
+
+def sender_done_key(trainer_rank: int, version: int) -> str:
+    return f"send/{trainer_rank}/done/{version}"

@@ -28,7 +28,14 @@ import torch
 from fastsync import plugins
 from fastsync.control import ControlPlane
 from fastsync.errors import ConfigError, FastSyncError, PlanError, SyncError
-from fastsync.sync.handshake import spend_version
+from fastsync.sync.handshake import (
+    Versions,
+    begun_key,
+    flipped_key,
+    receiver_info_key,
+    sender_crc_key,
+    sender_done_key,
+)
 from fastsync.executor.metrics import SyncMetrics
 from fastsync.executor.program import RecvProgram, compile_recv
 from fastsync.sync.sender import make_transport
@@ -44,9 +51,9 @@ _FAILURE_CHECK_S = 0.05
 
 class WeightReceiver:
     """One inference rank's receiver. ``version`` is the last complete version it serves;
-    ``attempted`` the last version it began, complete or not. A version number is spent once
+    ``versions.attempted`` the last version it began, complete or not. A version number is spent once
     begun: its control-plane keys and transport notifications may linger after a failure, so a
-    retry must use a newer number (``begin`` refuses ``version <= attempted``)."""
+    retry must use a newer number (``begin`` refuses ``version <= versions.attempted``, see ``fastsync.sync.handshake``)."""
 
     def __init__(
         self,
@@ -82,7 +89,7 @@ class WeightReceiver:
         self.engine_hash = engine_hash
         self.timeout_s = timeout_s
         self.version = initial_version
-        self.attempted = initial_version
+        self.versions = Versions(f"inference rank {rank}", initial_version)
         self.landing = landing if landing is not None else Landing(tensors, mode=mode, backup=backup)
         self.program: RecvProgram | None = None
         self._open: int | None = None
@@ -99,7 +106,7 @@ class WeightReceiver:
             "engine_hash": self.engine_hash,
             "tensors": [i.to_json() for i in self.landing.infos.values()],
         }
-        self.control.set(f"recv/{self.rank}/info", json.dumps(info))
+        self.control.set(receiver_info_key(self.rank), json.dumps(info))
         ctx = ReceiverContext(self.rank, self.plan, self.program, self.landing, self.control,
                               World(self.plan.num_trainers, self.plan.num_receivers), self.timeout_s)
         self.transport.setup_receiver(ctx)
@@ -113,7 +120,7 @@ class WeightReceiver:
             raise SyncError(f"inference rank {self.rank}: version {version} begun while {self._open} is open")
         if version <= self.version:
             raise SyncError(f"inference rank {self.rank}: version {version} is not newer than held {self.version}")
-        self.attempted = spend_version(f"inference rank {self.rank}", version, self.attempted)
+        self.versions.spend(version)
         m = SyncMetrics(version, "engine", self.rank, self.transport.name, start=time.time())
         plugins.hook().fastsync_before_sync(version=version, role="engine", rank=self.rank, plan=self.plan)
         with m.stage("backup"):
@@ -121,7 +128,7 @@ class WeightReceiver:
         self.transport.begin_receive(version)
         self._open, self._metrics, self._complete = version, m, False
         # the receiver decides whether this version is verified: senders checksum when asked
-        self.control.set(f"recv/{self.rank}/begun/{version}", b"verify" if self.verify else b"1")
+        self.control.set(begun_key(self.rank, version), b"verify" if self.verify else b"1")
 
     def poll(self) -> bool:
         """Drive the transport once; True when every expected write of the open version landed.
@@ -178,7 +185,7 @@ class WeightReceiver:
         m.end = time.time()
         m.bytes_per_link = {f"t{s}->r{self.rank}": sum(i.transfer.nbytes for i in items)
                             for s, items in self.program.by_src.items()}
-        self.control.set(f"recv/{self.rank}/flipped/{version}", b"ok")
+        self.control.set(flipped_key(self.rank, version), b"ok")
         self.last_metrics = m
         plugins.hook().fastsync_after_sync(version=version, role="engine", rank=self.rank, metrics=m.to_json(), ok=True)
         return version
@@ -198,7 +205,7 @@ class WeightReceiver:
             m.error = reason + note
             m.end = time.time()
             self.last_metrics = m
-            self.control.set(f"recv/{self.rank}/flipped/{version}", f"err:{reason}{note}")
+            self.control.set(flipped_key(self.rank, version), f"err:{reason}{note}")
             plugins.hook().fastsync_after_sync(version=version, role="engine", rank=self.rank, metrics=m.to_json(),
                                                ok=False)
 
@@ -228,7 +235,7 @@ class WeightReceiver:
     def _check_senders(self) -> None:
         assert self.program is not None
         for s in self.program.by_src:
-            got = self.control.try_get(f"send/{s}/done/{self._open}")
+            got = self.control.try_get(sender_done_key(s, self._open))
             if got is not None and got.startswith(b"err:"):
                 missing = self.transport.missing()
                 if s in missing:
@@ -254,7 +261,7 @@ class WeightReceiver:
         expected: dict[int, int] = {}
         deadline = time.monotonic() + self.timeout_s
         for s in self.transport.checksum_ranks(self.program):
-            raw = self.control.get(f"send/{s}/crc/{version}", max(0.0, deadline - time.monotonic()),
+            raw = self.control.get(sender_crc_key(s, version), max(0.0, deadline - time.monotonic()),
                                    what=f"trainer rank {s} (checksums of version {version})")
             expected.update({int(k): v for k, v in json.loads(raw).items()})
         got = receiver_checksums(self.program, self.landing.regions)

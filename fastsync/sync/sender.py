@@ -21,7 +21,14 @@ import torch
 from fastsync import plugins
 from fastsync.control import ControlPlane
 from fastsync.errors import ConfigError, FastSyncError, PlanError, SyncError
-from fastsync.sync.handshake import spend_version
+from fastsync.sync.handshake import (
+    Versions,
+    begun_key,
+    flipped_key,
+    receiver_info_key,
+    sender_crc_key,
+    sender_done_key,
+)
 from fastsync.sync.gather import OwnerGather
 from fastsync.executor.metrics import SyncMetrics
 from fastsync.executor.pack import Packer
@@ -97,7 +104,7 @@ class WeightSender:
         self.world = World(plan.num_trainers, plan.num_receivers)
         self.dsts = sorted({t.dst_rank for t in plan.transfers if t.src_rank == rank})
         self.program: SendProgram | None = None
-        self.attempted = 0  # the last version sync() was called with: spent, even if it failed
+        self.versions = Versions(f"trainer rank {rank}")
         self.last_metrics: SyncMetrics | None = None
 
     def setup(self) -> None:
@@ -114,7 +121,7 @@ class WeightSender:
         dst_info: dict[int, dict[str, TensorInfo]] = {}
         want = self.plan.plan_hash
         for d in range(self.plan.num_receivers):
-            raw = self.control.get(f"recv/{d}/info", self.timeout_s, what=f"inference rank {d}")
+            raw = self.control.get(receiver_info_key(d), self.timeout_s, what=f"inference rank {d}")
             info = json.loads(raw)
             if info["plan_hash"] != want:
                 raise PlanError(
@@ -151,7 +158,7 @@ class WeightSender:
         ``wait_receivers`` also waits for those receivers to flip, raising if any refused."""
         if self.program is None:
             raise SyncError(f"trainer rank {self.rank}: sync() before setup()")
-        self.attempted = spend_version(f"trainer rank {self.rank}", version, self.attempted)
+        self.versions.spend(version)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
         m = SyncMetrics(version, "trainer", self.rank, self.transport.name, start=time.time())
@@ -161,7 +168,7 @@ class WeightSender:
             asked = False
             with m.stage("wait_receivers"):
                 for d in self._waits_for():
-                    got = self.control.get(f"recv/{d}/begun/{version}", max(0.0, deadline - time.monotonic()),
+                    got = self.control.get(begun_key(d, version), max(0.0, deadline - time.monotonic()),
                                            what=f"inference rank {d} (begin of version {version})")
                     asked = asked or got == b"verify"
             crcs: dict[int, int] | None = {} if (verify or (verify is None and asked)) else None
@@ -169,25 +176,25 @@ class WeightSender:
                 self.gather.run(deadline, m)
             self.transport.send(version, deadline, m, crcs, on_chunk)
             if crcs is not None:
-                self.control.set(f"send/{self.rank}/crc/{version}", json.dumps(crcs))
-            self.control.set(f"send/{self.rank}/done/{version}", b"ok")
+                self.control.set(sender_crc_key(self.rank, version), json.dumps(crcs))
+            self.control.set(sender_done_key(self.rank, version), b"ok")
             for d, n in self.program.bytes_per_dst().items():
                 m.bytes_per_link[f"t{self.rank}->r{d}"] = n
             if wait_receivers:
                 with m.stage("wait_flip"):
                     for d in self.dsts:
-                        got = self.control.get(f"recv/{d}/flipped/{version}", max(0.0, deadline - time.monotonic()),
+                        got = self.control.get(flipped_key(d, version), max(0.0, deadline - time.monotonic()),
                                                what=f"inference rank {d} (flip of version {version})").decode()
                         if got != "ok":
                             raise SyncError(f"inference rank {d} refused version {version}: {got}")
             m.ok = True
         except FastSyncError as e:
             m.error = str(e)
-            self.control.set(f"send/{self.rank}/done/{version}", f"err:{e}")
+            self.control.set(sender_done_key(self.rank, version), f"err:{e}")
             raise
         except Exception as e:
             m.error = f"{type(e).__name__}: {e}"
-            self.control.set(f"send/{self.rank}/done/{version}", f"err:{m.error}")
+            self.control.set(sender_done_key(self.rank, version), f"err:{m.error}")
             raise SyncError(f"trainer rank {self.rank}, version {version}: {m.error}") from e
         finally:
             m.end = time.time()

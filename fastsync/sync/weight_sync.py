@@ -24,7 +24,7 @@ import torch
 
 from fastsync.control import ControlPlane
 from fastsync.errors import ConfigError, FastSyncError, LayoutError, SyncError
-from fastsync.sync.handshake import spend_version
+from fastsync.sync.handshake import Versions, setup_connected_key, setup_plan_key
 from fastsync.layout.types import EngineLayout, ParamSpec, TrainerLayout
 from fastsync.plan.types import Plan
 
@@ -152,7 +152,7 @@ class WeightSync:
         self.plan: Plan | None = None
         self.sender: Any = None
         self.version = 0
-        self.attempted = 0
+        self.versions = Versions(f"trainer rank {rank}")
         self._setups = 0
         self.engine_info: list[list[dict]] = []
         self.setup_s = 0.0
@@ -218,16 +218,15 @@ class WeightSync:
         t0 = time.perf_counter()
         self.close()  # a re-setup replaces the previous sender
         self._setups += 1
-        key = f"{self.name}/setup{self._setups}"
         if self.rank == 0:
-            layout, sources, plan = self._setup_rank0(key)
+            layout, sources, plan = self._setup_rank0()
         else:
             layout, sources = self._trainer_layout()
-            raw = self.control.get(f"{key}/plan", self.timeout_s * 4, what="trainer rank 0 (plan)").decode()
+            raw = self.control.get(setup_plan_key(self.name, self._setups), self.timeout_s * 4, what="trainer rank 0 (plan)").decode()
             if raw.startswith("err:"):
                 raise _reraise(raw[4:], f"trainer rank {self.rank}: trainer rank 0 could not plan")
             plan = Plan.loads(raw)
-            got = self.control.get(f"{key}/connected", self.timeout_s * 4, what="engines (connect)").decode()
+            got = self.control.get(setup_connected_key(self.name, self._setups), self.timeout_s * 4, what="engines (connect)").decode()
             if got.startswith("err:"):
                 raise _reraise(got[4:], f"trainer rank {self.rank}: engines refused the plan")
         shards: dict[str, list[Shard]] = layout.shards_on(self.rank)
@@ -243,7 +242,7 @@ class WeightSync:
         self.plan = plan
         self.setup_s = time.perf_counter() - t0
 
-    def _setup_rank0(self, key: str) -> tuple[TrainerLayout, dict[str, torch.Tensor], Plan]:
+    def _setup_rank0(self) -> tuple[TrainerLayout, dict[str, torch.Tensor], Plan]:
         """Trainer rank 0: check, plan, publish the plan, connect the engines. Any failure is
         published (``err:{Type}:{message}``) where the other ranks wait, then re-raised."""
         try:
@@ -255,19 +254,19 @@ class WeightSync:
             plan = self._build_plan(layout)
             plan_json = plan.dumps()
         except BaseException as e:
-            self._publish_error(f"{key}/plan", e)
+            self._publish_error(setup_plan_key(self.name, self._setups), e)
             raise
         options = {"control_port": self.control_port, "transport": self.transport,
                    "transport_options": self.transport_options, "timeout_s": self.timeout_s,
                    "verify": self.verify, "control_prefix": getattr(self.control, "prefix", "fs")}
-        self.control.set(f"{key}/plan", plan_json)
+        self.control.set(setup_plan_key(self.name, self._setups), plan_json)
         try:
             for h in self.engines:
                 h.connect(plan_json, options)
         except BaseException as e:
-            self._publish_error(f"{key}/connected", e)
+            self._publish_error(setup_connected_key(self.name, self._setups), e)
             raise
-        self.control.set(f"{key}/connected", b"ok")
+        self.control.set(setup_connected_key(self.name, self._setups), b"ok")
         return layout, sources, plan
 
     def _publish_error(self, key: str, e: BaseException) -> None:
@@ -291,7 +290,7 @@ class WeightSync:
             raise SyncError(f"trainer rank {self.rank}: sync() before setup()")
         if version <= self.version:
             raise SyncError(f"trainer rank {self.rank}: version {version} is not newer than {self.version}")
-        self.attempted = spend_version(f"trainer rank {self.rank}", version, self.attempted)
+        self.versions.spend(version)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         t0 = time.perf_counter()
         tokens = [h.begin_update(version, timeout) for h in self.engines]

@@ -105,7 +105,7 @@ def test_failed_sender_keeps_the_old_version_and_next_sync_succeeds(store, model
     assert store.with_prefix(ctl.prefix).get("recv/0/flipped/2", 1).startswith(b"err:")
     # version 2 is spent: its keys (begun, flipped=err, done=err) and notifications linger, so
     # reusing it is refused on both ends before anything moves; the retry takes version 3
-    assert rx.attempted == 2 and all(s.attempted == 2 for s in senders)
+    assert rx.versions.attempted == 2 and all(s.versions.attempted == 2 for s in senders)
     with pytest.raises(SyncError, match="version 2 was already attempted"):
         rx.begin(2)
     with pytest.raises(SyncError, match="version 2 was already attempted"):

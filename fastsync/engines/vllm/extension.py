@@ -271,7 +271,7 @@ class FastSyncWorkerExtension:
         last_attempted = st.version
         if st.receiver is not None:
             old, st.receiver = st.receiver, None  # never left pointing at a closed receiver
-            last_attempted = max(last_attempted, old.attempted)  # a failed version stays spent
+            last_attempted = max(last_attempted, old.versions.attempted)  # a failed version stays spent
             old.close()
         plan = Plan.loads(plan_json)
         t0 = time.perf_counter()
@@ -297,7 +297,7 @@ class FastSyncWorkerExtension:
             timeout_s=float(options.get("timeout_s", 60.0)), verify=bool(options.get("verify", False)),
             initial_version=st.version, landing=landing,
         )
-        rx.attempted = last_attempted
+        rx.versions.attempted = last_attempted
         try:
             rx.setup()
         except BaseException:
