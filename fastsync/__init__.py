@@ -1,10 +1,30 @@
 """fastsync: all-to-all one-sided weight sync and MoE layer swaps for RL post-training.
 
-Public API only. Heavy parts (torch.distributed, NIXL, vLLM) are imported by the modules that
-need them, never here.
+The public API: everything a host adapter (verl, OpenRLHF, a custom loop) needs is importable
+from ``fastsync`` itself; other module paths are internal and may move. Heavy parts (torch,
+torch.distributed, NIXL, vLLM) are imported lazily, on first use of a name that needs them, so
+``import fastsync`` stays light (errors and the hook marker only).
+
+* Sync lifecycle: ``WeightSync`` (trainer side, drives live engines), ``WeightSender`` (one
+  trainer rank), ``WeightReceiver`` (one engine rank), ``SyncResult``, ``EngineHandle``.
+* Control plane: ``TCPStoreControl``, ``ControlPlane``, ``DEFAULT_HOST``.
+* Planning: ``build_plan``, ``Plan``, ``Transfer``, ``simulate``.
+* Layouts: ``trainer_layout_from_spec`` / ``engine_layout_from_spec`` (spec strings such as
+  ``fsdp:8``, ``vllm:tp8``), ``trainer_layout_from_module`` (a live DTensor / plain module),
+  ``replicated_layout``, ``load_inventory`` / ``inventory_from_config``, ``get_name_map``, the
+  layout records (``ParamSpec``, ``Shard``, ``Piece``, ``EngineTensor``, ``TrainerLayout``,
+  ``EngineLayout``, ``Inventory``) and box helpers (``Box``, ``full_box``, ``box_shape``,
+  ``box_slices``).
+* Tensors: ``alloc_touched``, ``dtype_name``, ``torch_dtype``.
+* MoE: ``patch_moe`` (swap HF v5 MoE blocks), ``RoutingReplay``.
+* Plugins: ``hookimpl``, ``register_plugin``, ``unregister_plugin``; errors: ``FastSyncError``
+  and its subclasses.
 """
 
 from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from fastsync.errors import (
     ConfigError,
@@ -20,6 +40,54 @@ from fastsync.hookspecs import hookimpl
 
 __version__ = "0.1.0"
 
+#: public name -> (module, attribute in that module); resolved on first access.
+_LAZY: dict[str, tuple[str, str]] = {
+    # sync lifecycle
+    "WeightSync": ("fastsync.sync.weight_sync", "WeightSync"),
+    "SyncResult": ("fastsync.sync.weight_sync", "SyncResult"),
+    "EngineHandle": ("fastsync.sync.weight_sync", "EngineHandle"),
+    "WeightSender": ("fastsync.sync.sender", "WeightSender"),
+    "WeightReceiver": ("fastsync.sync.receiver", "WeightReceiver"),
+    # control plane
+    "ControlPlane": ("fastsync.control", "ControlPlane"),
+    "TCPStoreControl": ("fastsync.control", "TCPStoreControl"),
+    "DEFAULT_HOST": ("fastsync.control", "DEFAULT_HOST"),
+    # planning
+    "build_plan": ("fastsync.plan.planner", "build_plan"),
+    "Plan": ("fastsync.plan.types", "Plan"),
+    "Transfer": ("fastsync.plan.types", "Transfer"),
+    "simulate": ("fastsync.plan.simulate", "simulate"),
+    # layouts
+    "trainer_layout_from_spec": ("fastsync.layout.spec", "trainer_layout_from_spec"),
+    "engine_layout_from_spec": ("fastsync.layout.spec", "engine_layout_from_spec"),
+    "trainer_layout_from_module": ("fastsync.layout.dtensor", "trainer_layout_from_module"),
+    "replicated_layout": ("fastsync.layout.trainer", "replicated_layout"),
+    "get_name_map": ("fastsync.layout.namemap", "get_name_map"),
+    "ParamSpec": ("fastsync.layout.types", "ParamSpec"),
+    "Shard": ("fastsync.layout.types", "Shard"),
+    "Piece": ("fastsync.layout.types", "Piece"),
+    "EngineTensor": ("fastsync.layout.types", "EngineTensor"),
+    "TrainerLayout": ("fastsync.layout.types", "TrainerLayout"),
+    "EngineLayout": ("fastsync.layout.types", "EngineLayout"),
+    "Box": ("fastsync.layout.box", "Box"),
+    "full_box": ("fastsync.layout.box", "full_box"),
+    "box_shape": ("fastsync.layout.box", "box_shape"),
+    "box_slices": ("fastsync.layout.box", "box_slices"),
+    "Inventory": ("fastsync.models.inventory", "Inventory"),
+    "load_inventory": ("fastsync.models.inventory", "load_inventory"),
+    "inventory_from_config": ("fastsync.models.inventory", "inventory_from_config"),
+    # tensors
+    "alloc_touched": ("fastsync.executor.staging", "alloc_touched"),
+    "dtype_name": ("fastsync.executor.staging", "dtype_name"),
+    "torch_dtype": ("fastsync.executor.staging", "torch_dtype"),
+    # MoE
+    "patch_moe": ("fastsync.moe.patch", "patch"),
+    "RoutingReplay": ("fastsync.moe.replay", "RoutingReplay"),
+    # plugins
+    "register_plugin": ("fastsync.plugins", "register_plugin"),
+    "unregister_plugin": ("fastsync.plugins", "unregister_plugin"),
+}
+
 __all__ = [
     "__version__",
     "hookimpl",
@@ -31,4 +99,18 @@ __all__ = [
     "SyncError",
     "PluginError",
     "MoEPatchError",
+    *_LAZY,
 ]
+
+
+def __getattr__(name: str) -> Any:
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'fastsync' has no attribute {name!r}")
+    value = getattr(importlib.import_module(target[0]), target[1])
+    globals()[name] = value  # resolve once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from fastsync.errors import SyncError
+from fastsync import SyncError
 from fastsync_verl.checkpoint_engine import FastSyncCheckpointEngine
 
 

@@ -35,12 +35,18 @@ import torch
 from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
 from verl.workers.rollout.utils import ensure_async_iterator
 
-from fastsync.control import DEFAULT_HOST, TCPStoreControl
-from fastsync.errors import ConfigError, SyncError
-from fastsync.sync.receiver import WeightReceiver
-from fastsync.sync.sender import WeightSender
-from fastsync.layout.box import Box, box_shape, box_slices
-from fastsync.layout.types import Shard
+from fastsync import (
+    DEFAULT_HOST,
+    Box,
+    ConfigError,
+    Shard,
+    SyncError,
+    TCPStoreControl,
+    WeightReceiver,
+    WeightSender,
+    box_shape,
+    box_slices,
+)
 from fastsync_verl.plan import VerlPlan, build_verl_plan, flat_views, inventory_from_json, inventory_of, send_boxes
 
 __all__ = ["FastSyncCheckpointEngine"]

@@ -5,7 +5,7 @@ verl imports ``model.external_lib`` in every process that builds an ``HFModelCon
 engine builds its module. Importing this module wraps verl's FSDP engine
 ``FSDPEngine._build_module`` (inherited by the registered ``fsdp``/``fsdp2`` language-model
 engines, ``FSDPEngineWithLMHead``): after verl loads the HF module, and before LoRA, FSDP
-wrapping and the optimizer, it calls ``fastsync.moe.patch(module)``, swapping the HF v5 MoE
+wrapping and the optimizer, it calls ``fastsync.patch_moe(module)``, swapping the HF v5 MoE
 blocks for fastsync's grouped-GEMM blocks. Dense models pass through unchanged.
 
 Without expert parallelism (``ep_group=None``): verl's FSDP shards the swapped experts like any
@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
 
-from fastsync.errors import ConfigError
+from fastsync import ConfigError
 
 __all__ = ["install", "uninstall", "installed_backend"]
 
@@ -39,9 +39,9 @@ def _wrap(original: Callable) -> Callable:
         backend = _state["backend"]
         if backend is None or getattr(self.model_config, "model_type", None) != "language_model":
             return module
-        import fastsync.moe
+        import fastsync
 
-        swapped = fastsync.moe.patch(module, ep_group=None, backend=backend)
+        swapped = fastsync.patch_moe(module, ep_group=None, backend=backend)
         log.info("fastsync_verl.moe: swapped %d MoE block(s) (%s backend)", len(swapped), backend)
         return module
 

@@ -10,13 +10,21 @@ from dataclasses import dataclass
 
 import torch
 
-from fastsync.errors import ConfigError
-from fastsync.executor.staging import alloc_touched, dtype_name, torch_dtype
-from fastsync.layout.box import full_box
-from fastsync.layout.trainer import replicated_layout
-from fastsync.layout.types import EngineLayout, EngineTensor, ParamSpec, Piece, TrainerLayout
-from fastsync.plan.planner import build_plan
-from fastsync.plan.types import Plan
+from fastsync import (
+    ConfigError,
+    EngineLayout,
+    EngineTensor,
+    ParamSpec,
+    Piece,
+    Plan,
+    TrainerLayout,
+    alloc_touched,
+    build_plan,
+    dtype_name,
+    full_box,
+    replicated_layout,
+    torch_dtype,
+)
 
 __all__ = ["Inventory", "VerlPlan", "full_copy_engine_layout", "build_verl_plan", "flat_views"]
 
