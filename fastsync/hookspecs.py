@@ -35,7 +35,7 @@ def fastsync_register_transports(register: Callable[..., None]) -> None:
     """Register transport backends.
 
     Called by ``fastsync.plugins.transports()`` the first time a process asks for a transport
-    (trainer and inference ranks alike). Call ``register(name, factory, available=..., why=...)``
+    (trainer and engine ranks alike). Call ``register(name, factory, available=..., why=...)``
     once per backend: ``factory(**options)`` returns a ``fastsync.transport.base.Transport``;
     ``available`` (bool) says whether it can run in this process, ``why`` says what to install
     when it cannot. A name registered twice is a PluginError naming both plugins.

@@ -66,7 +66,7 @@ def build_bench_model(*, trainers: int, rollouts: int, size_bytes: int | None = 
     from fastsync.testing.synthetic import engine_layout, fsdp_layout, small_model
 
     if trainers < 1 or rollouts < 1:
-        raise ConfigError(f"need at least one trainer and one rollout rank, got {trainers} and {rollouts}")
+        raise ConfigError(f"need at least one trainer and one engine rank, got {trainers} and {rollouts}")
     if preset is not None:
         return _preset_model(preset, trainers, rollouts, size_bytes)
     if size_bytes is None or size_bytes <= 0:

@@ -1,5 +1,5 @@
 """Process entry points of the benchmark (and of the multi-process tests): one trainer rank or
-one inference rank, syncing a list of versions over one or more transports.
+one engine rank, syncing a list of versions over one or more transports.
 
 Every process lines up at a control-plane barrier before each version, so a sync's wall time is
 ``max(end) - min(start)`` over all processes (one host, one clock). Results go to the parent

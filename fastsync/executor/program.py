@@ -193,7 +193,7 @@ def _dst_info(dst_info: dict[int, dict[str, TensorInfo]], t: Transfer) -> Tensor
         return dst_info[t.dst_rank][t.dst_tensor]
     except KeyError:
         raise PlanError(
-            f"plan writes tensor {t.dst_tensor!r} on inference rank {t.dst_rank}, which that receiver "
+            f"plan writes tensor {t.dst_tensor!r} on engine rank {t.dst_rank}, which that receiver "
             "does not hold"
         ) from None
 
@@ -320,15 +320,15 @@ def compile_recv(plan: Plan, rank: int, tensors: dict[str, TensorInfo]) -> RecvP
             continue
         info = tensors.get(t.dst_tensor)
         if info is None:
-            raise PlanError(f"plan writes tensor {t.dst_tensor!r} on inference rank {rank}, which it does not hold")
+            raise PlanError(f"plan writes tensor {t.dst_tensor!r} on engine rank {rank}, which it does not hold")
         if len(t.dst_box) != len(info.shape) or any(not 0 <= s <= e <= n for (s, e), n in zip(t.dst_box, info.shape)):
             raise PlanError(
-                f"plan writes box {t.dst_box} of tensor {t.dst_tensor!r} on inference rank {rank}, "
+                f"plan writes box {t.dst_box} of tensor {t.dst_tensor!r} on engine rank {rank}, "
                 f"whose shape is {info.shape}"
             )
         if box_numel(t.dst_box) * info.itemsize != t.nbytes:
             raise PlanError(
-                f"plan sends {t.nbytes} bytes into {t.dst_tensor!r} box {t.dst_box} on inference rank {rank}, "
+                f"plan sends {t.nbytes} bytes into {t.dst_tensor!r} box {t.dst_box} on engine rank {rank}, "
                 f"which holds {info.dtype}"
             )
         by_src.setdefault(t.src_rank, []).append(RecvItem(index, t, byte_runs(t.dst_box, info)))

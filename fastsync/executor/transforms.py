@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from fastsync.errors import ConfigError
+from fastsync.layout.types import FP8_BLOCK
 
 __all__ = [
     "FP8_BLOCK",
@@ -38,8 +39,6 @@ __all__ = [
     "apply_transform",
 ]
 
-#: Block edge of the FP8 block quantisation (DeepSeek-V3, Kimi-K2, Qwen3-FP8 checkpoints).
-FP8_BLOCK = 128
 #: Largest finite float8_e4m3fn value.
 FP8_MAX = 448.0
 _AMAX_FLOOR = 1e-4

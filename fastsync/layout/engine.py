@@ -1,4 +1,4 @@
-"""Engine layouts: which engine tensors each inference rank holds, and which trainer bytes fill them.
+"""Engine layouts: which engine tensors each engine rank holds, and which trainer bytes fill them.
 
 Two entry points over a model's inventory and name map:
 
@@ -32,7 +32,7 @@ import bisect
 from fastsync.errors import ConfigError, LayoutError
 from fastsync.layout.box import Box, intersect
 from fastsync.layout.namemap import EngineParam, NameMap, Segment
-from fastsync.layout.types import DTYPE_BYTES, EngineLayout, EngineTensor, Piece
+from fastsync.layout.types import DTYPE_BYTES, FP8_BLOCK, EngineLayout, EngineTensor, Piece
 
 __all__ = [
     "VOCAB_PADDING",
@@ -46,7 +46,6 @@ __all__ = [
 ]
 
 VOCAB_PADDING = 64
-FP8_BLOCK = 128
 QUANTS = (None, "fp8")
 
 

@@ -6,7 +6,7 @@ The contract between layouts, planner and executor:
   transformers-v5 ``state_dict()`` names, e.g. ``model.layers.0.mlp.experts.gate_up_proj``).
 * :class:`TrainerLayout` says which trainer rank holds which :class:`Shard` (a box of the full
   tensor) of each parameter. Replicas (HSDP, Megatron DP) are several shards with equal boxes.
-* :class:`EngineLayout` says, for every inference rank, which engine tensors it holds (local
+* :class:`EngineLayout` says, for every engine rank, which engine tensors it holds (local
   shape and dtype, engine names such as ``...qkv_proj.weight``) and, through :class:`Piece`, which
   box of which trainer parameter fills which box of the engine tensor, by which transform.
 
@@ -23,6 +23,7 @@ from fastsync.errors import LayoutError
 from fastsync.layout.box import Box, box_numel, box_shape, full_box, squeeze_shape
 
 __all__ = [
+    "FP8_BLOCK",
     "DTYPE_BYTES",
     "ParamSpec",
     "Shard",
@@ -34,6 +35,10 @@ __all__ = [
 ]
 
 #: Bytes per element for the dtype names used in layouts (torch dtype names without "torch.").
+#: Block edge of the FP8 block quantisation (DeepSeek-V3, Kimi-K2, Qwen3-FP8 checkpoints): the one
+#: definition the engine layouts, the planner, the transforms and the test oracles share.
+FP8_BLOCK = 128
+
 DTYPE_BYTES: dict[str, int] = {
     "float32": 4,
     "bfloat16": 2,
@@ -178,7 +183,7 @@ class Piece:
 
 @dataclass(frozen=True, slots=True)
 class EngineTensor:
-    """One tensor on one inference rank, under the engine's own name, local shape and dtype."""
+    """One tensor on one engine rank, under the engine's own name, local shape and dtype."""
 
     name: str
     shape: tuple[int, ...]
@@ -192,7 +197,7 @@ class EngineTensor:
 
 @dataclass(slots=True)
 class EngineLayout:
-    """Every inference rank's tensors. ``tensors[rank][engine_name]``.
+    """Every engine rank's tensors. ``tensors[rank][engine_name]``.
 
     ``replica_of[rank]`` names the replica (data-parallel engine) each rank belongs to; ranks of
     different replicas receive the same bytes independently.

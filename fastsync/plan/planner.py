@@ -4,7 +4,7 @@ In order:
 
 1. Validate: both layouts against the inventory (uncovered parameters, shapes that disagree,
    names that map to nothing, unknown transforms), raising before anything is planned.
-2. For every engine piece on every inference rank, split its source box along the trainer's
+2. For every engine piece on every engine rank, split its source box along the trainer's
    shard boundaries (a bisection in a per-parameter index, see ``plan/index.py``). Each part is
    sent by a rank that already holds it, sliced with no gather; its destination sub-box is the
    source sub-box mapped back through the piece. Block transforms (``fp8_block``/``fp8_scale``,
@@ -32,7 +32,7 @@ from collections.abc import Collection, Mapping
 
 from fastsync.errors import LayoutError, PlanError
 from fastsync.layout.box import Box, box_numel, box_shape, squeeze_shape
-from fastsync.layout.types import DTYPE_BYTES, EngineLayout, EngineTensor, ParamSpec, Piece, TrainerLayout
+from fastsync.layout.types import DTYPE_BYTES, FP8_BLOCK, EngineLayout, EngineTensor, ParamSpec, Piece, TrainerLayout
 from fastsync.plan.fingerprint import engine_fingerprint, trainer_fingerprint
 from fastsync.plan.index import ShardIndex, build_index, map_sub_box, scale_space
 from fastsync.plan.types import Plan, Transfer
@@ -41,7 +41,7 @@ __all__ = ["build_plan", "transform_kind", "validate_inputs"]
 
 #: Transforms the planner knows without asking the plugin registry: name -> block edge (0 means
 #: elementwise, freely sliceable).
-_BUILTIN_KINDS: dict[str, int] = {"copy": 0, "fp8_block": 128, "fp8_scale": 128}
+_BUILTIN_KINDS: dict[str, int] = {"copy": 0, "fp8_block": FP8_BLOCK, "fp8_scale": FP8_BLOCK}
 #: Block edge meaning "whole piece only": the parameter is gathered onto an owner.
 WHOLE = -1
 
@@ -67,6 +67,26 @@ def _transfer_factory():  # type: ignore[no-untyped-def]
 
 
 _make_transfer = _transfer_factory()
+
+
+@dataclasses.dataclass(slots=True)
+class _Pending:
+    """A Transfer whose sender is not chosen yet: a part several trainer ranks hold, or part of a
+    parameter gathered onto an owner. ``_assign`` fills in ``src_rank``."""
+
+    src_rank: int
+    dst_rank: int
+    dst_tensor: str
+    dst_box: Box
+    src_param: str
+    src_box: Box
+    transform: str
+    nbytes: int
+    gathered: bool
+
+    def transfer(self) -> Transfer:
+        return _make_transfer(self.src_rank, self.dst_rank, self.dst_tensor, self.dst_box, self.src_param,
+                              self.src_box, self.transform, self.nbytes, self.gathered)
 
 
 def transform_kind(name: str) -> int:
@@ -282,9 +302,9 @@ def build_plan(
     # One pass over the pieces. Parts only one rank holds become Transfers at once; the others
     # (several holders, or sent by a gather owner) wait as lists for _assign to pick a sender.
     load = [0] * trainer.world_size
-    ordered: list = []  # model order: parameter by parameter, engine ranks ascending
-    choosable: list[tuple[list, tuple[int, ...]]] = []
-    gathered: dict[str, list[list]] = {}
+    ordered: list[Transfer | _Pending] = []  # model order: parameter by parameter, engine ranks ascending
+    choosable: list[tuple[_Pending, tuple[int, ...]]] = []
+    gathered: dict[str, list[_Pending]] = {}
     indices: dict[str, ShardIndex] = {}
     # FSDP builders share one shard tuple between same-shaped parameters: index it once
     shared: dict[tuple[int, tuple[int, ...]], tuple[ShardIndex, dict]] = {}
@@ -312,19 +332,19 @@ def build_plan(
             tf = p.transform
             for sub, dst, nbytes, holders in parts:
                 if is_gather:
-                    it = [-1, rank, tname, dst, name, sub, tf, nbytes, True]
+                    it = _Pending(-1, rank, tname, dst, name, sub, tf, nbytes, True)
                     gathered.setdefault(name, []).append(it)
                     ordered.append(it)
                 elif len(holders) == 1:
                     load[holders[0]] += nbytes
                     ordered.append(_make_transfer(holders[0], rank, tname, dst, name, sub, tf, nbytes, False))
                 else:
-                    it = [-1, rank, tname, dst, name, sub, tf, nbytes, False]
+                    it = _Pending(-1, rank, tname, dst, name, sub, tf, nbytes, False)
                     choosable.append((it, holders))
                     ordered.append(it)
 
     gathers = _assign(load, choosable, gathered, indices)
-    transfers = [_make_transfer(*t) if type(t) is list else t for t in ordered]
+    transfers = [t.transfer() if type(t) is _Pending else t for t in ordered]
     meta = {
         "planner": "fastsync.plan.planner/1",
         "trainer_kind": trainer.kind,
@@ -338,18 +358,18 @@ def build_plan(
                 engine.world_size, meta)
 
 
-def _assign(load: list[int], choosable: list[tuple[list, tuple[int, ...]]], gathered: dict[str, list[list]],
+def _assign(load: list[int], choosable: list[tuple[_Pending, tuple[int, ...]]], gathered: dict[str, list[_Pending]],
             indices: dict[str, ShardIndex]) -> dict[str, int]:
     """Choose the sender of each part several ranks hold, and the owner of each gathered
     parameter (any rank holding part of it), balancing send bytes: largest first, to the
     candidate with the least bytes so far (ties: lowest rank). ``load`` starts with the bytes
     only one rank can send. Fills in the senders; returns the owners."""
-    units: list[tuple[int, int, object, tuple[int, ...]]] = []  # (-bytes, order, what, candidates)
+    units: list[tuple[int, int, _Pending | str, tuple[int, ...]]] = []  # (-bytes, order, what, candidates)
     for i, (it, holders) in enumerate(choosable):
-        units.append((-it[7], i, it, holders))
+        units.append((-it.nbytes, i, it, holders))
     base = len(units)
     for j, (name, its) in enumerate(gathered.items()):
-        units.append((-sum(it[7] for it in its), base + j, name, indices[name].ranks))
+        units.append((-sum(it.nbytes for it in its), base + j, name, indices[name].ranks))
     units.sort(key=lambda u: (u[0], u[1]))
     gathers: dict[str, int] = {}
     for neg, _, what, cands in units:
@@ -358,9 +378,9 @@ def _assign(load: list[int], choosable: list[tuple[list, tuple[int, ...]]], gath
         if isinstance(what, str):
             gathers[what] = best
             for it in gathered[what]:
-                it[0] = best
+                it.src_rank = best
         else:
-            what[0] = best  # type: ignore[index]
+            what.src_rank = best
     return dict(sorted(gathers.items()))
 
 

@@ -1,7 +1,7 @@
 """The static schedule: computed once from both layouts, replayed after every training step.
 
 A :class:`Plan` is a flat list of :class:`Transfer` records plus the owner gathers some of them
-need. Each transfer writes one box of one engine tensor on one inference rank from one trainer
+need. Each transfer writes one box of one engine tensor on one engine rank from one trainer
 rank. Receivers use the same plan to know exactly which regions must arrive before a version flip.
 """
 

@@ -50,7 +50,7 @@ _FAILURE_CHECK_S = 0.05
 
 
 class WeightReceiver:
-    """One inference rank's receiver. ``version`` is the last complete version it serves;
+    """One engine rank's receiver. ``version`` is the last complete version it serves;
     ``versions.attempted`` the last version it began, complete or not. A version number is spent once
     begun: its control-plane keys and transport notifications may linger after a failure, so a
     retry must use a newer number (``begin`` refuses ``version <= versions.attempted``, see ``fastsync.sync.handshake``)."""
@@ -73,10 +73,10 @@ class WeightReceiver:
         landing: Landing | None = None,
     ) -> None:
         if not 0 <= rank < plan.num_receivers:
-            raise ConfigError(f"inference rank {rank} outside the plan's {plan.num_receivers} receivers")
+            raise ConfigError(f"engine rank {rank} outside the plan's {plan.num_receivers} receivers")
         if engine_hash is not None and engine_hash != plan.engine_hash:
             raise PlanError(
-                f"plan was built for engine layout {plan.engine_hash}, inference rank {rank} has {engine_hash}: re-plan"
+                f"plan was built for engine layout {plan.engine_hash}, engine rank {rank} has {engine_hash}: re-plan"
             )
         if isinstance(tensors, torch.nn.Module):
             tensors = {n: p.data for n, p in tensors.named_parameters()}
@@ -89,7 +89,7 @@ class WeightReceiver:
         self.engine_hash = engine_hash
         self.timeout_s = timeout_s
         self.version = initial_version
-        self.versions = Versions(f"inference rank {rank}", initial_version)
+        self.versions = Versions(f"engine rank {rank}", initial_version)
         self.landing = landing if landing is not None else Landing(tensors, mode=mode, backup=backup)
         self.program: RecvProgram | None = None
         self._open: int | None = None
@@ -115,11 +115,11 @@ class WeightReceiver:
     def begin(self, version: int) -> None:
         """Open ``version``: snapshot if backing up, arm the transport, tell trainers to write."""
         if self.program is None:
-            raise SyncError(f"inference rank {self.rank}: begin() before setup()")
+            raise SyncError(f"engine rank {self.rank}: begin() before setup()")
         if self._open is not None:
-            raise SyncError(f"inference rank {self.rank}: version {version} begun while {self._open} is open")
+            raise SyncError(f"engine rank {self.rank}: version {version} begun while {self._open} is open")
         if version <= self.version:
-            raise SyncError(f"inference rank {self.rank}: version {version} is not newer than held {self.version}")
+            raise SyncError(f"engine rank {self.rank}: version {version} is not newer than held {self.version}")
         self.versions.spend(version)
         m = SyncMetrics(version, "engine", self.rank, self.transport.name, start=time.time())
         plugins.hook().fastsync_before_sync(version=version, role="engine", rank=self.rank, plan=self.plan)
@@ -134,7 +134,7 @@ class WeightReceiver:
         """Drive the transport once; True when every expected write of the open version landed.
         Raises SyncError early when a trainer reported failure."""
         if self._open is None:
-            raise SyncError(f"inference rank {self.rank}: poll() with no version open")
+            raise SyncError(f"engine rank {self.rank}: poll() with no version open")
         if not self._complete:
             try:
                 self._complete = self.transport.poll_receive()
@@ -145,7 +145,7 @@ class WeightReceiver:
             except FastSyncError as e:
                 version = self._open
                 self.abort(str(e))
-                raise SyncError(f"inference rank {self.rank}: version {version} failed, keeping version "
+                raise SyncError(f"engine rank {self.rank}: version {version} failed, keeping version "
                                 f"{self.version}: {e}") from e
         return self._complete
 
@@ -164,7 +164,7 @@ class WeightReceiver:
         """Flip to the open version if complete (and verified), else keep the old one and raise
         SyncError naming the missing trainer ranks and tensors. Returns the version served."""
         if self._open is None:
-            raise SyncError(f"inference rank {self.rank}: finish() with no version open")
+            raise SyncError(f"engine rank {self.rank}: finish() with no version open")
         version, m = self._open, self._metrics
         assert m is not None and self.program is not None
         try:
@@ -213,7 +213,7 @@ class WeightReceiver:
         """Between syncs (while trainers train): refresh the in-place backup so the next
         ``begin`` costs nothing. Returns the seconds it took (0 when there is nothing to do)."""
         if self._open is not None:
-            raise SyncError(f"inference rank {self.rank}: prepare() while version {self._open} is open")
+            raise SyncError(f"engine rank {self.rank}: prepare() while version {self._open} is open")
         if self.landing.backup_fresh:
             return 0.0
         t0 = time.perf_counter()
@@ -240,7 +240,7 @@ class WeightReceiver:
                 missing = self.transport.missing()
                 if s in missing:
                     raise SyncError(
-                        f"inference rank {self.rank}, version {self._open}: trainer rank {s} failed "
+                        f"engine rank {self.rank}, version {self._open}: trainer rank {s} failed "
                         f"({got[4:].decode(errors='replace')}); missing tensors {self._names(s)}"
                     )
 
@@ -253,7 +253,7 @@ class WeightReceiver:
     def _missing_message(self, version: int) -> str:
         missing = self.transport.missing()
         parts = [f"trainer rank {s}: {what} (tensors {self._names(s)})" for s, what in sorted(missing.items())]
-        return (f"inference rank {self.rank}: version {version} incomplete, keeping version {self.version}; "
+        return (f"engine rank {self.rank}: version {version} incomplete, keeping version {self.version}; "
                 + ("; ".join(parts) if parts else "transport reported incomplete delivery"))
 
     def _verify(self, version: int) -> None:
@@ -267,5 +267,5 @@ class WeightReceiver:
         got = receiver_checksums(self.program, self.landing.regions)
         bad = compare_checksums(self.program, expected, got)
         if bad:
-            raise SyncError(f"inference rank {self.rank}: version {version} failed verification: " + "; ".join(bad[:5])
+            raise SyncError(f"engine rank {self.rank}: version {version} failed verification: " + "; ".join(bad[:5])
                             + (f" (+{len(bad) - 5} more)" if len(bad) > 5 else ""))

@@ -121,11 +121,11 @@ class WeightSender:
         dst_info: dict[int, dict[str, TensorInfo]] = {}
         want = self.plan.plan_hash
         for d in range(self.plan.num_receivers):
-            raw = self.control.get(receiver_info_key(d), self.timeout_s, what=f"inference rank {d}")
+            raw = self.control.get(receiver_info_key(d), self.timeout_s, what=f"engine rank {d}")
             info = json.loads(raw)
             if info["plan_hash"] != want:
                 raise PlanError(
-                    f"inference rank {d} holds plan {info['plan_hash']} (engine layout {info.get('engine_hash')}), "
+                    f"engine rank {d} holds plan {info['plan_hash']} (engine layout {info.get('engine_hash')}), "
                     f"trainer rank {self.rank} has plan {want}: refusing to sync; re-plan both sides"
                 )
             dst_info[d] = {row[0]: TensorInfo.from_json(row) for row in info["tensors"]}
@@ -169,7 +169,7 @@ class WeightSender:
             with m.stage("wait_receivers"):
                 for d in self._waits_for():
                     got = self.control.get(begun_key(d, version), max(0.0, deadline - time.monotonic()),
-                                           what=f"inference rank {d} (begin of version {version})")
+                                           what=f"engine rank {d} (begin of version {version})")
                     asked = asked or got == b"verify"
             crcs: dict[int, int] | None = {} if (verify or (verify is None and asked)) else None
             if self.gather is not None and self.transport.uses_staging:  # rank0 assembles its own full tensors
@@ -184,9 +184,9 @@ class WeightSender:
                 with m.stage("wait_flip"):
                     for d in self.dsts:
                         got = self.control.get(flipped_key(d, version), max(0.0, deadline - time.monotonic()),
-                                               what=f"inference rank {d} (flip of version {version})").decode()
+                                               what=f"engine rank {d} (flip of version {version})").decode()
                         if got != "ok":
-                            raise SyncError(f"inference rank {d} refused version {version}: {got}")
+                            raise SyncError(f"engine rank {d} refused version {version}: {got}")
             m.ok = True
         except FastSyncError as e:
             m.error = str(e)

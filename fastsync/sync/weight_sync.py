@@ -3,7 +3,7 @@
 :class:`WeightSync` lives on every trainer rank. At :meth:`WeightSync.setup` it reads the
 trainer model's sharding (FSDP2 DTensors or a plain module, through the
 ``fastsync_trainer_layout`` hook), has trainer rank 0 ask every engine to describe its live
-parameters (engine tensors per inference rank, checked against the live model by the engine),
+parameters (engine tensors per engine rank, checked against the live model by the engine),
 builds the static plan once, hands it to the engines (which register their memory with the
 transport) and to every trainer rank's sender (which prepares its writes). Every mismatch
 (a parameter the engine needs that the trainer lacks, a shape that disagrees, an architecture
@@ -190,7 +190,7 @@ class WeightSync:
                 unused.update(w.get("unused", {}))
             offset += len(got)
         if sorted(tensors) != list(range(offset)):
-            raise LayoutError(f"engines reported inference ranks {sorted(tensors)}, expected 0..{offset - 1}")
+            raise LayoutError(f"engines reported engine ranks {sorted(tensors)}, expected 0..{offset - 1}")
         if len(kinds) > 1:
             raise LayoutError(f"engines of different kinds {sorted(kinds)} in one WeightSync")
         kind = kinds.pop() if kinds else DEFAULT_ENGINE

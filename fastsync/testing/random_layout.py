@@ -25,6 +25,7 @@ from typing import Any
 from fastsync.errors import LayoutError
 from fastsync.models.archs import ARCHITECTURES
 from fastsync.models.inventory import Inventory, inventory_from_config
+from fastsync.layout.types import FP8_BLOCK
 
 __all__ = ["random_config", "random_trainer_spec", "random_engine_spec", "random_case", "configs", "cases"]
 
@@ -48,7 +49,7 @@ def random_config(rng: _random.Random, *, architecture: str | None = None, fp8_f
     arch = architecture or rng.choice(sorted(ARCHITECTURES))
     if arch not in ARCHITECTURES:
         raise LayoutError(f"unknown architecture {arch!r}; known: {sorted(ARCHITECTURES)}")
-    block = 128 if fp8_friendly else 1
+    block = FP8_BLOCK if fp8_friendly else 1
     step = 128 if fp8_friendly else 8
     cfg: dict[str, Any] = {
         "architectures": [arch],

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from fastsync.layout.box import Box, box_numel, box_shape, chunk_bounds, full_box
 from fastsync.layout.trainer import zero3_layout  # the one ZeRO-3 partitioning, re-exported for tests
-from fastsync.layout.types import EngineLayout, EngineTensor, ParamSpec, Piece, Shard, TrainerLayout
+from fastsync.layout.types import FP8_BLOCK, EngineLayout, EngineTensor, ParamSpec, Piece, Shard, TrainerLayout
 
 __all__ = [
     "ModelDims",
@@ -26,7 +26,7 @@ __all__ = [
     "engine_layout",
 ]
 
-BLOCK = 128
+BLOCK = FP8_BLOCK
 
 
 @dataclass(frozen=True, slots=True)

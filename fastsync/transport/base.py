@@ -1,7 +1,7 @@
-"""The transport protocol: how planned bytes move from trainer ranks to inference ranks.
+"""The transport protocol: how planned bytes move from trainer ranks to engine ranks.
 
 A transport instance lives in one process and plays one role: sender (trainer rank) or receiver
-(inference rank). The executor (``fastsync.sync.sender`` / ``receiver``) owns the plan, the
+(engine rank). The executor (``fastsync.sync.sender`` / ``receiver``) owns the plan, the
 staging and landing memory and the version handshake; the transport only moves bytes and says
 when they arrived. The public methods here check state and arguments, then call the ``_method``
 each backend implements.
@@ -34,8 +34,8 @@ __all__ = ["World", "SenderContext", "ReceiverContext", "Transport"]
 
 @dataclass(frozen=True, slots=True)
 class World:
-    """Trainer ranks ``0..T-1`` and inference ranks ``0..R-1``; in a torch process group the
-    inference rank ``d`` is global rank ``T + d``."""
+    """Trainer ranks ``0..T-1`` and engine ranks ``0..R-1``; in a torch process group the
+    engine rank ``d`` is global rank ``T + d``."""
 
     num_trainers: int
     num_receivers: int

@@ -143,7 +143,7 @@ def test_sender_without_a_begun_receiver_fails_by_its_deadline(store, model) -> 
     s = WeightSender(rank=0, plan=model.plan, sources=views, shards=shards, control=ctl, transport="nixl")
     s.setup()
     t0 = time.monotonic()
-    with pytest.raises(SyncError, match="inference rank 0 .begin of version 1."):
+    with pytest.raises(SyncError, match="engine rank 0 .begin of version 1."):
         s.sync(1, timeout_s=0.5)
     assert time.monotonic() - t0 < 3
     assert ctl.get("send/0/done/1", 1).startswith(b"err:")
@@ -160,7 +160,7 @@ def test_plan_hash_mismatch_is_refused_before_any_byte_moves(store, model) -> No
     rx.setup()
     _, views, shards = trainer_buffers(other, 0)
     s = WeightSender(rank=0, plan=other.plan, sources=views, shards=shards, control=ctl, transport="nixl")
-    with pytest.raises(PlanError, match=f"inference rank 0 holds plan {model.plan.plan_hash}"):
+    with pytest.raises(PlanError, match=f"engine rank 0 holds plan {model.plan.plan_hash}"):
         s.setup()
     assert s.program is None and s.transport.agent is None  # refused before agents, registration or writes
     assert all(not t.any() for t in tensors.values())

@@ -27,8 +27,8 @@ def test_set_get_across_clients(server: TCPStoreControl) -> None:
 
 def test_get_deadline_names_the_key(server: TCPStoreControl) -> None:
     t0 = time.monotonic()
-    with pytest.raises(SyncError, match="inference rank 3.*recv/3/info"):
-        server.get("recv/3/info", timeout_s=0.3, what="inference rank 3")
+    with pytest.raises(SyncError, match="engine rank 3.*recv/3/info"):
+        server.get("recv/3/info", timeout_s=0.3, what="engine rank 3")
     assert time.monotonic() - t0 < 2
 
 

@@ -236,7 +236,7 @@ class FastSyncWorkerExtension:
         self._fastsync = st
         staged = {n: f"{lp.kind}: {lp.why}" for n, lp in live.items() if lp.kind in ("linear_repack", "moe_repack")}
         if staged:
-            log.info("fastsync: inference rank %d stages %d of %d parameters (prepacked by the CPU kernels, "
+            log.info("fastsync: engine rank %d stages %d of %d parameters (prepacked by the CPU kernels, "
                      "repacked at each flip), e.g. %s", rank, len(staged), len(live), next(iter(staged.items())))
         return {
             "rank": rank,
@@ -336,7 +336,7 @@ class FastSyncWorkerExtension:
     def _fastsync_finish(self, version: int, timeout_s: float) -> dict:
         st = self._fastsync_state(connected=True)
         if st.open != version:
-            raise SyncError(f"inference rank {st.rank}: finish({version}) but the open version is {st.open}")
+            raise SyncError(f"engine rank {st.rank}: finish({version}) but the open version is {st.open}")
         rx = st.receiver
         t0 = time.perf_counter()
         st.undo, st.postprocess_s = [], 0.0
@@ -388,7 +388,7 @@ class FastSyncWorkerExtension:
         if st is None:
             raise SyncError("fastsync worker extension: fastsync_describe() has not run on this worker")
         if connected and st.receiver is None:
-            raise SyncError(f"inference rank {st.rank}: fastsync_connect() has not run on this worker")
+            raise SyncError(f"engine rank {st.rank}: fastsync_connect() has not run on this worker")
         return st
 
     def _fastsync_postprocess(self, st: _State) -> None:
@@ -423,7 +423,7 @@ class FastSyncWorkerExtension:
             for saved in reversed(st.undo):
                 saved.restore()
             st.undo = []
-            raise SyncError(f"inference rank {st.rank}: post-processing engine parameter {name!r} failed "
+            raise SyncError(f"engine rank {st.rank}: post-processing engine parameter {name!r} failed "
                             f"({type(e).__name__}: {e}); every layer keeps version {st.version}") from e
         finally:
             st.postprocess_s = time.perf_counter() - t0

@@ -141,24 +141,24 @@ def check_against(live: dict[str, LiveParam], expected: dict[str, EngineTensor],
     missing = sorted(set(expected) - set(live))
     if missing:
         raise LayoutError(
-            f"inference rank {rank}: the name map expects engine parameter(s) the live vLLM model does not have: "
+            f"engine rank {rank}: the name map expects engine parameter(s) the live vLLM model does not have: "
             f"{missing[:5]}{' ...' if len(missing) > 5 else ''} (live has e.g. {sorted(live)[:3]})"
         )
     unfilled = sorted(set(live) - set(expected))
     if unfilled:
         raise LayoutError(
-            f"inference rank {rank}: live vLLM parameter(s) no trainer parameter fills: "
+            f"engine rank {rank}: live vLLM parameter(s) no trainer parameter fills: "
             f"{unfilled[:5]}{' ...' if len(unfilled) > 5 else ''}"
         )
     for name, t in expected.items():
         lp = live[name]
         if tuple(t.shape) != lp.shape:
             raise LayoutError(
-                f"inference rank {rank}: engine parameter {name!r} has local shape {lp.shape} in the live model, "
+                f"engine rank {rank}: engine parameter {name!r} has local shape {lp.shape} in the live model, "
                 f"the trainer's model maps to {tuple(t.shape)}"
             )
         if t.dtype != lp.dtype:
             raise LayoutError(
-                f"inference rank {rank}: engine parameter {name!r} is {lp.dtype} in the live model, the plan "
+                f"engine rank {rank}: engine parameter {name!r} is {lp.dtype} in the live model, the plan "
                 f"expects {t.dtype}"
             )
