@@ -57,3 +57,42 @@ def test_plugins_command_lists_a_runtime_plugin(capsys):
         assert "name maps" in out and "Qwen3MoeForCausalLM" in out and "DeepseekV3ForCausalLM" in out
     finally:
         plugins.unregister_plugin(name)
+
+
+class _ToyArchPlugin:
+    """A third-party architecture with an awkward size, and a name map for a second engine."""
+
+    @hookimpl
+    def fastsync_register_architectures(self, register):
+        register("ToyForCausalLM", lambda cfg: [("embed.weight", (cfg["vocab_size"], 37))], model_types=("toy",))
+
+    @hookimpl
+    def fastsync_name_map(self, architecture, config, engine):
+        if architecture == "ToyForCausalLM" and engine == "toyengine":
+            from fastsync.layout.namemap import NameMap
+
+            return NameMap(architecture, engine, [])
+        return None
+
+
+def test_architecture_and_engine_name_map_come_from_hooks():
+    from fastsync.errors import LayoutError
+    from fastsync.layout.namemap import get_name_map
+    from fastsync.models.inventory import inventory_from_config
+
+    with pytest.raises(ConfigError, match="unsupported architecture 'ToyForCausalLM'"):
+        inventory_from_config({"architectures": ["ToyForCausalLM"], "vocab_size": 51})
+    name = plugins.register_plugin(_ToyArchPlugin(), name="toy_arch")
+    try:
+        inv = inventory_from_config({"model_type": "toy", "vocab_size": 51, "torch_dtype": "bfloat16"})
+        assert inv.architecture == "ToyForCausalLM" and inv.params["embed.weight"].shape == (51, 37)
+        assert plugins.architectures()["ToyForCausalLM"].plugin == "toy_arch"
+        nm = get_name_map("ToyForCausalLM", inv.config, engine="toyengine")
+        assert (nm.architecture, nm.engine) == ("ToyForCausalLM", "toyengine")
+        with pytest.raises(LayoutError, match="'ToyForCausalLM' on engine 'vllm'"):
+            get_name_map("ToyForCausalLM", inv.config)  # the built-in vLLM maps do not know it
+        # the built-in maps answer only for their own engine
+        assert plugins.hook().fastsync_name_map(architecture="Qwen3ForCausalLM", config={}, engine="toyengine") is None
+    finally:
+        plugins.unregister_plugin(name)
+    assert "ToyForCausalLM" not in plugins.architectures()
