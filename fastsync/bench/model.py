@@ -132,9 +132,11 @@ def full_values(spec: ParamSpec, shards: tuple[Shard, ...], version: int) -> tor
     return full
 
 
-def trainer_buffers(model: BenchModel, rank: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, list[Shard]]]:
+def trainer_buffers(model: BenchModel, rank: int, device: str = "cpu"
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, list[Shard]]]:
     """One flat buffer per trainer rank (like a flat FSDP parameter), its per-parameter views
-    (each a shard, ``local_offset`` 0) filled with the version-0 values."""
+    (each a shard, ``local_offset`` 0) filled with the version-0 values, on ``device`` (the
+    values are drawn on the CPU, so they are the same bytes on any device)."""
     mine = model.trainer.shards_on(rank)
     dtypes = {model.params[n].dtype for n in mine}
     if len(dtypes) > 1:
@@ -154,6 +156,9 @@ def trainer_buffers(model: BenchModel, rank: int) -> tuple[torch.Tensor, dict[st
         views[name] = view
         shards[name] = [Shard(rank, sh.box, 0)]
         off += n
+    if torch.device(device).type != "cpu":
+        flat = flat.to(device)
+        views = {n: flat[v.storage_offset(): v.storage_offset() + v.numel()] for n, v in views.items()}
     return flat, views, shards
 
 

@@ -39,6 +39,7 @@ class WorkerConfig:
     kill_at: tuple[int, int, int] | None = None
     rank0_bucket_bytes: int = 256 << 20
     fp8: bool = False  # engine holds block-FP8 weights + scales (the plan then has owner gathers)
+    device: str = "cpu"  # where trainer shards and engine tensors live ("cuda": VRAM on the one GPU)
 
 
 def _env(cfg: WorkerConfig) -> None:
@@ -90,7 +91,7 @@ def trainer_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
         control = TCPStoreControl.client(cfg.port, timeout_s=cfg.timeout_s)
         model = _model(cfg, control)
         _world_if_gathers(cfg, control, model, rank)
-        flat, views, shards = trainer_buffers(model, rank)
+        flat, views, shards = trainer_buffers(model, rank, device=cfg.device)
         sign_version = 0
         senders: dict[str, WeightSender] = {}
         for name, version, verify in cfg.schedule:
@@ -144,7 +145,7 @@ def receiver_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
         control = TCPStoreControl.client(cfg.port, timeout_s=cfg.timeout_s)
         model = _model(cfg, control)
         _world_if_gathers(cfg, control, model, cfg.trainers + rank)
-        tensors = {n: torch.zeros(t.shape, dtype=getattr(torch, t.dtype))
+        tensors = {n: torch.zeros(t.shape, dtype=getattr(torch, t.dtype), device=cfg.device)
                    for n, t in model.engine.tensors[rank].items()}
         landing = Landing(tensors, mode=cfg.mode, backup=cfg.backup and cfg.mode == "inplace")
         receivers: dict[str, WeightReceiver] = {}

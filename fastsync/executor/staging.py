@@ -31,16 +31,23 @@ from fastsync.errors import ConfigError
 from fastsync.executor.program import ALIGN_BYTES, TensorInfo
 from fastsync.executor.transforms import to_torch_dtype
 
-__all__ = ["alloc_touched", "as_bytes", "dtype_name", "torch_dtype", "Landing", "LANDING_MODES"]
+__all__ = ["alloc_touched", "wait_device", "as_bytes", "dtype_name", "torch_dtype", "Landing", "LANDING_MODES"]
 
 LANDING_MODES = ("shadow", "inplace")
 
 
-def alloc_touched(nbytes: int) -> torch.Tensor:
-    """A uint8 buffer of ``nbytes`` with every page already faulted in."""
-    buf = torch.empty(max(int(nbytes), 1), dtype=torch.uint8)
+def alloc_touched(nbytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A uint8 buffer of ``nbytes`` on ``device`` with every page already faulted in (on a GPU:
+    allocated once, so NIXL registers VRAM once)."""
+    buf = torch.empty(max(int(nbytes), 1), dtype=torch.uint8, device=device)
     buf.zero_()
     return buf
+
+
+def wait_device(t: torch.Tensor) -> None:
+    """Wait for the work torch queued on ``t``'s GPU (no-op for CPU tensors)."""
+    if t.device.type == "cuda":
+        torch.cuda.synchronize(t.device)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -86,7 +93,9 @@ class Landing:
         for n in arena_names:
             offsets[n] = total
             total += _align(self.infos[n].nbytes)
-        self.arena = alloc_touched(total) if total else torch.empty(0, dtype=torch.uint8)
+        # the arena lives where the live tensors do (VRAM for an engine on a GPU)
+        device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
+        self.arena = alloc_touched(total, device) if total else torch.empty(0, dtype=torch.uint8, device=device)
         self.arena_bytes = total
         self.regions: dict[str, torch.Tensor] = {}
         self._backup: dict[str, torch.Tensor] = {}
@@ -130,6 +139,7 @@ class Landing:
                 as_bytes(live).copy_(src)
             else:
                 live.copy_(src.view(live.dtype).view(live.shape))
+        wait_device(self.arena)  # on a GPU the flip is done when the copies are, not when queued
         self.torn = False
         self._backup_fresh = False  # the live tensors moved on; the backup holds the old version
 
@@ -139,6 +149,7 @@ class Landing:
         if self._backup:
             for n, b in self._backup.items():
                 self.regions[n].copy_(b)
+            wait_device(self.arena)
             self.torn = False
             return True
         in_place = [n for n in self.live if n not in self.staged]

@@ -134,7 +134,10 @@ class WeightSender:
                                     staging_bytes=self.staging_bytes, num_slots=self.num_slots, direct=self.direct,
                                     min_direct_run_bytes=self.min_direct_run_bytes)
         staged = self.transport.uses_staging and any(not it.direct for c in self.program.chunks for it in c.items)
-        staging = alloc_touched(self.program.staging_bytes) if staged else torch.empty(0, dtype=torch.uint8)
+        # staging on the sources' device: CUDA shards pack (cast, FP8-quantise) into VRAM
+        device = next(iter(self.sources.values())).device if self.sources else torch.device("cpu")
+        staging = (alloc_touched(self.program.staging_bytes, device) if staged
+                   else torch.empty(0, dtype=torch.uint8, device=device))
         packer = Packer(self.program, staging, self.sources, self.shards,
                         gathered=self.gather.full if self.gather is not None else None,
                         check=self.transport.uses_staging)

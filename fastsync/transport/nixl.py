@@ -29,6 +29,7 @@ from fastsync.errors import ConfigError, SyncError, TransportError
 from fastsync.executor.metrics import SyncMetrics
 from fastsync.executor.pipeline import run_pipelined
 from fastsync.executor.program import Chunk
+from fastsync.executor.staging import wait_device
 from fastsync.transport.base import ReceiverContext, SenderContext, Transport
 
 try:
@@ -211,6 +212,7 @@ class NixlTransport(Transport):
 
         def pack(c: Chunk) -> None:
             ctx.packer.pack(c, crcs)
+            wait_device(ctx.packer.staging)  # NIXL reads VRAM on its own streams: packing must be done
 
         def post(c: Chunk) -> None:
             for d, h, k in self._handles[c.index]:
@@ -239,6 +241,7 @@ class NixlTransport(Transport):
                         )
                     time.sleep(0.0002)
 
+        wait_device(ctx.packer.staging)  # the sources' pending updates (staging shares their device)
         try:
             run_pipelined(ctx.program.chunks, pack=pack, post=post, drain=drain, deadline=deadline,
                           metrics=metrics, overlap=self.overlap, on_chunk=on_chunk)

@@ -135,7 +135,9 @@ class Rank0Transport(Transport):
                         for r, box, loff in p[4]:
                             if r == ctx.rank:
                                 view = self._local(ctx, p[0], box, loff)
-                                works.append(dist.isend(view.contiguous(), dst=0))
+                                # gloo sends from host memory: a CUDA shard is copied down first
+                                works.append(dist.isend(view.contiguous() if view.device.type == "cpu"
+                                                        else view.cpu(), dst=0))
                     for w in works:
                         wait_work(w, deadline, f"rank0: trainer rank {ctx.rank} sending bucket {k} to rank 0")
                 if on_chunk is not None:
