@@ -8,7 +8,7 @@ STAMP := $(VENV)/.fastsync-installed
 # Keep Ray/vLLM/torch caches inside the repo's ignored folders, not the user's home.
 export GLOO_SOCKET_IFNAME ?= lo
 
-.PHONY: setup demo test plan bench moe-bench clean
+.PHONY: setup demo test plan bench moe-bench gpu-wheels gpu-check clean
 
 $(STAMP): pyproject.toml requirements/dev.txt requirements/lock.txt requirements/adapters.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or: make PYTHON=/path/to/python3.11)"; exit 1; }
@@ -41,6 +41,17 @@ bench: $(STAMP)
 
 moe-bench: $(STAMP)
 	$(BIN)/fastsync moe-bench --model qwen3-30b-a3b
+
+# The GPU check (opt-in; README "GPU check"). gpu-wheels: on a machine with PyPI, the wheels the
+# GPU machine lacks, into gpu_wheels/ (ignored). gpu-check: install them privately and run every
+# GPU part; GPU_CHECK_DRY=1 only installs and checks for a device (fails, exit 2, without CUDA).
+GPU_WHEELS_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+GPU_CHECK_OUT ?= runs/gpu_check
+gpu-wheels:
+	PYTHONPATH=. $(GPU_WHEELS_PYTHON) -m fastsync.gpu.wheels --dest gpu_wheels --list scripts/gpu_wheels.txt
+
+gpu-check:
+	GPU_CHECK_DRY=$(GPU_CHECK_DRY) GPU_CHECK_QUICK=$(GPU_CHECK_QUICK) bash scripts/gpu_check.sh $(GPU_CHECK_OUT)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

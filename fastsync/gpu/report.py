@@ -135,7 +135,7 @@ def _summary(parts: dict[str, dict[str, Any]]) -> dict[str, Any]:
     moe = _get(parts, "moe", "result")
     tests = _get(parts, "gpu_tests", "result")
     return {
-        "nixl_vram_gbps": _get(sync, "bf16", "nixl", "gbps"),
+        "nixl_gbps": _get(sync, "bf16", "nixl", "gbps"),
         "rank0_gbps": _get(sync, "bf16", "rank0", "gbps"),
         "nixl_vs_rank0": _get(sync, "bf16", "nixl_vs_rank0"),
         "device_copy_gbps": _get(sync, "device_copy", "gbps"),
