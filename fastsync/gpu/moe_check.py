@@ -1,8 +1,8 @@
 """GPU check part ``moe``: one Qwen3-30B-A3B MoE block at its real shapes, bf16, forward+backward.
 
 The published shapes (128 experts, top-8, hidden 2048, expert intermediate 768: 604 M expert
-parameters, 1.2 GB in bf16), seeded random weights (``fastsync.moe.bench.build_block``, the same
-block ``fastsync moe-bench`` builds), run in one process, one variant at a time: HF eager
+parameters, 1.2 GB in bf16), seeded random weights drawn on the device (the block class
+``fastsync moe-bench`` builds, materialised from the meta device), run in one process, one variant at a time: HF eager
 (per-expert loop), HF ``grouped_mm`` (transformers v5's default kernel) and fastsync
 (``fastsync.moe.patch``, backend ``auto``). Per variant: one step kept for the error check, two
 warm-up steps, then ``reps`` timed steps (device synchronised around each; median reported).
@@ -51,12 +51,50 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _block_on(cfg_dict: dict, impl: str, device: torch.device, dtype: torch.dtype, seed: int) -> nn.Module:
+    """The config's first sparse-MoE block built on the meta device and materialised on ``device``
+    with seeded N(0, 0.02) weights drawn there: at the real shapes a CPU build and fill (what
+    ``fastsync.moe.bench.build_block`` does) costs seconds per variant. Same (config, seed,
+    device) -> same weights for every variant. Blocks with buffers (DeepSeek's correction bias)
+    take the CPU path, which knows how to fill them."""
+    import importlib
+
+    from fastsync.errors import ConfigError
+    from fastsync.moe.block import is_moe_block
+    from fastsync.moe.presets import build_config
+
+    cfg = build_config(cfg_dict)
+    cfg._experts_implementation = impl
+    mod = importlib.import_module(f"transformers.models.{cfg.model_type}.modeling_{cfg.model_type}")
+    layer_cls = [v for k, v in vars(mod).items() if isinstance(v, type) and k.endswith("DecoderLayer")]
+    if not layer_cls:
+        raise ConfigError(f"model_type {cfg.model_type!r}: no decoder layer class in {mod.__name__}")
+    block = None
+    for i in range(cfg.num_hidden_layers):
+        with torch.device("meta"):
+            layer = layer_cls[0](cfg, i)
+        if is_moe_block(getattr(layer, "mlp", None)):
+            block = layer.mlp
+            break
+    if block is None:
+        raise ConfigError(f"model_type {cfg.model_type!r}: no sparse-MoE layer among {cfg.num_hidden_layers}")
+    if any(True for _ in block.buffers()):
+        from fastsync.moe.bench import build_block
+
+        return build_block(cfg_dict, impl, seed).to(device=device, dtype=dtype)
+    block = block.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for _, p in block.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32).mul_(0.02))
+    return block.to(dtype=dtype)
+
+
 def _build(variant: str, cfg: dict, device: torch.device, dtype: torch.dtype, seed: int) -> nn.Module:
     import fastsync.moe as fm
-    from fastsync.moe.bench import build_block
 
     impl = {"hf_eager": "eager", "hf_grouped_mm": "grouped_mm"}.get(variant, "eager")
-    block = build_block(cfg, impl, seed).to(device=device, dtype=dtype)
+    block = _block_on(cfg, impl, device, dtype, seed)
     if variant == "fastsync":
         holder = nn.Module()
         holder.mlp = block

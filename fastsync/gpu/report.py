@@ -136,7 +136,7 @@ def _summary(parts: dict[str, dict[str, Any]]) -> dict[str, Any]:
     tests = _get(parts, "gpu_tests", "result")
     return {
         "nixl_gbps": _get(sync, "bf16", "nixl", "gbps"),
-        "rank0_gbps": _get(sync, "bf16", "rank0", "gbps"),
+        "rank0_gbps": _get(sync, "bf16", "rank0", "gbps") or _get(sync, "bf16_rank0_only", "rank0", "gbps"),
         "nixl_vs_rank0": _get(sync, "bf16", "nixl_vs_rank0"),
         "device_copy_gbps": _get(sync, "device_copy", "gbps"),
         "nixl_fraction_of_device_copy": _get(sync, "bf16", "nixl_fraction_of_device_copy"),

@@ -121,12 +121,18 @@ def main(argv: list[str] | None = None) -> int:
     common = dict(trainers=args.trainers, rollouts=args.rollouts, steps=args.steps, device=args.device,
                   timeout_s=args.timeout)
     step("bf16", lambda: sync_run(size_gb=args.size_gb, transports=transports, fp8=False, **common))
+    if "rank0" not in result["bf16"] and have_nixl:
+        # the joint run died (a NIXL failure takes the whole cluster down): the baseline alone
+        step("bf16_rank0_only", lambda: sync_run(size_gb=args.size_gb, transports=["rank0"], fp8=False, **common))
     nbytes = result["bf16"].get("bytes_per_sync") or int(args.size_gb * (1 << 30))
     step("device_copy", lambda: device_copy(nbytes, args.device))
-    bf = result["bf16"]
-    if bf.get("nixl", {}).get("gbps") and result["device_copy"].get("gbps"):
-        bf["nixl_fraction_of_device_copy"] = bf["nixl"]["gbps"] / result["device_copy"]["gbps"]
-        bf["rank0_fraction_of_device_copy"] = (bf["rank0"]["gbps"] or 0) / result["device_copy"]["gbps"]
+    bf, copy_gbps = result["bf16"], result["device_copy"].get("gbps")
+    rank0 = bf.get("rank0") or result.get("bf16_rank0_only", {}).get("rank0") or {}
+    if copy_gbps:
+        if bf.get("nixl", {}).get("gbps"):
+            bf["nixl_fraction_of_device_copy"] = bf["nixl"]["gbps"] / copy_gbps
+        if rank0.get("gbps"):
+            bf["rank0_fraction_of_device_copy"] = rank0["gbps"] / copy_gbps
     if have_nixl and args.fp8_size_gb > 0:
         step("fp8", lambda: sync_run(size_gb=args.fp8_size_gb, transports=["nixl"], fp8=True,
                                      **{**common, "trainers": min(args.trainers, 2)}))
