@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("engines",),  # one package per inference engine (vllm/)
     ("_builtin", "testing"),  # built-in plugin registrations; test oracles
     ("bench", "demo"),  # benchmark harnesses; the demo
-    ("cli",),
+    ("cli", "gpu"),  # the command line; the GPU check (scripts/gpu_check.sh)
     ("",),  # fastsync/__init__.py: the public API, above everything
 ]
 RANK = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}

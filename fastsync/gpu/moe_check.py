@@ -54,7 +54,7 @@ def _sync(device: torch.device) -> None:
 def _block_on(cfg_dict: dict, impl: str, device: torch.device, dtype: torch.dtype, seed: int) -> nn.Module:
     """The config's first sparse-MoE block built on the meta device and materialised on ``device``
     with seeded N(0, 0.02) weights drawn there: at the real shapes a CPU build and fill (what
-    ``fastsync.moe.bench.build_block`` does) costs seconds per variant. Same (config, seed,
+    ``fastsync.bench.moe.build_block`` does) costs seconds per variant. Same (config, seed,
     device) -> same weights for every variant. Blocks with buffers (DeepSeek's correction bias)
     take the CPU path, which knows how to fill them."""
     import importlib
@@ -79,7 +79,7 @@ def _block_on(cfg_dict: dict, impl: str, device: torch.device, dtype: torch.dtyp
     if block is None:
         raise ConfigError(f"model_type {cfg.model_type!r}: no sparse-MoE layer among {cfg.num_hidden_layers}")
     if any(True for _ in block.buffers()):
-        from fastsync.moe.bench import build_block
+        from fastsync.bench.moe import build_block
 
         return build_block(cfg_dict, impl, seed).to(device=device, dtype=dtype)
     block = block.to_empty(device=device)
@@ -182,12 +182,15 @@ def run_variant(variant: str, cfg: dict, *, tokens: int, reps: int, device: torc
 
 
 def run_moe(cfg: dict, *, tokens: int, reps: int, device: torch.device, dtype: torch.dtype, tol: float,
-            on_variant: Any = None) -> dict[str, Any]:
-    """All three variants at one dtype; eager first (the reference)."""
+            on_variant: Any = None, informational: tuple[str, ...] = ()) -> dict[str, Any]:
+    """All three variants at one dtype; eager first (the reference). A failure of a variant in
+    ``informational`` is reported under ``notes`` and does not fail the pass."""
     out: dict[str, Any] = {"dtype": str(dtype).removeprefix("torch."), "tokens": tokens, "reps": reps, "rel_tol": tol}
     ref = None
-    errors = []
+    errors: list[str] = []
+    notes: list[str] = []
     for v in VARIANTS:
+        failures = notes if v in informational else errors
         try:
             fig, first = run_variant(v, cfg, tokens=tokens, reps=reps, device=device, dtype=dtype)
             if ref is None:
@@ -195,12 +198,12 @@ def run_moe(cfg: dict, *, tokens: int, reps: int, device: torch.device, dtype: t
             else:
                 fig.update(compare(first, ref))
                 if fig.get("error") or fig["max_rel_err"] is None or fig["max_rel_err"] > tol:
-                    errors.append(f"{v}: differs from hf_eager (max rel err {fig.get('max_rel_err')}, "
+                    failures.append(f"{v}: differs from hf_eager (max rel err {fig.get('max_rel_err')}, "
                                   f"{fig.get('worst_tensor') or fig.get('error')})")
             del first
         except Exception as e:  # the other variants' figures still count
             fig = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
-            errors.append(f"{v}: {fig['error']}")
+            failures.append(f"{v}: {fig['error']}")
         out[v] = fig
         if on_variant is not None:
             on_variant(out)
@@ -214,6 +217,7 @@ def run_moe(cfg: dict, *, tokens: int, reps: int, device: torch.device, dtype: t
     if fast.get("peak_mem_bytes") and eager.get("peak_mem_bytes"):
         out["peak_mem_ratio_vs_hf_eager"] = fast["peak_mem_bytes"] / eager["peak_mem_bytes"]
     out["errors"] = errors
+    out["notes"] = notes
     out["ok"] = not errors
     return out
 
@@ -242,10 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     def save(_: Any = None) -> None:
         out_path.write_text(json.dumps(result, indent=2, default=str))
 
-    def part(key: str, dtype: torch.dtype, tokens: int, reps: int, tol: float) -> None:
+    def part(key: str, dtype: torch.dtype, tokens: int, reps: int, tol: float, informational: tuple = ()) -> None:
         result[key] = {}
         result[key] = run_moe(cfg, tokens=tokens, reps=reps, device=device, dtype=dtype, tol=tol,
-                              on_variant=lambda o: (result.__setitem__(key, o), save()))
+                              on_variant=lambda o: (result.__setitem__(key, o), save()), informational=informational)
         print(f"[moe] {key}: " + json.dumps({k: v for k, v in result[key].items()
                                              if not isinstance(v, dict)}, default=str)[:800], flush=True)
         save()
@@ -256,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     for k in ("speedup_vs_hf_grouped_mm", "speedup_vs_hf_eager", "peak_mem_ratio_vs_hf_grouped_mm"):
         result[k] = result["main"].get(k)
     if args.fp32_tokens > 0:
-        part("fp32_equivalence", torch.float32, args.fp32_tokens, 0, FP32_REL_TOL)
+        # HF's own grouped_mm kernel may not take fp32 on CUDA: its result there is a note only
+        part("fp32_equivalence", torch.float32, args.fp32_tokens, 0, FP32_REL_TOL, informational=("hf_grouped_mm",))
     errs = result["main"]["errors"] + [f"fp32: {e}" for e in result.get("fp32_equivalence", {}).get("errors", [])]
     result["error"] = "; ".join(errs) or None
     result["ok"] = not errs
