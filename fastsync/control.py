@@ -5,9 +5,11 @@ receive-buffer addresses, per-version "ready"/"done"/"flipped" markers and check
 has a deadline, so a missing peer is a :class:`~fastsync.errors.SyncError` naming the key, never a
 hang.
 
-:class:`ControlPlane` is the interface; :class:`TCPStoreControl` backs it with
-``torch.distributed.TCPStore`` (bound to 127.0.0.1 by default) for standalone use. Host adapters
-(Ray-based verl / OpenRLHF) can back it with a Ray actor by implementing the four abstract methods.
+:class:`ControlPlane` is the interface; :class:`TCPStoreControl` backs it with fastsync's own
+authenticated, encrypted store (bound to 127.0.0.1 by default; see :mod:`fastsync.control_store`)
+for standalone use. Host adapters (Ray-based verl / OpenRLHF) can back it with a Ray actor by
+implementing the four abstract methods (and setting ``secret``, the job secret the NIXL
+notifications and engine requests are signed with).
 
 Example::
 
@@ -19,11 +21,14 @@ Example::
 
 from __future__ import annotations
 
+import struct
 import time
 from abc import ABC, abstractmethod
-from datetime import timedelta
 
-from fastsync.errors import ConfigError, SyncError
+from fastsync.control_store import (ABSENT, ADD, CMPSET, DEFAULT_MAX_VALUE_BYTES, DELETE, GET, SET, KVState,
+                                    StoreClient, StoreServer)
+from fastsync.errors import ConfigError, SyncError, TransportError
+from fastsync.security import job_secret
 
 __all__ = ["ControlPlane", "TCPStoreControl", "DEFAULT_HOST"]
 
@@ -38,6 +43,7 @@ class ControlPlane(ABC):
     """
 
     poll_interval_s: float = 0.0005
+    secret: bytes | None = None  # the job secret (keys for NIXL notifications, engine requests)
 
     def __init__(self, prefix: str = "fs") -> None:
         self.prefix = prefix
@@ -94,54 +100,105 @@ class ControlPlane(ABC):
 
 
 class TCPStoreControl(ControlPlane):
-    """:class:`ControlPlane` on a ``torch.distributed.TCPStore``.
+    """:class:`ControlPlane` on fastsync's authenticated key/value store
+    (:mod:`fastsync.control_store`): it listens on ``host`` only (127.0.0.1 by default), talks only
+    to clients holding the job ``secret`` (see :mod:`fastsync.security`), and encrypts every
+    message, so agent metadata, addresses and plans never cross the network in the clear.
+    (The name is kept from when it wrapped ``torch.distributed.TCPStore``.)
 
-    The same store can seed ``torch.distributed.init_process_group`` (``.store``), which the
-    ``torch`` and ``rank0`` transports use.
+    ``.store`` is a ``torch.distributed.Store`` over the same connection, so the store can seed
+    ``torch.distributed.init_process_group`` (the ``torch`` and ``rank0`` transports do).
+    ``max_value_bytes`` bounds one value (a Kimi-K2 256 -> 128 plan is about 64 MiB); larger
+    values are refused with a ConfigError naming the key and size, before anything is sent.
     """
 
-    def __init__(self, store: object, port: int, host: str = DEFAULT_HOST, prefix: str = "fs") -> None:
+    def __init__(self, backend: object, port: int, host: str = DEFAULT_HOST, prefix: str = "fs", *,
+                 secret: bytes, timeout_s: float = 60.0, server: object | None = None) -> None:
         super().__init__(prefix)
-        self.store = store
+        self.backend = backend  # StoreClient, or the server's KVState in its own process
         self.port = port
         self.host = host
+        self.secret = secret
+        self.timeout_s = timeout_s
+        self._server = server
+        self._store: object | None = None
 
     @classmethod
-    def server(cls, port: int = 0, host: str = DEFAULT_HOST, timeout_s: float = 60.0, prefix: str = "fs") -> "TCPStoreControl":
-        """Start the store in this process (``port=0`` picks a free port; read it from ``.port``)."""
-        from torch.distributed import TCPStore
-
-        store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s),
-                         use_libuv=True)
-        return cls(store, store.port, host, prefix)
+    def server(cls, port: int = 0, host: str = DEFAULT_HOST, timeout_s: float = 60.0, prefix: str = "fs", *,
+               secret: bytes | str | None = None, max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES) -> "TCPStoreControl":
+        """Start the store in this process (``port=0`` picks a free port; read it from ``.port``).
+        ``secret``: the job secret (default: ``$FASTSYNC_JOB_SECRET``, else a new one, exported
+        to this process's environment for the processes it spawns; read it from ``.secret``)."""
+        if timeout_s <= 0:
+            raise ConfigError(f"control plane timeout_s must be positive, got {timeout_s}")
+        key = job_secret(secret, create=True)
+        srv = StoreServer(key, host, port, max_value_bytes=max_value_bytes)
+        return cls(_LocalBackend(srv.state, max_value_bytes), srv.port, host, prefix, secret=key, timeout_s=timeout_s,
+                   server=srv)
 
     @classmethod
-    def client(cls, port: int, host: str = DEFAULT_HOST, timeout_s: float = 60.0, prefix: str = "fs") -> "TCPStoreControl":
-        """Connect to a store another process started."""
+    def client(cls, port: int, host: str = DEFAULT_HOST, timeout_s: float = 60.0, prefix: str = "fs", *,
+               secret: bytes | str | None = None, max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES) -> "TCPStoreControl":
+        """Connect to a store another process started; ``secret`` as for :meth:`server` (but
+        never invented: without one this is a ConfigError)."""
         if port <= 0:
             raise ConfigError(f"control plane port must be positive, got {port}")
-        from torch.distributed import TCPStore
-
+        if timeout_s <= 0:
+            raise ConfigError(f"control plane timeout_s must be positive, got {timeout_s}")
+        key = job_secret(secret)
         try:
-            store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), use_libuv=True)
-        except (RuntimeError, TimeoutError) as e:
-            raise SyncError(f"control plane: cannot reach TCPStore at {host}:{port}: {e}") from e
-        return cls(store, port, host, prefix)
+            backend = StoreClient(key, host, port, timeout_s, max_value_bytes=max_value_bytes)
+        except TransportError as e:
+            raise SyncError(str(e)) from e
+        return cls(backend, port, host, prefix, secret=key, timeout_s=timeout_s)
 
     def with_prefix(self, prefix: str) -> "TCPStoreControl":
         """A view of the same store under another key prefix (one per transport or job)."""
-        return TCPStoreControl(self.store, self.port, self.host, prefix)
+        view = TCPStoreControl(self.backend, self.port, self.host, prefix, secret=self.secret,
+                               timeout_s=self.timeout_s)
+        view._store = self._store
+        return view
+
+    @property
+    def store(self) -> object:
+        """A ``torch.distributed.Store`` on this connection (for ``init_process_group``)."""
+        if self._store is None:
+            from fastsync.control_torch import TorchStore
+
+            self._store = TorchStore(self.backend, self.timeout_s)
+        return self._store
 
     def _set(self, key: str, value: bytes) -> None:
-        self.store.set(key, value)
+        self.backend.request(SET, key, value)
 
     def _try_get(self, key: str) -> bytes | None:
-        if not self.store.check([key]):
-            return None
-        return self.store.get(key)
+        status, value = self.backend.request(GET, key)
+        return None if status == ABSENT else value
 
     def _add(self, key: str, amount: int) -> int:
-        return int(self.store.add(key, amount))
+        return struct.unpack(">q", self.backend.request(ADD, key, struct.pack(">q", amount))[1])[0]
 
     def _delete(self, key: str) -> None:
-        self.store.delete_key(key)
+        self.backend.request(DELETE, key)
+
+    def close(self) -> None:
+        """Drop the connection (and stop the store, on its own process)."""
+        if self._server is not None:
+            self._server.close()
+        elif hasattr(self.backend, "close"):
+            self.backend.close()
+
+
+class _LocalBackend:
+    """The server process's own access to the store: the same requests, no socket."""
+
+    def __init__(self, state: KVState, max_value_bytes: int) -> None:
+        self.state = state
+        self.max_value_bytes = max_value_bytes
+
+    def request(self, op: bytes, key: str, value: bytes = b"") -> tuple[bytes, bytes]:
+        if op in (SET, CMPSET) and len(value) > self.max_value_bytes:
+            raise ConfigError(f"control plane: value for key {key!r} is {len(value)} bytes "
+                              f"({len(value) / 2**20:.1f} MiB), over the limit of {self.max_value_bytes} bytes "
+                              f"({self.max_value_bytes / 2**20:.0f} MiB; max_value_bytes=)")
+        return self.state.apply(op, key, value)

@@ -5,9 +5,18 @@ each in-place live tensor) and publishes its agent metadata and region addresses
 creates an agent, registers its staging arena (and the shard buffers it writes from directly),
 adds the receivers' metadata, and prepares one transfer handle per (chunk, receiver) with
 ``initialize_xfer`` over descriptor lists computed from the static program. Per sync the handles
-are re-posted with ``transfer(handle, notif)``; the notification ``fs|version|src|k|n`` reaches
-the receiver after the write's bytes, and a receiver is complete when it holds all ``n`` from
-every sending rank. Old-version notifications are ignored.
+are re-posted with ``transfer(handle, notif)``; the notification ``fs|version|src|k|n|mac``
+reaches the receiver after the write's bytes, and a receiver is complete when it holds batches
+``0..n-1`` from every sending rank of its plan.
+
+Trust: at set-up each sender publishes, on the authenticated control plane, its agent name and
+how many batches and bytes it writes to each receiver; the receiver checks the bytes against its
+own plan. A notification counts only if NIXL reports it from that sender's agent, for the open
+version, with that batch count and a MAC (HMAC-SHA256 keyed by the job secret over agent, ranks,
+version and batch). Anything else (another agent, an unknown or old version, a wrong count, a
+bad MAC) is refused, counted in ``refused`` and logged; it never completes a version. UCX
+listens only on ``net_devices`` (``$FASTSYNC_NET_DEVICES``, default ``lo``: loopback), set as
+``UCX_NET_DEVICES`` before the agent is created.
 
 Settings that matter on CPU hosts (measured, see shared notes): no progress thread
 (``enable_prog_thread=False``: it spins a core per process), receivers poll notifications with a
@@ -17,9 +26,11 @@ short sleep rather than spinning.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 
 import numpy as np
@@ -30,6 +41,7 @@ from fastsync.executor.metrics import SyncMetrics
 from fastsync.executor.pipeline import run_pipelined
 from fastsync.executor.program import Chunk
 from fastsync.executor.staging import wait_device
+from fastsync.security import check_mac, derive_key, mac, net_devices
 from fastsync.transport.base import ReceiverContext, SenderContext, Transport
 
 try:
@@ -41,6 +53,8 @@ except ImportError as _e:  # kept for a clear message when the transport is aske
     IMPORT_ERROR = _e
 
 __all__ = ["NixlTransport", "IMPORT_ERROR"]
+
+log = logging.getLogger("fastsync.transport.nixl")
 
 INSTALL_HINT = "pip install nixl-cu12==1.5.1 && pip install --no-deps nixl==1.5.1"
 
@@ -55,13 +69,14 @@ class NixlTransport(Transport):
     ``backends``: NIXL backends to create (UCX moves DRAM and VRAM). ``progress_thread``: NIXL's
     own progress thread (off by default: on a CPU host it costs a core per process).
     ``poll_sleep_s``: receiver sleep between notification polls. ``overlap``: pack the next chunk
-    on a helper thread while the current one is written.
+    on a helper thread while the current one is written. ``net_devices``: the UCX devices to
+    listen and connect on (default ``$FASTSYNC_NET_DEVICES``, else ``lo``).
     """
 
     name = "nixl"
 
     def __init__(self, backends: tuple[str, ...] = ("UCX",), progress_thread: bool = False,
-                 poll_sleep_s: float = 0.001, overlap: bool = True) -> None:
+                 poll_sleep_s: float = 0.001, overlap: bool = True, net_devices: str | None = None) -> None:
         super().__init__()
         if IMPORT_ERROR is not None:
             raise ConfigError(f"transport 'nixl' needs NIXL ({INSTALL_HINT}): {IMPORT_ERROR}")
@@ -71,16 +86,30 @@ class NixlTransport(Transport):
         self.progress_thread = progress_thread
         self.poll_sleep_s = poll_sleep_s
         self.overlap = overlap
+        self.net_devices = net_devices
         self.agent = None
+        self.agent_name = ""
         self._reg = None
         self._handles: dict[int, list[tuple[int, object, int]]] = {}  # chunk -> [(dst, handle, k)]
         self._num_posts: dict[int, int] = {}
         self._remote: dict[int, str] = {}
         self._got: dict[int, set[int]] = {}
         self._expect: dict[int, int | None] = {}
+        self._key = b""  # notification MAC key, from the job secret
+        self._control = None
+        self._senders: dict[int, dict] = {}  # receiver: src rank -> {"agent", "posts", "bytes"} from set-up
+        self.refused: Counter[str] = Counter()  # receiver: notifications refused, by reason
 
-    def _new_agent(self, role: str, rank: int) -> None:
+    def _new_agent(self, role: str, rank: int, control: object) -> None:
+        secret = getattr(control, "secret", None)
+        if not secret:
+            raise ConfigError(f"transport 'nixl' ({role} rank {rank}) needs the job secret on the control plane "
+                              "(control.secret) to sign and check its notifications")
+        self._key = derive_key(secret, "nixl notifications")
+        # UCX reads its configuration when the agent's context is created: listen only here
+        os.environ["UCX_NET_DEVICES"] = net_devices(self.net_devices)
         name = f"fastsync-{role}{rank}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.agent_name = name
         conf = nixl_agent_config(enable_prog_thread=self.progress_thread, backends=self.backends)
         try:
             self.agent = nixl_agent(name, conf)
@@ -107,7 +136,9 @@ class NixlTransport(Transport):
 
     # ---- receiver -----------------------------------------------------------------------
     def _setup_receiver(self, ctx: ReceiverContext) -> None:
-        self._new_agent("recv", ctx.rank)
+        self._new_agent("recv", ctx.rank, ctx.control)
+        self._control = ctx.control
+        self._senders = {}
         self._register(ctx.landing.buffers(), f"inference rank {ctx.rank}")
         addrs = {}
         for name, region in ctx.landing.regions.items():
@@ -119,23 +150,74 @@ class NixlTransport(Transport):
     def _begin_receive(self, version: int) -> None:
         assert self.receiver is not None
         self._got = {src: set() for src in self.receiver.program.by_src}
-        self._expect = {src: None for src in self.receiver.program.by_src}
+        self._load_senders()
+        self._expect = {src: (self._senders[src]["posts"] if src in self._senders else None)
+                        for src in self.receiver.program.by_src}
+
+    def _load_senders(self) -> None:
+        """What each sender of this receiver's plan published at set-up (agent name, batch and
+        byte counts), read from the authenticated control plane; bytes checked against the plan."""
+        assert self.receiver is not None and self._control is not None
+        me = self.receiver.rank
+        for src, items in self.receiver.program.by_src.items():
+            if src in self._senders:
+                continue
+            raw = self._control.try_get(f"nixl/send/{src}/to/{me}")
+            if raw is None:
+                continue  # not set up yet: its notifications cannot have been sent either
+            info = json.loads(raw)
+            want = sum(it.transfer.nbytes for it in items)
+            if int(info["bytes"]) != want or int(info["posts"]) <= 0:
+                raise TransportError(f"nixl: trainer rank {src} announced {info['bytes']} bytes in {info['posts']} "
+                                     f"batch(es) for inference rank {me}, whose plan expects {want} bytes from it")
+            self._senders[src] = {"agent": str(info["agent"]), "posts": int(info["posts"])}
+            if self._receiving is not None:
+                self._expect[src] = self._senders[src]["posts"]
+
+    def _refuse(self, reason: str, agent: str, msg: bytes) -> None:
+        self.refused[reason] += 1
+        if self.refused[reason] <= 5:
+            log.warning("nixl: inference rank %s refused a notification from agent %r (%s): %r",
+                        self.receiver.rank if self.receiver else "?", agent, reason, msg[:80])
 
     def _poll_receive(self) -> bool:
         version = self._receiving
+        me = self.receiver.rank if self.receiver else -1
         notifs = self.agent.get_new_notifs()
-        for msgs in notifs.values():
+        for agent, msgs in notifs.items():
             for msg in msgs:
                 parts = msg.decode(errors="replace").split("|")
                 try:
-                    v, src, k, n = (int(x) for x in parts[1:]) if len(parts) == 5 and parts[0] == "fs" else (-1,) * 4
+                    if len(parts) != 6 or parts[0] != "fs":
+                        raise ValueError
+                    v, src, k, n = (int(x) for x in parts[1:5])
+                    tag = bytes.fromhex(parts[5])
                 except ValueError:
-                    continue  # not one of ours
+                    self._refuse("malformed", agent, msg)
+                    continue
+                if src not in self._got:
+                    self._refuse(f"trainer rank {src} is not a sender of this receiver's plan", agent, msg)
+                    continue
+                info = self._senders.get(src)
+                if info is None or agent != info["agent"]:
+                    # not yet loaded, or the sender restarted with a new agent: read set-up again
+                    self._senders.pop(src, None)
+                    self._load_senders()
+                    info = self._senders.get(src)
+                if info is None or agent != info["agent"]:
+                    self._refuse(f"not trainer rank {src}'s agent", agent, msg)
+                    continue
+                if not check_mac(self._key, tag, "fs", agent, str(me), str(v), str(src), str(k), str(n)):
+                    self._refuse("bad MAC", agent, msg)
+                    continue
                 if v != version:
-                    continue  # another version's (late) notification, or not ours
-                if src in self._got:
-                    self._got[src].add(k)
-                    self._expect[src] = n
+                    self._refuse("old version (late or replayed)" if v < (version or 0) else "unknown version",
+                                 agent, msg)
+                    continue
+                if n != info["posts"] or not 0 <= k < n:
+                    self._refuse(f"batch {k} of {n}, set-up announced {info['posts']}", agent, msg)
+                    continue
+                self._got[src].add(k)
         done = all(n is not None and len(self._got[s]) >= n for s, n in self._expect.items())
         if not done and self.poll_sleep_s:
             time.sleep(self.poll_sleep_s)
@@ -152,7 +234,7 @@ class NixlTransport(Transport):
 
     # ---- sender -------------------------------------------------------------------------
     def _setup_sender(self, ctx: SenderContext) -> None:
-        self._new_agent("send", ctx.rank)
+        self._new_agent("send", ctx.rank, ctx.control)
         prog = ctx.program
         bufs = [ctx.packer.staging] if prog.staging_bytes else []
         direct_params = sorted({it.transfer.src_param for c in prog.chunks for it in c.items if it.direct})
@@ -198,6 +280,10 @@ class NixlTransport(Transport):
                 counts[d] = counts.get(d, 0) + 1
             self._handles[c.index] = entries
         self._num_posts = counts
+        sent = prog.bytes_per_dst()
+        for d in dsts:  # what the receivers check every notification against
+            ctx.control.set(f"nixl/send/{ctx.rank}/to/{d}", json.dumps(
+                {"agent": self.agent_name, "posts": counts.get(d, 0), "bytes": sent.get(d, 0)}))
         for d in dsts:
             try:
                 self.agent.make_connection(self._remote[d])
@@ -216,7 +302,9 @@ class NixlTransport(Transport):
 
         def post(c: Chunk) -> None:
             for d, h, k in self._handles[c.index]:
-                msg = f"fs|{version}|{rank}|{k}|{self._num_posts[d]}".encode()
+                n = self._num_posts[d]
+                tag = mac(self._key, "fs", self.agent_name, str(d), str(version), str(rank), str(k), str(n)).hex()
+                msg = f"fs|{version}|{rank}|{k}|{n}|{tag}".encode()
                 state = self.agent.transfer(h, msg)
                 if state == "ERR":
                     raise TransportError(
