@@ -108,13 +108,17 @@ class _Channel:
             self._send_frame(bytes(view[i:i + CHUNK_BYTES]))
 
     def recv(self, max_bytes: int, too_big: Callable[[int, bytes], Exception]) -> bytes:
-        """One message; ``too_big(total, first_frame)`` is raised (before allocating) when its
-        announced length exceeds ``max_bytes``."""
+        """One message; when its announced length exceeds ``max_bytes``, its frames are read and
+        dropped one at a time (nothing of that size is allocated) and ``too_big(total,
+        first_frame)`` is raised, leaving the connection usable."""
         first = self._recv_frame()
         if len(first) < _HDR.size:
             raise TransportError("control store: message header truncated")
         total, digest = _HDR.unpack_from(first)
         if total > max_bytes:
+            left = total - (len(first) - _HDR.size)
+            while left > 0:
+                left -= len(self._recv_frame())
             raise too_big(total, first[_HDR.size:])
         buf = bytearray(total)
         part = first[_HDR.size:]
@@ -237,12 +241,16 @@ class StoreServer:
         self._conns.add(conn)
 
         def too_big(total: int, first: bytes) -> Exception:
-            return ConfigError(f"control store: request for key {_key_of(first)!r} is {total} bytes, over the "
-                               f"store's limit of {self.max_value_bytes} bytes")
+            return ConfigError(f"control store: value for key {_key_of(first)!r} is about {total} bytes, over the "
+                               f"store's limit of {self.max_value_bytes} bytes (max_value_bytes=)")
 
         try:
             while True:
-                req = ch.recv(self.max_value_bytes + MAX_KEY_BYTES + 64, too_big)
+                try:
+                    req = ch.recv(self.max_value_bytes + MAX_KEY_BYTES + 64, too_big)
+                except ConfigError as e:  # an over-size value: refused, the connection stays
+                    ch.send(ERR + str(e).encode())
+                    continue
                 op, (n,) = req[:1], struct.unpack_from(">H", req, 1)
                 key = req[3:3 + n].decode()
                 status, out = self.state.apply(op, key, req[3 + n:])
@@ -319,8 +327,8 @@ class StoreClient:
                 raise TransportError(f"control plane: lost the store at {self.host}:{self.port} "
                                      f"(request for key {key!r}): {e}") from e
         if got[:1] == ERR:
-            raise TransportError(f"control plane: store refused the request for key {key!r}: "
-                                 f"{got[1:].decode(errors='replace')}")
+            raise ConfigError(f"control plane: store refused the request for key {key!r}: "
+                              f"{got[1:].decode(errors='replace')}")
         return got[:1], got[1:]
 
     def close(self) -> None:

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
-from fastsync.control import ControlPlane
+from fastsync.control import DEFAULT_HOST, ControlPlane
 from fastsync.errors import ConfigError, FastSyncError, LayoutError, SyncError
 from fastsync.sync.handshake import Versions, setup_connected_key, setup_plan_key
 from fastsync.layout.types import EngineLayout, ParamSpec, TrainerLayout
@@ -256,7 +256,10 @@ class WeightSync:
         except BaseException as e:
             self._publish_error(setup_plan_key(self.name, self._setups), e)
             raise
+        secret = getattr(self.control, "secret", None)
         options = {"control_port": self.control_port, "transport": self.transport,
+                   "control_host": getattr(self.control, "host", DEFAULT_HOST),
+                   "control_secret": secret.hex() if secret else None,
                    "transport_options": self.transport_options, "timeout_s": self.timeout_s,
                    "verify": self.verify, "control_prefix": getattr(self.control, "prefix", "fs")}
         self.control.set(setup_plan_key(self.name, self._setups), plan_json)

@@ -108,12 +108,12 @@ def test_registered_in_verls_registry() -> None:
 
 
 def test_topology_as_the_manager_dispatches_it() -> None:
-    meta = [{"fastsync_control": ["127.0.0.1", 1234]}, {}, {}, {}, {}]
+    meta = [{"fastsync_control": ["127.0.0.1", 1234, "ab" * 32]}, {}, {}, {}, {}]
     actor_kw, rollout_kw = FastSyncCheckpointEngine.build_topology(2, 3, meta)
     assert actor_kw["role"] == ["trainer"] * 2 and actor_kw["rank"] == [0, 1]
     assert rollout_kw["role"] == ["rollout"] * 3 and rollout_kw["rank"] == [0, 1, 2]
     assert all(len(v) == 2 for v in actor_kw.values()) and all(len(v) == 3 for v in rollout_kw.values())
-    assert rollout_kw["control"] == [["127.0.0.1", 1234]] * 3 and actor_kw["num_receivers"] == [3, 3]
+    assert rollout_kw["control"] == [["127.0.0.1", 1234, "ab" * 32]] * 3 and actor_kw["num_receivers"] == [3, 3]
     with pytest.raises(ConfigError, match="exactly one master"):
         FastSyncCheckpointEngine.build_topology(2, 3, [{}] * 5)
 

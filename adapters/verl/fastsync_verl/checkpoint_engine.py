@@ -118,7 +118,8 @@ class FastSyncCheckpointEngine(CheckpointEngine):
         if self._server is None:
             host = self.control_host if self.control_host is not None else _default_host()
             self._server = TCPStoreControl.server(port=self.control_port, host=host, timeout_s=self.timeout_s)
-        return {_CONTROL_KEY: [self._server.host, self._server.port]}
+        # the job secret travels with the address through verl's own channel (Ray), never over ours
+        return {_CONTROL_KEY: [self._server.host, self._server.port, self._server.secret.hex()]}
 
     @classmethod
     def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int,
@@ -153,11 +154,13 @@ class FastSyncCheckpointEngine(CheckpointEngine):
             return
         self._reset()
         self._topology = topology
-        host, port = control
+        if len(control) != 3:
+            raise ConfigError(f"fastsync: control must be [host, port, job secret], got {len(control)} item(s)")
+        host, port, secret = control
         if self._server is not None and (host, port) == (self._server.host, self._server.port):
             self._control = self._server
         else:
-            self._control = TCPStoreControl.client(port=int(port), host=host, timeout_s=self.timeout_s)
+            self._control = TCPStoreControl.client(port=int(port), host=host, timeout_s=self.timeout_s, secret=secret)
 
     def finalize(self) -> None:
         """Keep plan, buffers and NIXL registrations for the next sync (the point of a static

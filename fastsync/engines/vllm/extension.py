@@ -252,8 +252,9 @@ class FastSyncWorkerExtension:
 
     def fastsync_connect(self, plan_json: str, options: dict) -> dict:
         """Build this rank's receiver for ``plan_json`` and register its memory with the transport.
-        ``options``: ``control_port`` (required), ``control_host``, ``transport``,
-        ``transport_options``, ``timeout_s``, ``verify``."""
+        ``options``: ``control_port`` (required), ``control_host``, ``control_secret`` (the job
+        secret, hex; default ``$FASTSYNC_JOB_SECRET``), ``transport``, ``transport_options``,
+        ``timeout_s``, ``verify``."""
         return _result(lambda: self._fastsync_connect(plan_json, dict(options)))
 
     def _fastsync_connect(self, plan_json: str, options: dict) -> dict:
@@ -262,8 +263,8 @@ class FastSyncWorkerExtension:
         from fastsync.plan.types import Plan
 
         st = self._fastsync_state()
-        unknown = set(options) - {"control_port", "control_host", "control_prefix", "transport", "transport_options",
-                                  "timeout_s", "verify"}
+        unknown = set(options) - {"control_port", "control_host", "control_prefix", "control_secret", "transport",
+                                  "transport_options", "timeout_s", "verify"}
         if unknown:
             raise ConfigError(f"fastsync_connect: unknown option(s) {sorted(unknown)}")
         if "control_port" not in options:
@@ -290,7 +291,8 @@ class FastSyncWorkerExtension:
                 backup.append(name)
         landing = EngineLanding(dest, backup, on_apply=lambda: self._fastsync_postprocess(self._fastsync_state()))
         control = TCPStoreControl.client(int(options["control_port"]), host=options.get("control_host", DEFAULT_HOST),
-                                         prefix=options.get("control_prefix", "fs"))
+                                         prefix=options.get("control_prefix", "fs"),
+                                         secret=options.get("control_secret"))
         rx = WeightReceiver(
             rank=st.rank, plan=plan, tensors=dest, control=control,
             transport=options.get("transport", "nixl"), transport_options=options.get("transport_options"),

@@ -7,7 +7,11 @@
   the offline ``LLM``: ``generate`` and an update hold the same lock, so no request is scheduled
   while weights are written, and generation resumes only after the version flip.
 * :class:`RemoteEngine` reaches a :class:`VllmEngine` in another process through the control
-  plane, where :func:`serve` answers its requests one at a time (same fence).
+  plane, where :func:`serve` answers its requests one at a time (same fence). Every request is
+  signed (HMAC-SHA256, a key derived from the job secret, over engine id, sequence number and
+  body): :func:`serve` refuses and counts any request whose signature does not match, so only
+  the job's own processes can describe, connect, update or stop an engine, and a request cannot
+  be replayed under another number.
 
 Example (engine process; the trainers hold ``RemoteEngine(control)``)::
 
@@ -27,8 +31,16 @@ from typing import Any
 from fastsync import errors
 from fastsync.control import ControlPlane
 from fastsync.errors import ConfigError, FastSyncError, SyncError
+from fastsync.security import check_mac, derive_key, mac
 
 __all__ = ["VllmEngine", "RemoteEngine", "serve", "raise_worker_errors", "error_reply"]
+
+
+def _request_key(control: ControlPlane) -> bytes:
+    secret = getattr(control, "secret", None)
+    if not secret:
+        raise ConfigError("engine requests are signed with the job secret: the control plane has none (control.secret)")
+    return derive_key(secret, "engine requests")
 
 
 def error_reply(e: BaseException) -> dict:
@@ -163,10 +175,13 @@ class RemoteEngine:
         self.control = control
         self.engine_id = engine_id
         self.timeout_s = timeout_s
+        self._key = _request_key(control)
 
     def _send(self, op: str, **args: Any) -> int:
         n = self.control.add(f"engine/{self.engine_id}/seq", 1)
-        self.control.set(f"engine/{self.engine_id}/cmd/{n}", json.dumps({"op": op, "args": args}))
+        body = json.dumps({"op": op, "args": args})
+        tag = mac(self._key, "engine", self.engine_id, str(n), body).hex()
+        self.control.set(f"engine/{self.engine_id}/cmd/{n}", json.dumps({"body": body, "mac": tag}))
         return n
 
     def _reply(self, n: int, timeout_s: float | None = None) -> Any:
@@ -207,7 +222,9 @@ class RemoteEngine:
 
 def serve(engine: VllmEngine, control: ControlPlane, *, engine_id: str = "0", idle_timeout_s: float = 900.0) -> int:
     """Answer :class:`RemoteEngine` requests in order until ``stop`` (returns how many were
-    served) or ``idle_timeout_s`` without a request (SyncError)."""
+    served) or ``idle_timeout_s`` without a request (SyncError). A request whose signature does
+    not check is answered with an error and not run."""
+    rkey = _request_key(control)
     n = 1
     while True:
         deadline = time.monotonic() + idle_timeout_s
@@ -218,6 +235,11 @@ def serve(engine: VllmEngine, control: ControlPlane, *, engine_id: str = "0", id
             time.sleep(0.002)
         try:
             req = json.loads(raw)
+            body, tag = req["body"], bytes.fromhex(req["mac"])
+            if not check_mac(rkey, tag, "engine", engine_id, str(n), body):
+                raise SyncError(f"vLLM engine {engine_id}: request {n} refused: its signature does not match "
+                                "this job's secret")
+            req = json.loads(body)
             op, args = req["op"], req["args"]
             if op == "stop":
                 control.set(f"engine/{engine_id}/reply/{n}", json.dumps({"ok": True}))
