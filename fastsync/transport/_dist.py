@@ -1,7 +1,7 @@
 """The torch.distributed world shared by the ``torch`` and ``rank0`` transports.
 
 Trainer rank ``t`` is global rank ``t``, engine rank ``d`` is ``T + d``. The group is created
-on the control plane's TCPStore (under its own prefix) unless the process already has a default
+on the control plane's store (under its own prefix) unless the process already has a default
 group of the right size, and waits for work with a deadline instead of blocking.
 """
 

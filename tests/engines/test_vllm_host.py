@@ -49,6 +49,52 @@ def test_serve_answers_failing_requests_and_keeps_serving():
     assert served == [3]  # the loop survived all three failures and stopped on request
 
 
+def test_serve_refuses_requests_not_signed_with_the_job_secret():
+    """A request the store accepted but that is not signed with this job's key (forged body,
+    another job's key, a signed request moved to another sequence number) is answered with an
+    error and never run; the loop keeps serving signed ones."""
+    import json
+
+    from fastsync.security import mac
+
+    control = TCPStoreControl.server(port=0, secret="66" * 32)
+    engine = VllmEngine(llm=None)
+    served: list = []
+    th = threading.Thread(target=lambda: served.append(serve(engine, control, engine_id="e", idle_timeout_s=30.0)),
+                          daemon=True)
+    th.start()
+    other_job = TCPStoreControl.server(port=0, secret="77" * 32)
+    forger = RemoteEngine(other_job, engine_id="e")
+    client = RemoteEngine(control, engine_id="e", timeout_s=10.0)
+    try:
+        control.add("engine/e/seq", 1)
+        control.set("engine/e/cmd/1", json.dumps({"op": "stop", "args": {}}))  # the issue's unsigned form
+        with pytest.raises(SyncError, match="request 1 refused"):
+            client._reply(1)
+        n = control.add("engine/e/seq", 1)
+        body = json.dumps({"op": "stop", "args": {}})
+        control.set(f"engine/e/cmd/{n}", json.dumps({"body": body, "mac": "00" * 16}))
+        with pytest.raises(SyncError, match=f"request {n} refused"):
+            client._reply(n)
+        n = control.add("engine/e/seq", 1)  # signed with another job's key
+        control.set(f"engine/e/cmd/{n}", json.dumps({"body": body, "mac": mac(forger._key, "engine", "e", str(n),
+                                                                              body).hex()}))
+        with pytest.raises(SyncError, match=f"request {n} refused"):
+            client._reply(n)
+        n = control.add("engine/e/seq", 1)  # this job's signed request for number 1, replayed as n
+        control.set(f"engine/e/cmd/{n}", json.dumps({"body": body, "mac": mac(client._key, "engine", "e", "1",
+                                                                              body).hex()}))
+        with pytest.raises(SyncError, match=f"request {n} refused"):
+            client._reply(n)
+        assert th.is_alive()  # nothing above stopped it
+    finally:
+        client.stop()
+        th.join(10.0)
+        other_job.close()
+        control.close()
+    assert not th.is_alive() and served == [4]
+
+
 def test_fence_lock_wait_has_a_deadline():
     engine = VllmEngine(llm=None, lock_timeout_s=0.2)
     assert engine._lock.acquire(timeout=1.0)  # an update still running on its thread holds the fence

@@ -249,3 +249,29 @@ def test_over_limit_value_names_key_and_size_and_the_connection_survives() -> No
         assert small.get("after", 1) == b"ok" and ctl.try_get("big2") is None
     finally:
         ctl.close()
+
+
+def test_a_replayed_or_tampered_frame_drops_the_connection_not_the_store() -> None:
+    """Frames are AES-GCM under sequence-number nonces: re-sending a frame (replay) or flipping a
+    bit fails authentication; the server drops that connection and serves the others."""
+    from fastsync.errors import TransportError
+
+    ctl = TCPStoreControl.server(port=0, timeout_s=10, secret="88" * 32)
+    try:
+        replayer = TCPStoreControl.client(ctl.port, timeout_s=10, secret="88" * 32)
+        replayer.set("k", b"1")
+        replayer.backend.ch._tx_seq -= 1  # the next frame reuses the last one's nonce: a replay
+        with pytest.raises(TransportError, match="lost the store"):
+            replayer.set("k", b"2")
+        tamperer = TCPStoreControl.client(ctl.port, timeout_s=10, secret="88" * 32)
+        real_send = tamperer.backend.sock.sendall
+        tamperer.backend.sock = type("Flip", (), {"sendall": lambda self, b: real_send(b[:-1] + bytes([b[-1] ^ 1])),
+                                                  "recv_into": tamperer.backend.sock.recv_into,
+                                                  "close": tamperer.backend.sock.close})()
+        tamperer.backend.ch.sock = tamperer.backend.sock
+        with pytest.raises(TransportError, match="lost the store"):
+            tamperer.set("k", b"3")
+        other = TCPStoreControl.client(ctl.port, timeout_s=10, secret="88" * 32)
+        assert other.get("k", 1) == b"1"
+    finally:
+        ctl.close()
