@@ -44,6 +44,7 @@ MAX_FRAME = CHUNK_BYTES + _HDR.size + _TAG
 DEFAULT_MAX_VALUE_BYTES = 512 << 20
 MAX_KEY_BYTES = 4096
 HANDSHAKE_TIMEOUT_S = 5.0
+MAX_PENDING_HANDSHAKES = 64  # connections not yet authenticated; more are closed at once
 
 # request ops
 SET, GET, ADD, DELETE, CMPSET, NUMKEYS = b"S", b"G", b"A", b"D", b"C", b"N"
@@ -204,6 +205,7 @@ class StoreServer:
         self.host, self.port = host, self.sock.getsockname()[1]
         self._closed = False
         self._conns: set[socket.socket] = set()
+        self._pending = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
         self._thread = threading.Thread(target=self._accept, name="fastsync-store", daemon=True)
         self._thread.start()
 
@@ -213,6 +215,10 @@ class StoreServer:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
+            if not self._pending.acquire(blocking=False):
+                self.refused += 1
+                conn.close()  # a flood of unauthenticated connections is not served
+                continue
             threading.Thread(target=self._serve, args=(conn,), name="fastsync-store-conn", daemon=True).start()
 
     def _handshake(self, conn: socket.socket) -> _Channel:
@@ -238,6 +244,8 @@ class StoreServer:
             log.warning("control store: refused connection from %s: %s", peer, e)
             conn.close()
             return
+        finally:
+            self._pending.release()
         self._conns.add(conn)
 
         def too_big(total: int, first: bytes) -> Exception:
@@ -298,7 +306,7 @@ class StoreClient:
             if not hmac.compare_digest(proof, hmac.digest(auth, b"server" + cn + sn, "sha256")):
                 raise HandshakeError(f"control plane: the store at {host}:{port} does not hold this job's secret")
             sock.sendall(hmac.digest(auth, b"client" + cn + sn, "sha256"))
-            sock.settimeout(None)
+            sock.settimeout(timeout_s)  # no request waits on the store for longer
         except (OSError, ConnectionError) as e:
             sock.close()
             raise HandshakeError(f"control plane: the store at {host}:{port} refused this client "
