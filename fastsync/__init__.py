@@ -7,7 +7,8 @@ torch.distributed, NIXL, vLLM) are imported lazily, on first use of a name that 
 
 * Sync lifecycle: ``WeightSync`` (trainer side, drives live engines), ``WeightSender`` (one
   trainer rank), ``WeightReceiver`` (one engine rank), ``SyncResult``, ``EngineHandle``.
-* Control plane: ``TCPStoreControl``, ``ControlPlane``, ``DEFAULT_HOST``.
+* Control plane: ``TCPStoreControl``, ``ControlPlane``, ``DEFAULT_HOST``; the job secret:
+  ``job_secret`` (resolve or create one), ``SECRET_ENV`` (its environment variable).
 * Planning: ``build_plan``, ``Plan``, ``Transfer``, ``simulate``.
 * Layouts: ``trainer_layout_from_spec`` / ``engine_layout_from_spec`` (spec strings such as
   ``fsdp:8``, ``vllm:tp8``), ``trainer_layout_from_module`` (a live DTensor / plain module),
@@ -52,6 +53,8 @@ _LAZY: dict[str, tuple[str, str]] = {
     "ControlPlane": ("fastsync.control", "ControlPlane"),
     "TCPStoreControl": ("fastsync.control", "TCPStoreControl"),
     "DEFAULT_HOST": ("fastsync.control", "DEFAULT_HOST"),
+    "job_secret": ("fastsync.security", "job_secret"),
+    "SECRET_ENV": ("fastsync.security", "SECRET_ENV"),
     # planning
     "build_plan": ("fastsync.plan.planner", "build_plan"),
     "Plan": ("fastsync.plan.types", "Plan"),

@@ -6,7 +6,7 @@ has a deadline, so a missing peer is a :class:`~fastsync.errors.SyncError` namin
 hang.
 
 :class:`ControlPlane` is the interface; :class:`TCPStoreControl` backs it with fastsync's own
-authenticated, encrypted store (bound to 127.0.0.1 by default; see :mod:`fastsync.control_store`)
+authenticated, encrypted store (bound to 127.0.0.1 by default; see :mod:`fastsync.store.wire`)
 for standalone use. Host adapters (Ray-based verl / OpenRLHF) can back it with a Ray actor by
 implementing the four abstract methods (and setting ``secret``, the job secret the NIXL
 notifications and engine requests are signed with).
@@ -25,7 +25,7 @@ import struct
 import time
 from abc import ABC, abstractmethod
 
-from fastsync.control_store import (ABSENT, ADD, CMPSET, DEFAULT_MAX_VALUE_BYTES, DELETE, GET, SET, KVState,
+from fastsync.store.wire import (ABSENT, ADD, CMPSET, DEFAULT_MAX_VALUE_BYTES, DELETE, GET, SET, KVState,
                                     StoreClient, StoreServer)
 from fastsync.errors import ConfigError, SyncError, TransportError
 from fastsync.security import job_secret
@@ -101,7 +101,7 @@ class ControlPlane(ABC):
 
 class TCPStoreControl(ControlPlane):
     """:class:`ControlPlane` on fastsync's authenticated key/value store
-    (:mod:`fastsync.control_store`): it listens on ``host`` only (127.0.0.1 by default), talks only
+    (:mod:`fastsync.store.wire`): it listens on ``host`` only (127.0.0.1 by default), talks only
     to clients holding the job ``secret`` (see :mod:`fastsync.security`), and encrypts every
     message, so agent metadata, addresses and plans never cross the network in the clear.
     (The name is kept from when it wrapped ``torch.distributed.TCPStore``.)
@@ -163,7 +163,7 @@ class TCPStoreControl(ControlPlane):
     def store(self) -> object:
         """A ``torch.distributed.Store`` on this connection (for ``init_process_group``)."""
         if self._store is None:
-            from fastsync.control_torch import TorchStore
+            from fastsync.store.torch_store import TorchStore
 
             self._store = TorchStore(self.backend, self.timeout_s)
         return self._store

@@ -19,7 +19,8 @@ import fastsync
 #: packages in the same layer do not import each other. A new package must be placed here.
 LAYERS: list[tuple[str, ...]] = [
     ("errors",),
-    ("hookspecs",),  # pluggy markers and specs; types of layout/plan only under TYPE_CHECKING
+    ("hookspecs", "security"),  # pluggy markers and specs (types only under TYPE_CHECKING); the job secret
+    ("store",),  # the control store's authenticated wire and its torch.distributed.Store
     ("control", "plugins"),  # control-plane store; plugin manager and registries
     ("layout",),  # boxes, trainer/engine layouts, name-map types, spec strings, wire format
     ("models", "plan", "moe"),  # parameter inventories; the planner; MoE layer swaps

@@ -38,7 +38,7 @@ def receiver(port: int) -> None:
     from fastsync.bench.model import reference_tensors
     from fastsync.control import TCPStoreControl
     from fastsync.errors import SyncError
-    from fastsync.executor.receiver import WeightReceiver
+    from fastsync.sync.receiver import WeightReceiver
     from fastsync.executor.staging import Landing, as_bytes
 
     control = TCPStoreControl.client(port, timeout_s=TIMEOUT_S)
@@ -87,7 +87,7 @@ def sender(port: int) -> None:
     """Write the versions the test asks for (``t/send/{v}``) until ``t/stop``."""
     from fastsync.bench.model import trainer_buffers
     from fastsync.control import TCPStoreControl
-    from fastsync.executor.sender import WeightSender
+    from fastsync.sync.sender import WeightSender
 
     control = TCPStoreControl.client(port, timeout_s=TIMEOUT_S)
     model = _model()
@@ -99,7 +99,7 @@ def sender(port: int) -> None:
     sign_version = 0
     while control.try_get("t/stop") is None:
         raw = control.try_get("t/send/next")
-        if raw is None or int(raw) <= tx.attempted:
+        if raw is None or int(raw) <= tx.versions.attempted:
             time.sleep(0.01)
             continue
         v = int(raw)
