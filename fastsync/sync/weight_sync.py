@@ -86,7 +86,7 @@ class WeightSync:
     Example::
 
         model = fully_shard(AutoModelForCausalLM.from_pretrained(path), mesh=mesh)
-        control = TCPStoreControl.client(port)
+        control = TCPStoreControl.client(port, secret=secret)  # port and job secret from the launcher
         engines = [RemoteEngine(control)] if rank == 0 else []
         ws = WeightSync(model, rank=rank, world_size=world, control=control, engines=engines)
         ws.setup()                          # once: layouts, plan, memory registration

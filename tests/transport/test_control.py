@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -61,3 +62,16 @@ def test_barrier(server: TCPStoreControl) -> None:
 def test_client_needs_a_port() -> None:
     with pytest.raises(ConfigError):
         TCPStoreControl.client(0)
+
+
+def test_job_secret_sources_and_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fastsync.security import SECRET_ENV, job_secret
+
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    with pytest.raises(ConfigError, match="no job secret.*FASTSYNC_JOB_SECRET"):
+        job_secret()
+    with pytest.raises(ConfigError, match="3 bytes; at least 16"):
+        job_secret("abc")
+    assert job_secret("ab" * 16) == bytes.fromhex("ab" * 16)  # hex
+    made = job_secret(create=True)  # the store's process: a fresh one, exported for its children
+    assert len(made) == 32 and job_secret() == made and os.environ[SECRET_ENV] == made.hex()
