@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("errors",),
     ("hookspecs", "security"),  # pluggy markers and specs (types only under TYPE_CHECKING); the job secret
     ("store",),  # the control store's authenticated wire and its torch.distributed.Store
-    ("control", "plugins"),  # control-plane store; plugin manager and registries
+    ("control", "plugins", "trace"),  # control-plane store; plugin manager and registries; spans, trace files, plots, progress
     ("layout",),  # boxes, trainer/engine layouts, name-map types, spec strings, wire format
     ("models", "plan", "moe"),  # parameter inventories; the planner; MoE layer swaps
     ("executor",),  # data-plane primitives: programs, packing, staging, transforms, pipeline

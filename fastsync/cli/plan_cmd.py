@@ -18,7 +18,9 @@ import json
 import time
 from pathlib import Path
 
+from fastsync.cli import plan_outputs
 from fastsync.errors import ConfigError
+from fastsync.trace.progress import Steps, auto
 
 __all__ = ["add_parser", "run", "plan_report"]
 
@@ -38,6 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="split transfers larger than this many MiB into chunks (default: no split)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--save", metavar="PATH", default=None, help="write the serialised plan to PATH")
+    plan_outputs.add_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -68,22 +71,34 @@ def plan_report(args: argparse.Namespace) -> dict:
         max_bytes = int(args.max_transfer_mb * (1 << 20))
         if max_bytes <= 0:
             raise ConfigError(f"--max-transfer-mb {args.max_transfer_mb} is under one byte")
+    plan_outputs.check_arguments(args)
+    steps = Steps(6, enabled=auto(json=getattr(args, "json", False)), desc="fastsync plan")
     t0, c0 = time.perf_counter(), time.process_time()
+    steps.next(f"inventory of {args.model}")
     inv = load_inventory(args.model)
+    steps.next("layouts")
     trainer = trainer_layout_from_spec(args.trainer, inv)
     engine = engine_layout_from_spec(args.rollout, inv, dtype_out=args.dtype_out)
     t1 = time.perf_counter()
     # a tied lm_head is the embedding: the engine reads it once, under the embedding's name
     tied = {"lm_head.weight"} if inv.tied_embeddings else set()
+    steps.next(f"planning {len(inv.params)} parameters onto {engine.world_size} engine ranks")
     plan = build_plan(inv.params, trainer, engine, max_transfer_bytes=max_bytes, allow_unread=tied)
+    steps.next(f"hashing {len(plan.transfers)} transfers")
     digest = plan_hash(plan)
     t2, c2 = time.perf_counter(), time.process_time()
+    steps.next("simulating")
+    events: list[dict] | None = [] if getattr(args, "trace", None) else None
     sim = simulate(plan, nic_gbps=args.nic_gbps, intra_node_gbps=args.intra_node_gbps,
-                   gpus_per_node=args.gpus_per_node)
+                   gpus_per_node=args.gpus_per_node, on_event=None if events is None else events.append)
     base = rank0_baseline(inv.params, engine.world_size, nic_gbps=args.nic_gbps, num_trainers=trainer.world_size,
                           intra_node_gbps=args.intra_node_gbps, gpus_per_node=args.gpus_per_node)
     if args.save:
         Path(args.save).write_text(plan.dumps())
+    steps.next("writing the trace / figure")
+    files = plan_outputs.write_outputs(args, plan, sim, events, f"{inv.name}: {args.trainer} -> {args.rollout}, "
+                                       f"{args.nic_gbps:g} Gb/s per GPU")
+    steps.close()
     return {
         "model": inv.name,
         "architecture": inv.architecture,
@@ -119,6 +134,7 @@ def plan_report(args: argparse.Namespace) -> dict:
         "plan_hash": digest,
         "unread_params": plan.meta["unread_params"],
         "saved_to": args.save,
+        **files,
     }
 
 
@@ -151,6 +167,9 @@ def run(args: argparse.Namespace) -> int:
         rows.append(("not sent (tied)", ", ".join(r["unread_params"])))
     if r["saved_to"]:
         rows.append(("saved", r["saved_to"]))
+    for key, what in (("trace_file", "trace"), ("plot_file", "figure")):
+        if r.get(key):
+            rows.append((what, r[key]))
     for k, v in rows:
         print(f"{k:20} {v}")
     return 0

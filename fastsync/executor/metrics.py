@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from collections.abc import Iterator
+
+from fastsync.trace.recorder import new_spans, now_ns
 
 __all__ = ["SyncMetrics"]
 
@@ -14,7 +17,8 @@ __all__ = ["SyncMetrics"]
 class SyncMetrics:
     """What one rank saw of one sync. ``stages`` accumulate seconds; ``bytes_per_link`` is keyed
     ``"t{src}->r{dst}"``. ``start``/``end`` are wall-clock (``time.time()``) so ranks on one host
-    can be lined up."""
+    can be lined up. ``spans`` (only while :func:`fastsync.trace.enable` is on, else None) keeps
+    every stage as ``{name, ts_ns, dur_ns, thread}`` for a trace (``fastsync.trace.chrome``)."""
 
     version: int
     role: str
@@ -26,6 +30,7 @@ class SyncMetrics:
     bytes_per_link: dict[str, int] = field(default_factory=dict)
     ok: bool = False
     error: str = ""
+    spans: list[dict] | None = field(default_factory=new_spans)
 
     @property
     def seconds(self) -> float:
@@ -36,11 +41,20 @@ class SyncMetrics:
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
+        if self.spans is None:
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
+                self.add(name, time.perf_counter() - t0)
+            return
+        s0 = now_ns()
         try:
             yield
         finally:
-            self.add(name, time.perf_counter() - t0)
+            dur = now_ns() - s0
+            self.add(name, dur / 1e9)
+            self.spans.append({"name": name, "ts_ns": s0, "dur_ns": dur, "thread": threading.current_thread().name})
 
     def to_json(self) -> dict:
         return {
@@ -55,4 +69,5 @@ class SyncMetrics:
             "bytes_per_link": dict(self.bytes_per_link),
             "ok": self.ok,
             "error": self.error,
+            **({"spans": list(self.spans)} if self.spans is not None else {}),
         }

@@ -82,9 +82,8 @@ def run_pipelined(
                     while not drained[j].wait(0.01):
                         if stop.is_set():
                             return
-                t0 = time.perf_counter()
-                pack(c)
-                metrics.add("pack", time.perf_counter() - t0)
+                with metrics.stage("pack"):
+                    pack(c)
                 packed[k].set()
         except BaseException as e:  # handed to the main thread, which raises it
             failed.append(e)

@@ -27,7 +27,7 @@ intra-node gather time) + per_transfer_s + sync_overhead_s``.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 
 from fastsync.errors import ConfigError
@@ -81,8 +81,10 @@ def simulate(
     efficiency: float = 0.95,
     per_transfer_s: float = 2e-6,
     sync_overhead_s: float = 50e-6,
+    on_event: Callable[[dict], None] | None = None,
 ) -> SimResult:
-    """Predict one sync of ``plan``; see the module docstring for the model."""
+    """Predict one sync of ``plan``; see the module docstring for the model. ``on_event`` receives
+    the schedule behind the prediction (``fastsync.plan.timeline``: slices per NIC, counters)."""
     _check_bw("nic_gbps", nic_gbps)
     _check_bw("intra_node_gbps", intra_node_gbps)
     if gpus_per_node <= 0 or not 0 < efficiency <= 1:
@@ -132,6 +134,12 @@ def simulate(
     elif gather_s > nic_s:
         bottleneck = "intra-node gathers"
     predicted = max(nic_s, gather_s, chain_s) + per_transfer_s + sync_overhead_s
+    if on_event is not None:
+        from fastsync.plan.timeline import emit_timeline
+
+        emit_timeline(on_event, plan, bw=bw, intra=intra, per_transfer_s=per_transfer_s, sync_overhead_s=sync_overhead_s,
+                      predicted_s=predicted, posts=posts, out_nic=out_nic, in_nic=in_nic, in_intra=in_intra,
+                      out_intra=out_intra, gpus_per_node=gpus_per_node)
 
     smax, smean, sbal = _balance(send)
     rmax, rmean, rbal = _balance(recv)

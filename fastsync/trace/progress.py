@@ -1,0 +1,93 @@
+"""Progress on stderr for commands that can take more than a couple of seconds.
+
+Shown only when stderr is a terminal and the command is not printing JSON (``--json``), so logs,
+pipes and CI see nothing; drawn with tqdm when it is installed (a dependency of vLLM and
+huggingface_hub, pinned in requirements/lock.txt), else not at all.
+
+Example::
+
+    with Steps(["layouts", "plan", "simulate"], enabled=auto(json=args.json)) as steps:
+        steps.next("building layouts")   # before each step
+        ...
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+__all__ = ["auto", "Steps", "Counter"]
+
+
+def auto(*, json: bool = False, stream: TextIO | None = None, force: bool | None = None) -> bool:
+    """Whether to draw progress: ``force`` if given, else stderr is a TTY and not ``--json``."""
+    if force is not None:
+        return force
+    s = stream if stream is not None else sys.stderr
+    return not json and bool(getattr(s, "isatty", lambda: False)())
+
+
+def _tqdm(**kw: Any) -> Any:
+    try:
+        from tqdm import tqdm
+    except ImportError:  # progress is a nicety: without tqdm, nothing is drawn
+        return None
+    return tqdm(**kw)
+
+
+class Steps:
+    """A bar over named steps; ``next(text)`` starts the next one (elapsed time shown)."""
+
+    def __init__(self, steps: Sequence[str] | int, *, enabled: bool, desc: str = "", stream: TextIO | None = None) -> None:
+        total = steps if isinstance(steps, int) else len(steps)
+        self._bar = _tqdm(total=total, desc=desc, file=stream or sys.stderr, leave=False, dynamic_ncols=True,
+                          bar_format="{desc} [{n_fmt}/{total_fmt}] {elapsed}") if enabled else None
+        self._started = False
+        self.desc = desc
+
+    def next(self, text: str) -> None:
+        if self._bar is None:
+            return
+        if self._started:
+            self._bar.update(1)
+        self._started = True
+        self._bar.set_description_str(f"{self.desc}: {text}" if self.desc else text)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def __enter__(self) -> "Steps":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Counter:
+    """A bar over ``total`` units (``update(n, text)``), for loops with a known length."""
+
+    def __init__(self, total: int, *, enabled: bool, desc: str = "", unit: str = "it",
+                 stream: TextIO | None = None) -> None:
+        self._bar = _tqdm(total=total, desc=desc, unit=unit, file=stream or sys.stderr, leave=False,
+                          dynamic_ncols=True) if enabled else None
+
+    def update(self, n: int = 1, text: str | None = None) -> None:
+        if self._bar is None:
+            return
+        if text is not None:
+            self._bar.set_postfix_str(text, refresh=False)
+        self._bar.update(n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def __enter__(self) -> "Counter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
