@@ -18,9 +18,11 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from fastsync.bench.model import BenchModel, build_bench_model
+from fastsync.bench.trace_out import write_bench_trace
 from fastsync.bench.workers import WorkerConfig, receiver_main, trainer_main
 from fastsync.control import TCPStoreControl
 from fastsync.errors import SyncError
+from fastsync.trace.progress import Steps
 
 __all__ = ["Cluster", "run_bench", "summarize", "make_schedule"]
 
@@ -192,21 +194,40 @@ class _Progress:
 
 
 def run_bench(cfg: WorkerConfig, transports: list[str], steps: int, warmup: int = 1,
-              progress: bool | None = None) -> dict:
-    """Run the benchmark end to end; returns the JSON-able result."""
+              progress: bool | None = None, trace_file: str | None = None, plot_file: str | None = None) -> dict:
+    """Run the benchmark end to end; returns the JSON-able result. With ``trace_file`` /
+    ``plot_file`` (``cfg.trace`` on) also writes the measured trace / its timeline figure."""
     schedule = make_schedule(transports, steps, warmup)
     num_procs = cfg.trainers + cfg.rollouts
     label = {v: name for name, v, _ in schedule}
-    bar = _Progress(len(schedule), sys.stderr, sys.stderr.isatty() if progress is None else progress)
+    show = sys.stderr.isatty() if progress is None else progress
+    bar = _Progress(len(schedule), sys.stderr, show)
+    setup = Steps(3, enabled=show, desc="fastsync bench set-up")
+    setup.next("building the model and the plan")
+
+    def on_row(r: dict) -> None:
+        if r.get("kind") == "setup":
+            setup.next(f"transport set-up ({r['transport']}, {r['role']} {r['rank']})")
+        if r.get("kind") == "sync":
+            setup.close()
+        bar(r, num_procs, label)
+
     t0 = time.monotonic()
     with Cluster(cfg) as cluster:
+        setup.next(f"starting {num_procs} worker processes")
         cluster.start(schedule)
         per_sync = cfg.timeout_s
-        rows = cluster.collect(lambda rs: sum(r.get("kind") == "exit" for r in rs) == num_procs,
-                               timeout_s=120 + per_sync * len(schedule),
-                               on_row=lambda r: bar(r, num_procs, label))
+        try:
+            rows = cluster.collect(lambda rs: sum(r.get("kind") == "exit" for r in rs) == num_procs,
+                                   timeout_s=120 + per_sync * len(schedule), on_row=on_row)
+        finally:
+            setup.close()
         model = cluster.model
     result = summarize(rows, schedule, warmup, model, num_procs)
+    files = {"trace_file": trace_file, "plot_file": plot_file}
+    if trace_file is not None or plot_file is not None:
+        write_bench_trace(trace_file, rows, schedule, plot=plot_file, warmup=warmup,
+                          title=f"{model.description}: {cfg.trainers} trainer -> {cfg.rollouts} engine processes")
     base = (result.get("rank0") or {}).get("seconds_median")
     speedup = {n: (base / r["seconds_median"]) if base and r["seconds_median"] else None
                for n, r in result.items() if n != "rank0"}
@@ -230,4 +251,5 @@ def run_bench(cfg: WorkerConfig, transports: list[str], steps: int, warmup: int 
         "speedup_vs_rank0": speedup.get(default) if default != "rank0" else 1.0,
         "speedup_vs_rank0_all": speedup,
         "wall_seconds": time.monotonic() - t0,
+        **files,
     }

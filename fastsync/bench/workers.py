@@ -40,11 +40,16 @@ class WorkerConfig:
     rank0_bucket_bytes: int = 256 << 20
     fp8: bool = False  # engine holds block-FP8 weights + scales (the plan then has owner gathers)
     device: str = "cpu"  # where trainer shards and engine tensors live ("cuda": VRAM on the one GPU)
+    trace: bool = False  # record every phase as a span (rows then carry "spans": fastsync bench --trace)
 
 
 def _env(cfg: WorkerConfig) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    if cfg.trace:
+        from fastsync.trace import enable
+
+        enable()
     import torch
 
     torch.set_num_threads(cfg.torch_threads)

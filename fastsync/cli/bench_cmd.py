@@ -8,6 +8,7 @@ import json
 import sys
 
 from fastsync.errors import ConfigError
+from fastsync.trace.progress import auto
 
 TRANSPORT_ORDER = ("rank0", "torch", "nixl")
 
@@ -31,7 +32,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--check-exact", action="store_true",
                    help="also compare every receiver's tensors with an independent reference (slow, small models)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--progress", choices=("auto", "on", "off"), default="auto", help="progress bar on stderr")
+    p.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
+                   help="progress on stderr (auto: when stderr is a terminal and not --json)")
+    p.add_argument("--trace", metavar="FILE.json", default=None,
+                   help="write every process's measured phases as Chrome trace-event JSON (ui.perfetto.dev)")
+    p.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="write a timeline figure of the measured phases (.png, .svg or .pdf)")
     p.set_defaults(func=run)
 
 
@@ -65,14 +71,18 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.warmup < 0:
         raise ConfigError("--steps must be >= 1 and --warmup >= 0")
     transports = _transports(args.transport)
+    from fastsync.cli.plan_outputs import check_arguments
+
+    check_arguments(args)
     cfg = WorkerConfig(
         trainers=args.trainers, rollouts=args.rollouts, port=0,
         size_bytes=int(args.size_gb * (1 << 30)) if args.size_gb is not None else None, preset=args.model,
         staging_bytes=args.staging_mb << 20, timeout_s=args.timeout, mode=args.mode, check_exact=args.check_exact,
-        fp8=args.fp8,
+        fp8=args.fp8, trace=bool(args.trace or args.plot),
     )
-    progress = None if args.progress == "auto" else args.progress == "on"
-    result = run_bench(cfg, transports, steps=args.steps, warmup=args.warmup, progress=progress)
+    progress = auto(json=args.json, force=None if args.progress == "auto" else args.progress == "on")
+    result = run_bench(cfg, transports, steps=args.steps, warmup=args.warmup, progress=progress,
+                       trace_file=args.trace, plot_file=args.plot)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -103,3 +113,6 @@ def print_table(result: dict, out=sys.stdout) -> None:
         for e in r["errors"][:3]:
             print(f"{'':10} error: {e}", file=out)
     print("(prepare_between_syncs: in-place backup refresh, done between syncs while trainers train)", file=out)
+    for key, what in (("trace_file", "trace"), ("plot_file", "figure")):
+        if result.get(key):
+            print(f"{what}: {result[key]}", file=out)

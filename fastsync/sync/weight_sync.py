@@ -105,6 +105,10 @@ class WeightSync:
     (on every rank, the same number of times) uses its own keys, so a retried set-up never reads
     an earlier one's plan or error; a second WeightSync on the same control plane needs another
     name. A version number is spent once :meth:`sync` tried it: retry a failed sync with a newer one.
+
+    ``trace_dir`` (an existing folder): each rank writes ``trainer{rank}.json`` there after every
+    sync, a Chrome trace of its phases and, on rank 0, its engines' (``fastsync.sync.trace_dir``;
+    merge with ``merge_trace_dir``, open in ui.perfetto.dev). Turns span recording on in the process.
     """
 
     def __init__(
@@ -123,6 +127,7 @@ class WeightSync:
         sources: dict[str, torch.Tensor] | None = None,
         verify: bool = False,
         control_port: int | None = None,
+        trace_dir: str | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ConfigError(f"trainer rank {rank} outside world size {world_size}")
@@ -156,6 +161,11 @@ class WeightSync:
         self._setups = 0
         self.engine_info: list[list[dict]] = []
         self.setup_s = 0.0
+        self._trace = None
+        if trace_dir is not None:  # every sync's phases, this rank's and its engines', as a Chrome trace
+            from fastsync.sync.trace_dir import TraceDir
+
+            self._trace = TraceDir(trace_dir, rank)
 
     # ---- set-up ---------------------------------------------------------------------------
     def _trainer_layout(self) -> tuple[TrainerLayout, dict[str, torch.Tensor]]:
@@ -262,6 +272,8 @@ class WeightSync:
                    "control_secret": secret.hex() if secret else None,
                    "transport_options": self.transport_options, "timeout_s": self.timeout_s,
                    "verify": self.verify, "control_prefix": getattr(self.control, "prefix", "fs")}
+        if self._trace is not None:
+            options["trace"] = True
         self.control.set(setup_plan_key(self.name, self._setups), plan_json)
         try:
             for h in self.engines:
@@ -309,6 +321,9 @@ class WeightSync:
                 results.append(h.wait_update(tok, timeout))
             except BaseException as e:
                 err = err or e
+        if self._trace is not None:
+            self._trace.record(metrics or (self.sender.last_metrics.to_json() if self.sender.last_metrics else {}),
+                               results)
         if err is not None:
             raise err
         self.version = version

@@ -67,17 +67,24 @@ def plot_nic_bytes(path: str | Path, *, send_bytes: Sequence[int], recv_bytes: S
     return Path(path)
 
 
-def plot_timeline(path: str | Path, trace: Mapping[str, Any], *, title: str = "", max_rows: int = 24) -> Path:
+def plot_timeline(path: str | Path, trace: Mapping[str, Any], *, title: str = "", max_rows: int = 24,
+                  versions: Sequence[int] | None = None) -> Path:
     """Draw a trace's slices as horizontal bars, one row per (rank, thread), at most ``max_rows``
-    rows (the first ranks of each role; the rest are counted in the title)."""
+    rows (the first ranks of each role; the rest are counted in the title). ``versions``: only the
+    slices of these syncs (a measured trace's ``args.version``), times from the first one's start."""
     plt = _pyplot(path)
     names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
                if e["ph"] == "M" and e["name"] == "thread_name"}
     rows: dict[tuple[int, int], list[dict]] = defaultdict(list)
-    for e in trace["traceEvents"]:
-        if e["ph"] == "X":
-            rows[(e["pid"], e["tid"])].append(e)
+    keep = set(versions) if versions is not None else None
+    xs = [e for e in trace["traceEvents"]
+          if e["ph"] == "X" and (keep is None or (e.get("args") or {}).get("version") in keep)]
+    if not xs:
+        raise ConfigError(f"figure {path}: no slices to draw" + (f" for versions {sorted(keep)}" if keep else ""))
+    t0 = min(e["ts"] for e in xs)
+    for e in xs:
+        rows[(e["pid"], e["tid"])].append({**e, "ts": e["ts"] - t0})
     keys = sorted(rows)
     shown, hidden = keys[:max_rows], len({p for p, _ in keys[max_rows:]} - {p for p, _ in keys[:max_rows]})
     phases = sorted({_phase(e["name"]) for k in shown for e in rows[k]})
@@ -96,8 +103,8 @@ def plot_timeline(path: str | Path, trace: Mapping[str, Any], *, title: str = ""
     ax.invert_yaxis()
     ax.set_xlabel("ms")
     handles = [plt.Rectangle((0, 0), 1, 1, color=colour[p]) for p in phases]
-    ax.legend(handles, phases, fontsize=7, ncol=min(4, max(1, len(phases))), loc="upper center",
-              bbox_to_anchor=(0.5, -0.18 if len(shown) > 6 else -0.35), frameon=False)
+    ax.legend(handles, phases, fontsize=7, ncol=1 if len(phases) <= max(8, len(shown)) else 2,
+              loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     more = f" (+{hidden} more ranks)" if hidden else ""
     if title or more:
         ax.set_title(title + more, fontsize=10)

@@ -62,6 +62,7 @@ from fastsync.engines.vllm.layout import (
 )
 from fastsync.layout.types import EngineTensor
 from fastsync.layout.wire import engine_tensors_to_json
+from fastsync.trace.recorder import now_ns
 
 __all__ = ["FastSyncWorkerExtension", "ensure_amx_permission", "EngineLanding", "EXTENSION"]
 
@@ -144,6 +145,7 @@ class _State:
         # final so a failure anywhere before it can put the previous ones back
         self.undo: list[_ModuleState] = []
         self.postprocess_s = 0.0
+        self.postprocess_ns = 0  # when the last post-processing (repack) began, for a trace
 
 
 class _ModuleState:
@@ -264,11 +266,15 @@ class FastSyncWorkerExtension:
 
         st = self._fastsync_state()
         unknown = set(options) - {"control_port", "control_host", "control_prefix", "control_secret", "transport",
-                                  "transport_options", "timeout_s", "verify"}
+                                  "transport_options", "timeout_s", "verify", "trace"}
         if unknown:
             raise ConfigError(f"fastsync_connect: unknown option(s) {sorted(unknown)}")
         if "control_port" not in options:
             raise ConfigError("fastsync_connect: options need 'control_port' (the TCPStore the trainers use)")
+        if options.get("trace"):  # WeightSync(trace_dir=...): finish() returns this rank's phases ("sync")
+            from fastsync.trace import enable
+
+            enable()
         last_attempted = st.version
         if st.receiver is not None:
             old, st.receiver = st.receiver, None  # never left pointing at a closed receiver
@@ -363,6 +369,12 @@ class FastSyncWorkerExtension:
         total = time.perf_counter() - t0
         st.last = {"rank": st.rank, "version": version, "wait_s": t_wait,
                    "finish_s": total - t_wait - st.postprocess_s, "postprocess_s": st.postprocess_s, "total_s": total}
+        m = rx.last_metrics
+        if m is not None and m.spans is not None:  # tracing: the phases, the repack inside "apply"
+            apply_thread = next((s["thread"] for s in m.spans if s["name"] == "apply"), "repack")
+            repack = [{"name": "repack", "ts_ns": st.postprocess_ns, "dur_ns": int(st.postprocess_s * 1e9),
+                       "thread": apply_thread}] if st.postprocess_ns else []
+            st.last["sync"] = {**m.to_json(), "spans": m.spans + repack}
         return st.last
 
     def fastsync_update(self, version: int, timeout_s: float = 60.0) -> dict:
@@ -401,6 +413,7 @@ class FastSyncWorkerExtension:
         ones, so a failure at any layer puts every layer back as it was (the previous packed
         weights stay alive until the flip is final: transiently one more copy of them) and is
         reported as SyncError, which makes the receiver roll back and keep the old version."""
+        st.postprocess_ns = now_ns()
         t0 = time.perf_counter()
         name = ""
         try:
