@@ -42,8 +42,9 @@ def write_outputs(args: argparse.Namespace, plan: Any, sim: Any, events: list[di
                                 lower_bound_seconds=sim.lower_bound_seconds, bottleneck=sim.bottleneck)
         for ev in events or []:
             if ev["kind"] == "slice":
-                b.slice(ev["role"], ev["rank"], ev["thread"], ev["name"], round(ev["start_s"] * 1e9),
-                        round(ev["dur_s"] * 1e9), ev["args"])
+                start = round(ev["start_s"] * 1e9)  # end rounded too: back-to-back slices stay so
+                b.slice(ev["role"], ev["rank"], ev["thread"], ev["name"], start,
+                        round((ev["start_s"] + ev["dur_s"]) * 1e9) - start, ev["args"])
             else:
                 b.counter(ev["name"], round(ev["t_s"] * 1e9), ev["values"])
         out["trace_file"] = str(chrome.write(args.trace, b.build(origin_ns=0)))
