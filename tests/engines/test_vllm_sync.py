@@ -245,6 +245,44 @@ def test_generation_is_fenced_until_the_flip(rig):
     assert rig.engine.version() == v
 
 
+def test_trace_dir_writes_each_ranks_phases_and_the_engines(rig, tmp_path):
+    """WeightSync(trace_dir=...): one file per trainer rank, merged onto one clock: both trainer
+    ranks' phases and every engine rank's (wait, apply with the CPU-kernel repack inside)."""
+    from fastsync.sync.trace_dir import merge_trace_dir
+    from fastsync.trace import chrome, enable
+
+    ws = [WeightSync(rank=r, world_size=2, control=rig.control.with_prefix("traced"),
+                     engines=[rig.engine] if r == 0 else [], transport="nixl", timeout_s=TIMEOUT_S, layout=rig.layout,
+                     sources=rig.sources[r], name="traced", control_port=rig.control.port, trace_dir=str(tmp_path))
+          for r in range(2)]
+    try:
+        run_ranks([lambda r=r: ws[r].setup() for r in range(2)])
+        rig.step(seed=7)
+        rig.version += 1
+        res = run_ranks([lambda r=r: ws[r].sync(rig.version, timeout_s=TIMEOUT_S) for r in range(2)])
+        assert rig.engine_tokens() == rig.hf_tokens()
+        merged = chrome.load(merge_trace_dir(tmp_path))
+    finally:
+        for w in ws:
+            w.close()
+        enable(False)
+    workers = res[0].engines[0]
+    names = chrome.process_names(merged)
+    assert sorted(names.values()) == sorted([f"engine rank {w['rank']}" for w in workers]
+                                            + ["trainer rank 0", "trainer rank 1"])
+    xs = [e for e in merged["traceEvents"] if e["ph"] == "X"]
+    tops = {names[e["pid"]]: e for e in xs if e["name"] == f"v{rig.version} nixl"}
+    for r in range(2):
+        assert tops[f"trainer rank {r}"]["dur"] / 1e6 == pytest.approx(res[r].metrics["seconds"], rel=0.05, abs=2e-4)
+    for w in workers:
+        mine = [e for e in xs if names[e["pid"]] == f"engine rank {w['rank']}"]
+        phases = {e["name"]: e for e in mine}
+        assert {"backup", "wait", "apply", "repack"} <= set(phases)
+        apply, repack = phases["apply"], phases["repack"]
+        assert apply["ts"] - 1 <= repack["ts"] and repack["ts"] + repack["dur"] <= apply["ts"] + apply["dur"] + 1
+        assert repack["dur"] / 1e6 == pytest.approx(w["postprocess_s"], rel=0.05, abs=1e-4)
+
+
 def test_failed_connect_leaves_no_half_set_up_receiver(rig):
     """Runs last: it drops the rig's receiver. A connect that fails after the old receiver was
     closed must leave the worker unconnected (a clear SyncError), not holding a dead receiver."""
