@@ -12,6 +12,7 @@ import argparse
 import json
 
 from fastsync.errors import ConfigError
+from fastsync.trace.progress import auto
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -42,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
     log = (lambda *_: None) if quiet else print
     rep = run_demo(model_dir=args.model, preset=args.preset, num_trainers=args.trainers, workdir=args.workdir,
                    max_tokens=args.max_tokens, transport=args.transport, baseline=not args.no_baseline,
-                   repeats=args.repeats, tp=args.tp, timeout_s=args.timeout, dtype=args.dtype, log=log)
+                   repeats=args.repeats, tp=args.tp, timeout_s=args.timeout, dtype=args.dtype, log=log,
+                   progress=auto(json=args.json))
     s = summarize(rep)
     if args.json:
         print(json.dumps({"summary": s, "report": rep}, default=str))

@@ -203,14 +203,20 @@ def trainer_main(rank: int, world: int, port: int, model_dir: str, opts: dict, o
 def run_demo(*, model_dir: str | None = None, preset: str = "small-qwen3-moe", num_trainers: int = 2,
              workdir: str | None = None, prompts: list[list[int]] | None = None, max_tokens: int = 8,
              transport: str = "nixl", baseline: bool = True, repeats: int = 3, tp: int = 1,
-             fsdp: bool = True, timeout_s: float = 120.0, dtype: str = "float32", log: Any = print) -> dict:
-    """Run the whole demo; returns trainer rank 0's report plus engine start time."""
+             fsdp: bool = True, timeout_s: float = 120.0, dtype: str = "float32", log: Any = print,
+             progress: bool = False) -> dict:
+    """Run the whole demo; returns trainer rank 0's report plus engine start time. ``progress``:
+    name the step under way on stderr (checkpoint, engine start, trainers)."""
     from fastsync.control import TCPStoreControl
     from fastsync.demo.checkpoints import build_tiny_checkpoint
     from fastsync.errors import ConfigError, SyncError
 
     if not 1 <= num_trainers <= 8:
         raise ConfigError(f"num_trainers must be 1..8, got {num_trainers}")
+    from fastsync.trace.progress import Steps
+
+    steps = Steps(3, enabled=progress, desc="fastsync demo")
+    steps.next("building the checkpoint")
     if model_dir is None:
         base = Path(workdir or os.path.join(os.environ.get("TMPDIR", "/tmp"), "fastsync-demo"))
         model_dir = str(build_tiny_checkpoint(preset, base / preset))
@@ -235,10 +241,13 @@ def run_demo(*, model_dir: str | None = None, preset: str = "small-qwen3-moe", n
         from fastsync.engines.vllm.host import VllmEngine, serve
 
         t0 = time.perf_counter()
+        steps.next(f"starting the vLLM engine (tp={tp})")
         llm = LLM(**engine_kwargs(model_dir, tp, dtype))
         engine_start_s = time.perf_counter() - t0
         log(f"vLLM engine (tp={tp}) started in {engine_start_s:.1f} s; {num_trainers} trainer processes")
+        steps.next(f"{num_trainers} trainers: set-up, a training step, {repeats} syncs per path")
         serve(VllmEngine(llm), control, idle_timeout_s=timeout_s * 4)
+        steps.close()
         reports = [q.get(timeout=timeout_s) for _ in procs]
         for p in procs:
             p.join(timeout=30)
@@ -255,6 +264,7 @@ def run_demo(*, model_dir: str | None = None, preset: str = "small-qwen3-moe", n
         }
         return report
     finally:
+        steps.close()
         for p in procs:
             if p.is_alive():
                 p.kill()

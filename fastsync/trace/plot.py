@@ -58,10 +58,11 @@ def plot_nic_bytes(path: str | Path, *, send_bytes: Sequence[int], recv_bytes: S
         ax.set_xlabel("NIC (sorted by bytes)")
         ax.set_xlim(-0.5, max(len(ys), 1) - 0.5)
     axes[0].set_ylabel(f"GB per sync (line {nic_gbps:g} Gb/s)")
-    axes[1].legend(loc="upper right", fontsize=8)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=8, frameon=False)
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path)
     plt.close(fig)
     return Path(path)
