@@ -53,6 +53,11 @@ def _gb(n: float) -> str:
 
 def plan_report(args: argparse.Namespace) -> dict:
     """Build everything and return the report as a dict (what ``--json`` prints)."""
+    with Steps(6, enabled=auto(json=getattr(args, "json", False)), desc="fastsync plan") as steps:
+        return _plan_report(args, steps)
+
+
+def _plan_report(args: argparse.Namespace, steps: Steps) -> dict:
     from fastsync.layout.spec import engine_layout_from_spec, trainer_layout_from_spec
     from fastsync.models import load_inventory
     from fastsync.plan.fingerprint import plan_hash
@@ -72,7 +77,6 @@ def plan_report(args: argparse.Namespace) -> dict:
         if max_bytes <= 0:
             raise ConfigError(f"--max-transfer-mb {args.max_transfer_mb} is under one byte")
     plan_outputs.check_arguments(args)
-    steps = Steps(6, enabled=auto(json=getattr(args, "json", False)), desc="fastsync plan")
     t0, c0 = time.perf_counter(), time.process_time()
     steps.next(f"inventory of {args.model}")
     inv = load_inventory(args.model)
@@ -98,7 +102,6 @@ def plan_report(args: argparse.Namespace) -> dict:
     steps.next("writing the trace / figure")
     files = plan_outputs.write_outputs(args, plan, sim, events, f"{inv.name}: {args.trainer} -> {args.rollout}, "
                                        f"{args.nic_gbps:g} Gb/s per GPU")
-    steps.close()
     return {
         "model": inv.name,
         "architecture": inv.architecture,

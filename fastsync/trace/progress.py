@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any, TextIO
 
@@ -37,14 +38,27 @@ def _tqdm(**kw: Any) -> Any:
 
 
 class Steps:
-    """A bar over named steps; ``next(text)`` starts the next one (elapsed time shown)."""
+    """A bar over named steps; ``next(text)`` starts the next one. The elapsed time ticks every
+    ``tick_s`` while a long step (planning Kimi-K2: ~10 s) runs, so the terminal never looks hung."""
 
-    def __init__(self, steps: Sequence[str] | int, *, enabled: bool, desc: str = "", stream: TextIO | None = None) -> None:
+    def __init__(self, steps: Sequence[str] | int, *, enabled: bool, desc: str = "", stream: TextIO | None = None,
+                 tick_s: float = 0.5) -> None:
         total = steps if isinstance(steps, int) else len(steps)
         self._bar = _tqdm(total=total, desc=desc, file=stream or sys.stderr, leave=False, dynamic_ncols=True,
                           bar_format="{desc} [{n_fmt}/{total_fmt}] {elapsed}") if enabled else None
         self._started = False
         self.desc = desc
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
+        if self._bar is not None:
+            self._ticker = threading.Thread(target=self._tick, args=(tick_s,), name="fastsync-progress", daemon=True)
+            self._ticker.start()
+
+    def _tick(self, tick_s: float) -> None:
+        while not self._stop.wait(tick_s):
+            bar = self._bar
+            if bar is not None:
+                bar.refresh()
 
     def next(self, text: str) -> None:
         if self._bar is None:
@@ -55,6 +69,10 @@ class Steps:
         self._bar.set_description_str(f"{self.desc}: {text}" if self.desc else text)
 
     def close(self) -> None:
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join(timeout=2.0)
+            self._ticker = None
         if self._bar is not None:
             self._bar.close()
             self._bar = None

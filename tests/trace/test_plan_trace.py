@@ -125,3 +125,22 @@ def test_progress_draws_on_a_terminal_and_not_otherwise(capsys) -> None:
     with Steps(2, enabled=auto(stream=quiet), stream=quiet) as s:
         s.next("x")
     assert quiet.getvalue() == ""
+
+
+def test_plan_names_its_steps_on_a_terminal(monkeypatch, capsys) -> None:
+    import io
+    import sys
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty = Tty()
+    monkeypatch.setattr(sys, "stderr", tty)
+    assert main(["plan", *CASES["bf16"]]) == 0
+    shown = tty.getvalue()
+    assert "fastsync plan: planning" in shown and "simulating" in shown
+    assert "predicted sync" in capsys.readouterr().out  # the table itself stays on stdout
+    import threading
+
+    assert not [t for t in threading.enumerate() if t.name == "fastsync-progress"]  # the ticker stopped
