@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "demo": "demo_cmd",
     "moe-bench": "moe_cmd",
     "plugins": "plugins_cmd",
+    "trace": "trace_cmd",
 }
 
 
