@@ -18,7 +18,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-__all__ = ["auto", "Steps", "Counter"]
+__all__ = ["auto", "Steps"]
 
 
 def auto(*, json: bool = False, stream: TextIO | None = None, force: bool | None = None) -> bool:
@@ -78,33 +78,6 @@ class Steps:
             self._bar = None
 
     def __enter__(self) -> "Steps":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class Counter:
-    """A bar over ``total`` units (``update(n, text)``), for loops with a known length."""
-
-    def __init__(self, total: int, *, enabled: bool, desc: str = "", unit: str = "it",
-                 stream: TextIO | None = None) -> None:
-        self._bar = _tqdm(total=total, desc=desc, unit=unit, file=stream or sys.stderr, leave=False,
-                          dynamic_ncols=True) if enabled else None
-
-    def update(self, n: int = 1, text: str | None = None) -> None:
-        if self._bar is None:
-            return
-        if text is not None:
-            self._bar.set_postfix_str(text, refresh=False)
-        self._bar.update(n)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
-
-    def __enter__(self) -> "Counter":
         return self
 
     def __exit__(self, *exc: object) -> None:
