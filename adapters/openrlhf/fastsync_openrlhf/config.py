@@ -1,0 +1,70 @@
+"""fastsync's options for OpenRLHF (``--fastsync.*``), carried to every trainer worker inside
+OpenRLHF's own ``strategy.args`` (its ``hierarchize`` turns ``--fastsync.transport`` into
+``args.fastsync.transport``)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+from typing import Any
+
+from fastsync_openrlhf._fastsync import ConfigError
+
+__all__ = ["FastSyncOptions", "add_arguments", "options_from_args"]
+
+_TRANSPORTS = ("nixl", "torch")
+_MOE_BACKENDS = ("off", "auto", "torch", "grouped_mm", "te", "deepep")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class FastSyncOptions:
+    """``enable``: sync with fastsync (False: OpenRLHF's own broadcast, unchanged). ``transport``:
+    ``nixl`` (one-sided WRITEs) or ``torch`` (gloo point-to-point; for debugging).
+    ``timeout_s``: deadline of every set-up step and sync. ``control_host``: the address trainer
+    rank 0 serves the control plane on (default: Ray's node IP). ``verify``: per-transfer checksums.
+    ``moe``: swap HF MoE blocks for fastsync's (``fastsync.moe.patch``) with this backend."""
+
+    enable: bool = True
+    transport: str = "nixl"
+    timeout_s: float = 120.0
+    control_host: str | None = None
+    verify: bool = False
+    moe: str = "off"
+
+    def validate(self) -> "FastSyncOptions":
+        if self.transport not in _TRANSPORTS:
+            raise ConfigError(f"--fastsync.transport must be one of {_TRANSPORTS}, got {self.transport!r}")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"--fastsync.timeout_s must be positive, got {self.timeout_s}")
+        if self.moe not in _MOE_BACKENDS:
+            raise ConfigError(f"--fastsync.moe must be one of {_MOE_BACKENDS}, got {self.moe!r}")
+        return self
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``--fastsync.*`` group to OpenRLHF's parser (or any parser)."""
+    g = parser.add_argument_group("fastsync", "fastsync weight sync and MoE swap (fastsync_openrlhf)")
+    g.add_argument("--fastsync.disable", dest="fastsync.enable", action="store_false", default=True,
+                   help="keep OpenRLHF's own per-parameter broadcast (no fastsync sync)")
+    g.add_argument("--fastsync.transport", choices=_TRANSPORTS, default="nixl",
+                   help="nixl: every DeepSpeed rank WRITEs its ZeRO-3 partitions into the engines (default)")
+    g.add_argument("--fastsync.timeout_s", type=float, default=120.0, help="deadline of each set-up step and sync")
+    g.add_argument("--fastsync.control_host", default=None,
+                   help="address trainer rank 0 serves fastsync's control plane on (default: Ray's node IP)")
+    g.add_argument("--fastsync.verify", action="store_true", default=False, help="per-transfer checksums")
+    g.add_argument("--fastsync.moe", choices=_MOE_BACKENDS, default="off",
+                   help="swap the actor's HF MoE blocks for fastsync's grouped-GEMM blocks with this backend")
+
+
+def options_from_args(args: Any) -> FastSyncOptions:
+    """The options from OpenRLHF's hierarchized ``args`` (``args.fastsync``); defaults when absent
+    (OpenRLHF started without the launcher)."""
+    ns = getattr(args, "fastsync", None)
+    if ns is None:
+        return FastSyncOptions()
+    known = {f.name for f in fields(FastSyncOptions)}
+    got = vars(ns)
+    unknown = set(got) - known
+    if unknown:
+        raise ConfigError(f"unknown --fastsync option(s): {sorted(unknown)}")
+    return FastSyncOptions(**got).validate()

@@ -1,0 +1,235 @@
+"""Trainer side: sync a DeepSpeed model's weights into OpenRLHF's vLLM engines with fastsync.
+
+OpenRLHF gathers every parameter whole on every rank (``GatheredParameters``) and rank 0 alone
+broadcasts it, one ``ray.get`` per parameter. Here the plan is built once from DeepSpeed's own
+partitioning: under ZeRO-3 each rank holds ``param.ds_tensor``, the flat slice
+``[r*ceil(n/N), (r+1)*ceil(n/N))`` of every parameter (the last rank's padded), which is exactly
+fastsync's ``zero3:N`` layout; under ZeRO-0/1/2 every rank holds every parameter whole
+(``replicated:N``: the planner splits the bytes among the ranks). Every rank then WRITEs its own
+bytes straight into the engines' live weights (NIXL), nothing is gathered.
+
+Order of calls (on every DeepSpeed rank, after ``optimizer.step()``)::
+
+    sync = DeepSpeedWeightSync(actor.model.module, engines=vllm_engines, zero_stage=3)
+    sync.setup()        # once (collective): layouts, plan, memory registration
+    sync.sync()         # every step: version 1, 2, ...; engines flip when every write landed
+    sync.close()
+
+Nothing here imports OpenRLHF; DeepSpeed is only read through the parameters' ``ds_*``
+attributes. The engines are ``FastSyncRolloutRayActor`` handles (:class:`RayEngine` wraps them).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from fastsync_openrlhf._fastsync import (
+    DEFAULT_HOST,
+    ConfigError,
+    LayoutError,
+    ParamSpec,
+    SyncError,
+    TCPStoreControl,
+    WeightSync,
+    raise_worker_errors,
+    replicated_layout,
+    zero3_layout,
+)
+
+__all__ = ["RayEngine", "DeepSpeedWeightSync", "zero3_sources"]
+
+log = logging.getLogger(__name__)
+
+
+class RayEngine:
+    """fastsync's engine handle (what ``WeightSync`` drives) for one ``FastSyncRolloutRayActor``.
+    ``begin_update`` submits the fenced update and returns at once; ``wait_update`` waits for it
+    with a deadline. ``control_host`` is added to the connect options (the engine's workers join
+    trainer rank 0's control plane there)."""
+
+    def __init__(self, actor: Any, *, index: int, control_host: str, timeout_s: float) -> None:
+        self.actor = actor
+        self.index = index
+        self.control_host = control_host
+        self.timeout_s = timeout_s
+        self._pending: dict[int, Any] = {}
+
+    def _get(self, ref: Any, what: str, timeout_s: float | None = None) -> Any:
+        import ray
+
+        t = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            got = ray.get(ref, timeout=t)
+        except ray.exceptions.GetTimeoutError as e:
+            raise SyncError(f"vLLM engine {self.index}: {what} did not answer within {t:.0f} s") from e
+        except ray.exceptions.RayError as e:
+            raise SyncError(f"vLLM engine {self.index}: {what} failed: {type(e).__name__}: {e}") from e
+        return raise_worker_errors(got, f"vLLM engine {self.index} {what}")
+
+    def describe(self, options: dict | None = None) -> list[dict]:
+        return self._get(self.actor.fastsync_describe.remote(options or {}), "describe")
+
+    def connect(self, plan_json: str, options: dict) -> list[dict]:
+        return self._get(self.actor.fastsync_connect.remote(plan_json, {**options, "control_host": self.control_host}),
+                         "connect")
+
+    def begin_update(self, version: int, timeout_s: float = 60.0) -> int:
+        self._pending[version] = self.actor.fastsync_update.remote(version, timeout_s)
+        return version
+
+    def wait_update(self, token: int, timeout_s: float = 60.0) -> list[dict]:
+        ref = self._pending.pop(token, None)
+        if ref is None:
+            raise SyncError(f"vLLM engine {self.index}: wait_update({token}) without begin_update")
+        return self._get(ref, f"update to version {token}", timeout_s + 30.0)
+
+    def version(self) -> int:
+        got = set(self._get(self.actor.fastsync_version.remote(), "version"))
+        if len(got) != 1:
+            raise SyncError(f"vLLM engine {self.index}: workers serve different versions {sorted(got)}")
+        return int(got.pop())
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def zero3_sources(params: dict[str, torch.nn.Parameter], rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    """Each ZeRO-3 parameter's local partition (``param.ds_tensor``), checked against the
+    ``zero3:N`` partitioning before it is planned on: LayoutError naming the parameter and rank."""
+    out: dict[str, torch.Tensor] = {}
+    for name, p in params.items():
+        part = getattr(p, "ds_tensor", None)
+        if part is None:
+            raise LayoutError(f"trainer rank {rank}: parameter {name!r} is not a ZeRO-3 parameter (no ds_tensor)")
+        numel = int(p.ds_numel)
+        want = -(-numel // world_size)
+        if part.dim() != 1 or part.numel() != want or not part.is_contiguous():
+            raise LayoutError(f"trainer rank {rank}: parameter {name!r} partition has {tuple(part.shape)}, expected a "
+                              f"contiguous [{want}] (ceil({numel}/{world_size})): not DeepSpeed ZeRO-3's flat layout")
+        out[name] = part.data
+    return out
+
+
+class DeepSpeedWeightSync:
+    """One DeepSpeed rank's end of the sync (see module doc). ``engines``: the rollout actors
+    (every rank may hold them; only rank 0 drives them). ``control_host``: where trainer rank 0
+    serves the control plane (default: Ray's node IP, 127.0.0.1 without Ray)."""
+
+    def __init__(self, module: torch.nn.Module, *, engines: list, zero_stage: int, transport: str = "nixl",
+                 timeout_s: float = 120.0, control_host: str | None = None, verify: bool = False,
+                 name: str = "openrlhf") -> None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise ConfigError("DeepSpeedWeightSync needs DeepSpeed's torch.distributed group (init it first)")
+        if not engines:
+            raise ConfigError("DeepSpeedWeightSync: no vLLM engines to sync into (--vllm.num_engines 0?)")
+        if zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"--ds.zero_stage must be 0-3, got {zero_stage}")
+        self.module = module
+        self.engines = list(engines)
+        self.zero_stage = zero_stage
+        self.transport = transport
+        self.timeout_s = timeout_s
+        self.verify = verify
+        self.name = name
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.control_host = control_host or _node_ip()
+        self.control: Any = None
+        self.ws: WeightSync | None = None
+        self.version = 0
+        self._ptrs: dict[str, int] = {}
+        self._setups = 0
+        self.setup_s = 0.0
+
+    def _layout(self) -> tuple[Any, dict[str, torch.Tensor]]:
+        params = dict(self.module.named_parameters())
+        if self.zero_stage == 3:
+            specs = {n: ParamSpec(n, tuple(int(d) for d in p.ds_shape), _dtype(p)) for n, p in params.items()}
+            return zero3_layout(specs, self.world_size), zero3_sources(params, self.rank, self.world_size)
+        specs = {n: ParamSpec(n, tuple(p.shape), _dtype(p)) for n, p in params.items()}
+        return replicated_layout(specs, self.world_size), {n: p.data for n, p in params.items()}
+
+    def _control(self) -> Any:
+        """Trainer rank 0 serves a TCPStore; its port reaches the other ranks over DeepSpeed's group."""
+        import torch.distributed as dist
+
+        if self.control is not None:
+            return self.control
+        if self.rank == 0:
+            self.control = TCPStoreControl.server(port=0, host=self.control_host, timeout_s=self.timeout_s)
+            box = [self.control.port]
+        else:
+            box = [None]
+        dist.broadcast_object_list(box, src=0)
+        if self.rank != 0:
+            self.control = TCPStoreControl.client(int(box[0]), host=self.control_host, timeout_s=self.timeout_s)
+        return self.control
+
+    def setup(self) -> None:
+        """Collective, on every rank: plan from the live partitions and register them. Raises
+        (before any write) when the trainer's parameters and the engines' disagree."""
+        t0 = time.perf_counter()
+        control = self._control()
+        layout, sources = self._layout()
+        self._setups += 1
+        name = f"{self.name}{self._setups}"
+        handles = [RayEngine(a, index=i, control_host=self.control_host, timeout_s=self.timeout_s)
+                   for i, a in enumerate(self.engines)] if self.rank == 0 else []
+        old = self.ws
+        ws = WeightSync(rank=self.rank, world_size=self.world_size, control=control.with_prefix(name), engines=handles,
+                        transport=self.transport, timeout_s=self.timeout_s, layout=layout, sources=sources, name=name,
+                        control_port=control.port, verify=self.verify)
+        if old is not None:
+            old.close()
+        ws.setup()
+        self.ws = ws
+        self._ptrs = {n: t.data_ptr() for n, t in sources.items()}
+        self.setup_s = time.perf_counter() - t0
+        log.info("fastsync: trainer rank %d planned %s (%d transfers) in %.2f s", self.rank, layout.description,
+                 len(ws.plan.transfers) if ws.plan else 0, self.setup_s)
+
+    def _moved(self) -> bool:
+        """Whether DeepSpeed moved any partition since set-up (e.g. offloaded and reloaded),
+        agreed on by every rank (the registered memory would no longer be the weights)."""
+        import torch.distributed as dist
+
+        _, sources = self._layout()
+        mine = any(self._ptrs.get(n) != t.data_ptr() for n, t in sources.items())
+        flag = [mine]
+        got: list = [None] * self.world_size
+        dist.all_gather_object(got, flag[0])
+        return any(got)
+
+    def sync(self) -> Any:
+        """Write the current weights as the next version (every rank). Re-plans first when
+        DeepSpeed moved a partition since the last set-up."""
+        if self.ws is None:
+            self.setup()
+        elif self._moved():
+            log.info("fastsync: DeepSpeed moved parameter partitions since set-up; re-registering")
+            self.setup()
+        self.version += 1
+        return self.ws.sync(self.version)  # type: ignore[union-attr]
+
+    def close(self) -> None:
+        if self.ws is not None:
+            self.ws.close()
+            self.ws = None
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - no Ray: a single-host run
+        pass
+    return DEFAULT_HOST
