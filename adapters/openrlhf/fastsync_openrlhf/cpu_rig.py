@@ -1,0 +1,326 @@
+"""OpenRLHF's sync path on a CPU host, with real parts: Ray with logical GPUs, OpenRLHF's own
+``RolloutRayActor`` (fastsync's subclass) running the real vLLM CPU engine, and DeepSpeed ZeRO-3
+trainer ranks over gloo as Ray actors. Used by the adapter's test, its benchmark and the CPU
+example. Only the set-up OpenRLHF does with CUDA is done here instead: ``DeepspeedStrategy``'s
+``setup_distributed`` (``torch.cuda.set_device``, a ``"cuda"`` device mesh) becomes
+``deepspeed.init_distributed("gloo")``, and ``ActorPPOTrainer.__init__`` (CUDA syncs, loss and
+replay-buffer set-up) is replaced by setting the attributes ``broadcast_to_vllm`` reads.
+
+Example::
+
+    rig = CpuRig(model_dir, tmp_dir, num_trainers=2)     # Ray, one engine, N DeepSpeed ranks
+    rig.broadcast_to_vllm()                              # the adapter's method, on every rank
+    assert rig.engine_tokens(PROMPTS) == rig.trainer_tokens(PROMPTS)
+    rig.train_step(seed=1); rig.broadcast_to_vllm()      # next version
+    rig.close()
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+__all__ = ["CpuRig", "TrainerRank", "build_checkpoint", "worker_pythonpath", "AWKWARD_QWEN3", "PROMPTS", "hf_greedy"]
+
+#: Tiny Qwen3 with awkward sizes: hidden 200 and intermediate 344 (not multiples of 64), odd
+#: element counts in the norms (so ZeRO-3's last partition is padded), head_dim 64 (vLLM's CPU
+#: attention takes 32/64/...), vocab 512 (vLLM pads others to 64 on CPU).
+AWKWARD_QWEN3: dict[str, Any] = {
+    "vocab_size": 512, "hidden_size": 200, "intermediate_size": 344, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "initializer_range": 0.2, "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+PROMPTS: list[list[int]] = [[5, 6, 7, 8], [100, 200, 300], [11, 42, 99, 7, 123], [400, 3, 77]]
+MAX_TOKENS = 6
+
+
+def build_checkpoint(out_dir: str | os.PathLike, config: dict | None = None, *, seed: int = 0,
+                     dtype: str = "float32") -> str:
+    """A random-weight Qwen3 ``save_pretrained`` checkpoint (reused when already there)."""
+    import torch
+    import transformers
+
+    cfg = dict(AWKWARD_QWEN3 if config is None else config)
+    out = Path(out_dir)
+    stamp = out / "fastsync_openrlhf_tiny.json"
+    want = {"config": cfg, "seed": seed, "dtype": dtype}
+    if stamp.exists() and json.loads(stamp.read_text()) == want:
+        return str(out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**cfg)).to(getattr(torch, dtype))
+    model.save_pretrained(out)
+    stamp.write_text(json.dumps(want, sort_keys=True))
+    return str(out)
+
+
+def hf_greedy(model: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy continuation by an HF causal LM (full forward per token)."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            for _ in range(max_tokens):
+                nxt = model(input_ids=ids).logits[0, -1].argmax().view(1, 1)
+                ids = torch.cat([ids, nxt], dim=1)
+            out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def worker_pythonpath(extra: str = "") -> str:
+    """PYTHONPATH for the Ray workers: ``extra`` first (e.g. a flash_attn stand-in), then where
+    this process found fastsync and this adapter, then the inherited PYTHONPATH."""
+    import fastsync
+    import fastsync_openrlhf
+
+    parts = [extra, str(Path(fastsync.__file__).parent.parent), str(Path(fastsync_openrlhf.__file__).parent.parent),
+             os.environ.get("PYTHONPATH", "")]
+    return os.pathsep.join(p for p in parts if p)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def openrlhf_args(*, zero_stage: int = 3, fastsync: dict | None = None) -> SimpleNamespace:
+    """The part of OpenRLHF's hierarchized ``args`` that ``broadcast_to_vllm`` reads."""
+    fs = {"enable": True, "transport": "nixl", "timeout_s": 120.0, "control_host": "127.0.0.1", "verify": False,
+          "moe": "off", **(fastsync or {})}
+    return SimpleNamespace(
+        vllm=SimpleNamespace(enable_prefix_caching=False, sync_backend="gloo", sync_with_ray=False, num_engines=1,
+                             tensor_parallel_size=1),
+        ds=SimpleNamespace(zero_stage=zero_stage, tensor_parallel_size=1, lora=SimpleNamespace(rank=0)),
+        train=SimpleNamespace(colocate_all=False, async_enable=False),
+        fastsync=SimpleNamespace(**fs),
+    )
+
+
+class TrainerRank:
+    """One DeepSpeed ZeRO-3 rank (a Ray actor; see :class:`CpuRig`)."""
+
+    def __init__(self, rank: int, world_size: int, port: int, model_dir: str) -> None:
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port), DS_ACCELERATOR="cpu", GLOO_SOCKET_IFNAME="lo")
+        import deepspeed
+        import torch
+        import transformers
+
+        torch.set_num_threads(1)
+        deepspeed.init_distributed(dist_backend="gloo")  # OpenRLHF's setup_distributed, minus CUDA
+        self.rank, self.world_size, self.model_dir = rank, world_size, model_dir
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.02)
+        config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                  "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True}
+        self.engine, self.opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+        self.trainer: Any = None
+        self.holder: Any = None
+
+    def train_step(self, seed: int) -> float:
+        """A real DeepSpeed ZeRO-3 step (AdamW) on random tokens: every weight moves."""
+        import torch
+
+        g = torch.Generator().manual_seed(seed)
+        vocab = self.engine.module.config.vocab_size
+        batch = torch.randint(3, vocab, (2, 16), generator=g)
+        loss = self.engine(input_ids=batch, labels=batch).loss
+        self.engine.backward(loss)
+        self.engine.step()
+        return float(loss.item())
+
+    # ---- the adapter's broadcast_to_vllm, as OpenRLHF's PolicyModelActor calls it ----------
+    def make_trainer(self, engines: list, fastsync: dict | None = None) -> dict:
+        """``install_trainer`` (what ``FastSyncPolicyModelActor`` runs in its worker), then the
+        trainer class OpenRLHF's module now names, with the attributes its ``__init__`` sets."""
+        from openrlhf.trainer.ray import ppo_actor
+
+        from fastsync_openrlhf.trainer import install_trainer
+
+        args = openrlhf_args(fastsync=fastsync)
+        install_trainer(args)
+        cls = ppo_actor.ActorPPOTrainer
+        t = cls.__new__(cls)  # stand-in for ActorPPOTrainer.__init__ (CUDA): the attributes it sets
+        t.strategy, t.args = SimpleNamespace(args=args), args
+        t.actor = SimpleNamespace(model=self.engine, is_vlm=False)  # OpenRLHF: actor.model is the DeepSpeedEngine
+        t.vllm_engines = engines
+        t.use_cuda_ipc = False
+        if self.rank == 0:
+            t._init_vllm_sync_group(args.vllm.sync_backend)  # OpenRLHF's __init__ calls it on rank 0
+        self.trainer = t
+        return {"pid": os.getpid(), "ActorPPOTrainer": f"{cls.__module__}.{cls.__qualname__}"}
+
+    def broadcast_to_vllm(self) -> dict:
+        t0 = time.perf_counter()
+        res = self.trainer.broadcast_to_vllm()
+        return {"rank": self.rank, "seconds": time.perf_counter() - t0, "version": res.version,
+                "sync_s": res.seconds}
+
+    # ---- without OpenRLHF's classes (the benchmark) ----------------------------------------
+    def fastsync_setup(self, engines: list, transport: str = "nixl") -> float:
+        from fastsync_openrlhf.zero3 import DeepSpeedWeightSync
+
+        self.sync = DeepSpeedWeightSync(self.engine.module, engines=engines, zero_stage=3, transport=transport,
+                                        control_host="127.0.0.1", name="bench")
+        self.sync.setup()
+        return self.sync.setup_s
+
+    def fastsync_sync(self, version: int) -> float:
+        import torch.distributed as dist
+
+        dist.barrier()
+        t0 = time.perf_counter()
+        self.sync.version = version - 1  # versions shared with the other path on the same engine
+        self.sync.sync()
+        dist.barrier()
+        return time.perf_counter() - t0
+
+    def pattern_setup(self, engines: list) -> None:
+        """OpenRLHF's pattern: rank 0 alone sends full tensors (a one-rank 'trainer world' holding
+        every parameter whole, filled by per-parameter ``GatheredParameters`` at each sync)."""
+        import torch
+
+        from fastsync_openrlhf._fastsync import ParamSpec, TCPStoreControl, WeightSync, replicated_layout
+        from fastsync_openrlhf.zero3 import RayEngine
+
+        if self.rank != 0:
+            return
+        params = dict(self.engine.module.named_parameters())
+        self.holder = {n: torch.empty(tuple(p.ds_shape), dtype=p.dtype) for n, p in params.items()}
+        for t in self.holder.values():
+            t.view(-1).view(torch.uint8).zero_()  # touched once
+        specs = {n: ParamSpec(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in self.holder.items()}
+        self.pattern_control = TCPStoreControl.server(port=0, host="127.0.0.1")
+        self.pattern = WeightSync(rank=0, world_size=1, control=self.pattern_control.with_prefix("pattern"),
+                                  engines=[RayEngine(e, index=i, control_host="127.0.0.1", timeout_s=120.0)
+                                           for i, e in enumerate(engines)],
+                                  transport="nixl", timeout_s=120.0, layout=replicated_layout(specs, 1),
+                                  sources=self.holder, name="pattern", control_port=self.pattern_control.port)
+        self.pattern.setup()
+
+    def pattern_sync(self, version: int) -> float:
+        import deepspeed
+        import torch.distributed as dist
+
+        dist.barrier()
+        t0 = time.perf_counter()
+        for name, p in self.engine.module.named_parameters():  # OpenRLHF: one parameter at a time
+            with deepspeed.zero.GatheredParameters([p]):
+                if self.rank == 0:
+                    self.holder[name].copy_(p.data)
+        if self.rank == 0:
+            self.pattern.sync(version)
+        dist.barrier()
+        return time.perf_counter() - t0
+
+    def trainer_tokens(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]] | None:
+        """The trainer model's own greedy tokens (rank 0; the gather is collective)."""
+        import deepspeed
+        import torch
+        import transformers
+
+        full = {}
+        params = list(self.engine.module.named_parameters())
+        with deepspeed.zero.GatheredParameters([p for _, p in params]):
+            if self.rank == 0:
+                full = {n: p.data.clone() for n, p in params}
+        if self.rank != 0:
+            return None
+        config = transformers.AutoConfig.from_pretrained(self.model_dir)
+        ref = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        ref.load_state_dict(full, strict=True)
+        return hf_greedy(ref.eval(), prompts, max_tokens)
+
+    def close(self) -> None:
+        for obj in (getattr(self, "sync", None), getattr(self, "pattern", None),
+                    getattr(getattr(self, "trainer", None), "_fastsync_sync", None)):
+            if obj is not None:
+                obj.close()
+
+
+class CpuRig:
+    """Ray (logical GPUs) + one ``FastSyncRolloutRayActor`` with the vLLM CPU engine + N DeepSpeed
+    ZeRO-3 ranks. ``env`` reaches every Ray worker (e.g. PYTHONPATH with a flash_attn stand-in)."""
+
+    def __init__(self, model_dir: str, tmp_dir: str, *, num_trainers: int = 2, dtype: str = "float32",
+                 env: dict[str, str] | None = None, start_timeout_s: float = 300.0) -> None:
+        import ray
+
+        from fastsync_openrlhf.rollout import OPENRLHF_EXTENSION, FastSyncRolloutRayActor
+
+        self.model_dir = model_dir
+        env_vars = {"PYTHONPATH": worker_pythonpath((env or {}).get("PYTHONPATH", "")), "OMP_NUM_THREADS": "1",
+                    "RAY_AUTH_MODE": "disabled", "GLOO_SOCKET_IFNAME": "lo", "DS_ACCELERATOR": "cpu",
+                    "TOKENIZERS_PARALLELISM": "false",
+                    **{k: v for k, v in (env or {}).items() if k != "PYTHONPATH"}}
+        self._saved_auth = os.environ.get("RAY_AUTH_MODE")
+        os.environ["RAY_AUTH_MODE"] = "disabled"  # else Ray writes a token into the home folder
+        ray.init(address="local", num_cpus=num_trainers + 2, num_gpus=1, include_dashboard=False,
+                 log_to_driver=bool(os.environ.get("FASTSYNC_RIG_LOGS")), _temp_dir=tmp_dir,
+                 runtime_env={"env_vars": env_vars})
+        self.ray = ray
+        t0 = time.perf_counter()
+        # the kwargs OpenRLHF's create_vllm_engines passes, with CPU-sized memory and the test's dtype
+        self.engine = FastSyncRolloutRayActor.options(num_cpus=1, num_gpus=1).remote(
+            model=model_dir, enforce_eager=True, worker_extension_cls=OPENRLHF_EXTENSION, tensor_parallel_size=1,
+            seed=0, distributed_executor_backend="uni", max_model_len=256, enable_prefix_caching=False, dtype=dtype,
+            trust_remote_code=True, full_determinism=False, bundle_indices=None, num_gpus=1,
+            enable_sleep_mode=False, skip_tokenizer_init=True, kv_cache_memory_bytes=64 << 20)
+        port = _free_port()
+        actor = ray.remote(num_cpus=1)(TrainerRank)
+        self.trainers = [actor.remote(r, num_trainers, port, model_dir) for r in range(num_trainers)]
+        ray.get(self.engine.get_num_unfinished_requests.remote(), timeout=start_timeout_s)
+        ray.get([t.__ray_ready__.remote() for t in self.trainers], timeout=start_timeout_s)
+        self.start_s = time.perf_counter() - t0
+
+    def _all(self, method: str, *args: Any, timeout_s: float = 300.0) -> list:
+        return self.ray.get([getattr(t, method).remote(*args) for t in self.trainers], timeout=timeout_s)
+
+    def make_trainers(self, fastsync: dict | None = None) -> list[dict]:
+        return self._all("make_trainer", [self.engine], fastsync)
+
+    def broadcast_to_vllm(self) -> list[dict]:
+        return self._all("broadcast_to_vllm")
+
+    def train_step(self, seed: int) -> list[float]:
+        return self._all("train_step", seed)
+
+    def trainer_tokens(self, prompts: list[list[int]] = PROMPTS, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+        return self._all("trainer_tokens", prompts, max_tokens)[0]
+
+    def engine_tokens(self, prompts: list[list[int]] = PROMPTS, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+        from vllm import SamplingParams
+
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        outs = self.ray.get([self.engine.generate.remote(p, sp) for p in prompts], timeout=120)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    def engine_report(self) -> dict:
+        return self.ray.get(self.engine.fastsync_openrlhf_report.remote(), timeout=60)
+
+    def engine_version(self) -> list[int]:
+        return self.ray.get(self.engine.fastsync_version.remote(), timeout=60)
+
+    def close(self) -> None:
+        try:
+            self._all("close", timeout_s=60)
+        except Exception:  # noqa: BLE001 - shutting down regardless
+            pass
+        try:
+            self.ray.get(self.engine.fastsync_close.remote(), timeout=30)
+        except Exception:  # noqa: BLE001
+            pass
+        self.ray.shutdown()
+        if self._saved_auth is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = self._saved_auth

@@ -1,0 +1,120 @@
+"""The OpenRLHF launcher and its checks, without starting Ray: ``--help`` lists OpenRLHF's and
+fastsync's options; a hook point missing from the installed OpenRLHF stops the launch naming the
+attribute and the supported versions, before anything is rebound; bad options are named.
+
+OpenRLHF's ``ppo_actor`` imports ``flash_attn`` at top level, which does not install on CPU:
+these tests put the STAND-IN in ``tests/support/flash_attn_standin`` (pure-torch padding helpers
+only) on the path."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("openrlhf", reason="OpenRLHF not installed (see requirements/adapters.txt)")
+pytest.importorskip("deepspeed", reason="DeepSpeed not installed (see requirements/adapters.txt)")
+pytest.importorskip("vllm")
+
+REPO = Path(__file__).resolve().parents[2]
+STANDIN = REPO / "tests" / "support" / "flash_attn_standin"  # flash_attn STAND-IN (CPU host)
+
+
+@pytest.fixture
+def standin(monkeypatch):
+    monkeypatch.syspath_prepend(str(STANDIN))
+
+
+def test_help_lists_openrlhf_and_fastsync_options():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(STANDIN), str(REPO), str(REPO / "adapters" / "openrlhf"),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-m", "fastsync_openrlhf.train_ppo_ray", "--help"], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for opt in ("--vllm.num_engines", "--ds.zero_stage", "--train.colocate_all", "--actor.model_name_or_path",
+                "--fastsync.transport", "--fastsync.moe", "--fastsync.disable", "--fastsync.timeout_s"):
+        assert opt in p.stdout, opt
+
+
+@pytest.mark.parametrize("module,attr", [
+    ("openrlhf.trainer.ray.ppo_actor", "ActorPPOTrainer._init_vllm_sync_group"),
+    ("openrlhf.trainer.ray.vllm_engine", "create_vllm_engines"),
+])
+def test_moved_hook_point_stops_the_launch_naming_it(standin, monkeypatch, module, attr):
+    import importlib
+
+    from fastsync_openrlhf import train_ppo_ray
+
+    mod = importlib.import_module(module)
+    owner, _, name = attr.rpartition(".")
+    monkeypatch.delattr(getattr(mod, owner) if owner else mod, name)
+    from openrlhf.trainer.ray import ppo_actor, vllm_engine
+
+    before = (vllm_engine.RolloutRayActor, ppo_actor.PolicyModelActor)
+    with pytest.raises(SystemExit) as exc:
+        train_ppo_ray.main(["--help"])
+    msg = str(exc.value)
+    assert f"{module}.{attr}" in msg and "0.11.2" in msg and "will not fall back" in msg, msg
+    assert (vllm_engine.RolloutRayActor, ppo_actor.PolicyModelActor) == before  # nothing rebound
+
+
+def test_install_rebinds_openrlhf_names_to_the_subclasses(standin, monkeypatch):
+    from openrlhf.trainer.ray import ppo_actor, vllm_engine
+
+    from fastsync_openrlhf import hooks
+    from fastsync_openrlhf.rollout import FastSyncRolloutRayActor
+    from fastsync_openrlhf.trainer import FastSyncPolicyModelActor
+
+    monkeypatch.setattr(vllm_engine, "RolloutRayActor", vllm_engine.RolloutRayActor)  # restored after the test
+    monkeypatch.setattr(ppo_actor, "PolicyModelActor", ppo_actor.PolicyModelActor)
+    hooks.install()
+    assert vllm_engine.RolloutRayActor is FastSyncRolloutRayActor
+    assert ppo_actor.PolicyModelActor is FastSyncPolicyModelActor
+    hooks.check_hook_points()  # the subclasses still offer every hook point
+
+
+def test_bad_options_are_named():
+    from fastsync.errors import ConfigError
+    from fastsync_openrlhf.config import FastSyncOptions, options_from_args
+
+    with pytest.raises(ConfigError, match="--fastsync.transport"):
+        FastSyncOptions(transport="rdma").validate()
+    with pytest.raises(ConfigError, match="--fastsync.timeout_s"):
+        FastSyncOptions(timeout_s=0).validate()
+    with pytest.raises(ConfigError, match="bogus"):
+        options_from_args(SimpleNamespace(fastsync=SimpleNamespace(bogus=1)))
+    assert options_from_args(SimpleNamespace()) == FastSyncOptions()  # OpenRLHF started without the launcher
+
+
+def test_colocate_all_keeps_openrlhf_cuda_ipc_and_says_so(standin, capsys):
+    import argparse
+
+    from fastsync_openrlhf.train_ppo_ray import _check
+    from fastsync_openrlhf.trainer import COLOCATE_MESSAGE
+
+    ns = argparse.Namespace(**{"fastsync.enable": True, "fastsync.transport": "nixl", "train.colocate_all": True,
+                               "vllm.sync_backend": "nccl", "train.async_enable": False})
+    _check(ns)
+    assert COLOCATE_MESSAGE in capsys.readouterr().out
+    ns = argparse.Namespace(**{"fastsync.enable": True, "train.colocate_all": False, "vllm.sync_backend": "nccl"})
+    _check(ns)
+    assert capsys.readouterr().out == ""
+
+
+def test_partition_that_is_not_zero3_flat_layout_is_refused_by_name():
+    import torch
+
+    from fastsync.errors import LayoutError
+    from fastsync_openrlhf.zero3 import zero3_sources
+
+    good = SimpleNamespace(ds_tensor=torch.zeros(5), ds_numel=9)  # ceil(9/2) = 5, last rank padded
+    assert zero3_sources({"a.weight": good}, rank=1, world_size=2)["a.weight"].numel() == 5
+    bad = SimpleNamespace(ds_tensor=torch.zeros(4), ds_numel=9)
+    with pytest.raises(LayoutError, match=r"'b.weight'.*rank 1|rank 1.*'b.weight'"):
+        zero3_sources({"b.weight": bad}, rank=1, world_size=2)
+    with pytest.raises(LayoutError, match="not a ZeRO-3 parameter"):
+        zero3_sources({"c.weight": SimpleNamespace()}, rank=0, world_size=2)
