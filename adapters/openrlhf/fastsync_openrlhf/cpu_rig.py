@@ -179,8 +179,7 @@ class TrainerRank:
 
         dist.barrier()
         t0 = time.perf_counter()
-        self.sync.version = version - 1  # versions shared with the other path on the same engine
-        self.sync.sync()
+        self.sync.sync(version)  # versions shared with the other path on the same engine
         dist.barrier()
         return time.perf_counter() - t0
 

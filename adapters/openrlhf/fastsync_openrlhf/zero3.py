@@ -207,15 +207,15 @@ class DeepSpeedWeightSync:
         dist.all_gather_object(got, flag[0])
         return any(got)
 
-    def sync(self) -> Any:
-        """Write the current weights as the next version (every rank). Re-plans first when
-        DeepSpeed moved a partition since the last set-up."""
+    def sync(self, version: int | None = None) -> Any:
+        """Write the current weights as ``version`` (default: the next one; every rank, same
+        value). Re-plans first when DeepSpeed moved a partition since the last set-up."""
         if self.ws is None:
             self.setup()
         elif self._moved():
             log.info("fastsync: DeepSpeed moved parameter partitions since set-up; re-registering")
             self.setup()
-        self.version += 1
+        self.version = self.version + 1 if version is None else version
         return self.ws.sync(self.version)  # type: ignore[union-attr]
 
     def close(self) -> None:
