@@ -22,6 +22,11 @@ $(STAMP): pyproject.toml requirements/dev.txt requirements/lock.txt requirements
 	# plus exactly what its imports need (requirements/adapters.txt says how each was checked).
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps verl==0.9.1
 	$(BIN)/pip install -q --disable-pip-version-check -c requirements/lock.txt -r requirements/adapters.txt
+	# OpenRLHF for its adapter, without its dependency set (it pins ray 2.55 and transformers 5.15);
+	# DeepSpeed is an sdist: built against the installed torch, no CUDA ops compiled.
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps openrlhf==0.11.2
+	DS_BUILD_OPS=0 $(BIN)/pip install -q --disable-pip-version-check --no-build-isolation \
+		-c requirements/lock.txt -c requirements/adapters.txt deepspeed==0.19.6
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps -e .
 	touch $@
 
