@@ -100,27 +100,17 @@ class FastSyncActorPPOTrainer(_OriginalTrainer):  # type: ignore[misc, valid-typ
 
 
 def _actor_with_moe(backend: str) -> Any:
-    """OpenRLHF's ``Actor`` constructor, followed by ``fastsync.moe.patch`` on its HF model.
-    Under ZeRO-3 the model was built partitioned (``zero.Init``); each MoE block's parameters
-    are gathered while it is swapped, and DeepSpeed partitions the new ones at ``prepare``."""
+    """OpenRLHF's ``Actor`` constructor followed by fastsync's MoE swap of its HF model (before
+    ``strategy.prepare`` wraps it in DeepSpeed; see ``fastsync_openrlhf.moe``)."""
 
     def build(*args: Any, **kwargs: Any) -> Any:
-        import fastsync.moe
+        from fastsync_openrlhf.moe import patch_actor_model
 
         actor = _OriginalActor(*args, **kwargs)
-        model = actor.model
-        params = [p for p in model.parameters() if hasattr(p, "ds_id")]
-        if params:
-            import deepspeed
-
-            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-                swapped = fastsync.moe.patch(model, ep_group=None, backend=backend)
-        else:
-            swapped = fastsync.moe.patch(model, ep_group=None, backend=backend)
-        log.info("fastsync: swapped %d MoE block(s) of the actor (%s backend)", len(swapped), backend)
-        actor.fastsync_moe_swapped = swapped
+        actor.fastsync_moe_swapped = patch_actor_model(actor.model, backend)
         return actor
 
+    build._fastsync_moe = backend  # type: ignore[attr-defined]
     return build
 
 
