@@ -118,3 +118,32 @@ def test_partition_that_is_not_zero3_flat_layout_is_refused_by_name():
         zero3_sources({"b.weight": bad}, rank=1, world_size=2)
     with pytest.raises(LayoutError, match="not a ZeRO-3 parameter"):
         zero3_sources({"c.weight": SimpleNamespace()}, rank=0, world_size=2)
+
+
+def test_adapter_reaches_fastsync_through_one_module_and_public_names():
+    """Only ``_fastsync.py`` imports fastsync, from ``fastsync.__all__`` (plus the vLLM worker
+    extension package that ``worker_extension_cls`` strings name), so a core refactor touches
+    one file of the adapter."""
+    import ast
+
+    import fastsync
+
+    pkg = REPO / "adapters" / "openrlhf" / "fastsync_openrlhf"
+    bad = []
+    for f in sorted(pkg.glob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            mods: list[tuple[str, list[str]]] = []
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "fastsync":
+                mods.append((node.module, [a.name for a in node.names]))
+            elif isinstance(node, ast.Import):
+                mods += [(a.name, []) for a in node.names if a.name.split(".")[0] == "fastsync"]
+            for module, names in mods:
+                if f.name == "cpu_rig.py" and module == "fastsync" and not names:
+                    continue  # `import fastsync` to find where it is installed (Ray workers' PYTHONPATH)
+                if f.name != "_fastsync.py":
+                    bad.append(f"{f.name}:{node.lineno}: imports {module} (use fastsync_openrlhf._fastsync)")
+                elif module == "fastsync":
+                    bad += [f"{f.name}: {n} is not in fastsync.__all__" for n in names if n not in fastsync.__all__]
+                elif module != "fastsync.engines.vllm":
+                    bad.append(f"{f.name}:{node.lineno}: imports internal module {module}")
+    assert bad == []

@@ -22,7 +22,7 @@ class FastSyncOptions:
     ``nixl`` (one-sided WRITEs) or ``torch`` (gloo point-to-point; for debugging).
     ``timeout_s``: deadline of every set-up step and sync. ``control_host``: the address trainer
     rank 0 serves the control plane on (default: Ray's node IP). ``verify``: per-transfer checksums.
-    ``moe``: swap HF MoE blocks for fastsync's (``fastsync.moe.patch``) with this backend."""
+    ``moe``: swap HF MoE blocks for fastsync's (``fastsync.patch_moe``) with this backend."""
 
     enable: bool = True
     transport: str = "nixl"

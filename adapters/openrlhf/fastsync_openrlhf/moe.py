@@ -1,4 +1,5 @@
-"""``--fastsync.moe BACKEND``: swap the OpenRLHF actor's HF MoE blocks for fastsync's.
+"""``--fastsync.moe BACKEND``: swap the OpenRLHF actor's HF MoE blocks for fastsync's
+(``fastsync.patch_moe``).
 
 OpenRLHF builds the actor's HF model inside ``Actor.__init__``; under ZeRO-3 it is built already
 partitioned (``HfDeepSpeedConfig`` -> ``zero.Init``: every parameter is an empty ``ds_tensor``
@@ -23,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 class _Holder(nn.Module):
-    """A one-block model for ``fastsync.moe.patch`` (which swaps children of the module it is
+    """A one-block model for ``fastsync.patch_moe`` (which swaps children of the module it is
     given and reads ``config`` from it)."""
 
     def __init__(self, config: Any, block: nn.Module) -> None:
@@ -34,7 +35,7 @@ class _Holder(nn.Module):
 
 def patch_actor_model(model: nn.Module, backend: str = "auto") -> dict[str, str]:
     """Swap every MoE block of ``model`` in place (see module doc); returns {block name: HF class}."""
-    import fastsync.moe
+    from fastsync_openrlhf._fastsync import patch_moe
 
     config = getattr(model, "config", None)
     candidates = [(n, m) for n, m in model.named_modules() if n and isinstance(getattr(m, "experts", None), nn.Module)]
@@ -49,7 +50,7 @@ def patch_actor_model(model: nn.Module, backend: str = "auto") -> dict[str, str]
             ctx = nullcontext()
         holder = _Holder(config, block)
         with ctx:
-            got = fastsync.moe.patch(holder, ep_group=None, backend=backend)
+            got = patch_moe(holder, ep_group=None, backend=backend)
             if got:  # copy out of the gathered storage before DeepSpeed re-partitions it
                 for p in holder.block.parameters():
                     if not hasattr(p, "ds_id"):
