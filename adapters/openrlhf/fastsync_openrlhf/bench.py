@@ -108,7 +108,16 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.syncs < 1:
         ap.error("--syncs must be at least 1")
-    res = run(a.model, a.syncs, a.trainers)
+    # DeepSpeed and vLLM log to stdout: keep it for the result (fd level, so child output too)
+    saved = os.dup(1)
+    sys.stdout.flush()
+    os.dup2(2, 1)
+    try:
+        res = run(a.model, a.syncs, a.trainers)
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
     if a.json:
         print(json.dumps(res))
     else:
