@@ -147,3 +147,43 @@ def test_adapter_reaches_fastsync_through_one_module_and_public_names():
                 elif module != "fastsync.engines.vllm":
                     bad.append(f"{f.name}:{node.lineno}: imports internal module {module}")
     assert bad == []
+
+
+def _trainer(monkeypatch, *, fastsync: dict | None = None, colocate_ipc: bool = False, ds_tp: int = 1):
+    """FastSyncActorPPOTrainer with the attributes OpenRLHF's (CUDA-only) __init__ sets, and
+    OpenRLHF's own broadcast replaced by a recorder."""
+    monkeypatch.syspath_prepend(str(STANDIN))
+    from fastsync_openrlhf import trainer as tr
+
+    calls: list[str] = []
+    monkeypatch.setattr(tr._OriginalTrainer, "broadcast_to_vllm", lambda self: calls.append("openrlhf"))
+    args = SimpleNamespace(vllm=SimpleNamespace(enable_prefix_caching=False),
+                           ds=SimpleNamespace(zero_stage=3, tensor_parallel_size=ds_tp, lora=SimpleNamespace(rank=0)),
+                           fastsync=SimpleNamespace(**(fastsync or {})))
+    t = tr.FastSyncActorPPOTrainer.__new__(tr.FastSyncActorPPOTrainer)
+    t.strategy, t.args, t.use_cuda_ipc = SimpleNamespace(args=args), args, colocate_ipc
+    t.actor, t.vllm_engines = SimpleNamespace(model=None, is_vlm=False), ["engine"]
+    return t, calls
+
+
+def test_colocated_cuda_ipc_and_disable_keep_openrlhf_broadcast(monkeypatch, caplog):
+    from fastsync_openrlhf.trainer import COLOCATE_MESSAGE
+
+    t, calls = _trainer(monkeypatch, colocate_ipc=True)
+    with caplog.at_level("WARNING"):
+        t.broadcast_to_vllm()
+        t.broadcast_to_vllm()
+    assert calls == ["openrlhf", "openrlhf"]
+    assert [r.getMessage() for r in caplog.records].count(COLOCATE_MESSAGE) == 1  # said once
+    t, calls = _trainer(monkeypatch, fastsync={"enable": False})
+    t.broadcast_to_vllm()
+    assert calls == ["openrlhf"]
+
+
+def test_unsupported_deepspeed_setting_is_refused_by_option_name(monkeypatch):
+    from fastsync.errors import ConfigError
+
+    t, calls = _trainer(monkeypatch, ds_tp=2)
+    with pytest.raises(ConfigError, match=r"--ds.tensor_parallel_size 2.*--fastsync.disable"):
+        t.broadcast_to_vllm()
+    assert calls == []  # no silent fall-through to OpenRLHF's broadcast
