@@ -82,15 +82,26 @@ def run(model: str = "small", syncs: int = 5, num_trainers: int = 2) -> dict:
                 ray.get([t.pattern_setup.remote([rig.engine]) for t in rig.trainers], timeout=300)
                 fn = "pattern_sync"
             setup_s = time.perf_counter() - t0
-            times = []
+            times, gathers, repacks = [], [], []
             for _ in range(syncs):
                 version += 1
-                times.append(max(ray.get([getattr(t, fn).remote(version) for t in rig.trainers], timeout=300)))
+                got = ray.get([getattr(t, fn).remote(version) for t in rig.trainers], timeout=300)
+                times.append(max(g[0] for g in got))
+                gathers.append(max(g[1] for g in got))
+                repacks.append(max(g[2] for g in got))
             want = rig.trainer_tokens()
-            verified = rig.engine_tokens() == want and rig.engine_version() == [version]
+            got = rig.engine_tokens()
+            verified = got == want and rig.engine_version() == [version]
+            if not verified:
+                out.setdefault("mismatch", {})[path] = {"engine": got, "trainer": want,
+                                                        "engine_version": rig.engine_version()}
             out["paths"][path] = {"seconds_median": round(statistics.median(times), 4),
                                   "seconds": [round(t, 4) for t in times], "setup_s": round(setup_s, 2),
                                   "verified": verified}
+            # of which: the per-parameter GatheredParameters loop (pattern only), and the engine's
+            # post-load repack at the flip (vLLM CPU repacks linear weights; both paths pay it)
+            out["paths"][path]["gather_s_median"] = round(statistics.median(gathers), 4)
+            out["paths"][path]["engine_repack_s_median"] = round(statistics.median(repacks), 4)
         fs, base = out["paths"]["fastsync"]["seconds_median"], out["paths"]["openrlhf_pattern"]["seconds_median"]
         out["speedup"] = round(base / fs, 2) if fs > 0 else None
         out["load_avg"] = os.getloadavg()[0]
@@ -123,9 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"OpenRLHF sync, {a.trainers} DeepSpeed ZeRO-3 ranks -> 1 vLLM CPU engine, model {a.model} "
               f"({res['model_bytes'] / 2**20:.0f} MiB), {a.syncs} syncs per path")
-        print(f"{'path':<18}{'median s':>10}{'setup s':>10}{'verified':>10}")
+        print(f"{'path':<18}{'median s':>10}{'gather s':>10}{'repack s':>10}{'setup s':>10}{'verified':>10}")
         for name, p in res["paths"].items():
-            print(f"{name:<18}{p['seconds_median']:>10.4f}{p['setup_s']:>10.2f}{str(p['verified']):>10}")
+            print(f"{name:<18}{p['seconds_median']:>10.4f}{p['gather_s_median']:>10.4f}"
+                  f"{p['engine_repack_s_median']:>10.4f}{p['setup_s']:>10.2f}{str(p['verified']):>10}")
         print(f"speed-up (openrlhf_pattern / fastsync): {res['speedup']}x")
     ok = all(p["verified"] for p in res["paths"].values())
     return 0 if ok else 1

@@ -174,14 +174,15 @@ class TrainerRank:
         self.sync.setup()
         return self.sync.setup_s
 
-    def fastsync_sync(self, version: int) -> float:
+    def fastsync_sync(self, version: int) -> tuple[float, float, float]:
+        """(seconds of the whole sync, 0 gather seconds, the engine's post-load repack seconds)."""
         import torch.distributed as dist
 
         dist.barrier()
         t0 = time.perf_counter()
-        self.sync.sync(version)  # versions shared with the other path on the same engine
+        res = self.sync.sync(version)  # versions shared with the other path on the same engine
         dist.barrier()
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, 0.0, _postprocess_s(res)
 
     def pattern_setup(self, engines: list) -> None:
         """OpenRLHF's pattern: rank 0 alone sends full tensors (a one-rank 'trainer world' holding
@@ -206,7 +207,8 @@ class TrainerRank:
                                   sources=self.holder, name="pattern", control_port=self.pattern_control.port)
         self.pattern.setup()
 
-    def pattern_sync(self, version: int) -> float:
+    def pattern_sync(self, version: int) -> tuple[float, float, float]:
+        """(seconds of the whole sync, of the per-parameter gathers, of the engine's repack)."""
         import deepspeed
         import torch.distributed as dist
 
@@ -216,10 +218,10 @@ class TrainerRank:
             with deepspeed.zero.GatheredParameters([p]):
                 if self.rank == 0:
                     self.holder[name].copy_(p.data)
-        if self.rank == 0:
-            self.pattern.sync(version)
+        gather_s = time.perf_counter() - t0
+        res = self.pattern.sync(version) if self.rank == 0 else None
         dist.barrier()
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, gather_s, _postprocess_s(res)
 
     def trainer_tokens(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]] | None:
         """The trainer model's own greedy tokens (rank 0; the gather is collective)."""
@@ -244,6 +246,13 @@ class TrainerRank:
                     getattr(getattr(self, "trainer", None), "_fastsync_sync", None)):
             if obj is not None:
                 obj.close()
+
+
+def _postprocess_s(result: Any) -> float:
+    """The longest engine-side post-load step (vLLM CPU's weight repack at the flip) of a
+    SyncResult; 0 on ranks that do not drive the engines."""
+    engines = getattr(result, "engines", None) or []
+    return max((float(w.get("postprocess_s", 0.0)) for e in engines for w in e if isinstance(w, dict)), default=0.0)
 
 
 class CpuRig:
