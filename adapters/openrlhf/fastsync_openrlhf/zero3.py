@@ -157,19 +157,22 @@ class DeepSpeedWeightSync:
         return replicated_layout(specs, self.world_size), {n: p.data for n, p in params.items()}
 
     def _control(self) -> Any:
-        """Trainer rank 0 serves a TCPStore; its port reaches the other ranks over DeepSpeed's group."""
+        """Trainer rank 0 serves fastsync's control store; its port and the job secret reach the
+        other ranks over DeepSpeed's own process group (the job's channel), and the engines in
+        ``WeightSync``'s connect options (over Ray)."""
         import torch.distributed as dist
 
         if self.control is not None:
             return self.control
         if self.rank == 0:
             self.control = TCPStoreControl.server(port=0, host=self.control_host, timeout_s=self.timeout_s)
-            box = [self.control.port]
+            box = [self.control.port, self.control.secret]
         else:
-            box = [None]
+            box = [None, None]
         dist.broadcast_object_list(box, src=0)
         if self.rank != 0:
-            self.control = TCPStoreControl.client(int(box[0]), host=self.control_host, timeout_s=self.timeout_s)
+            self.control = TCPStoreControl.client(int(box[0]), host=self.control_host, timeout_s=self.timeout_s,
+                                                  secret=box[1])
         return self.control
 
     def setup(self) -> None:
