@@ -1,0 +1,306 @@
+"""Inference side of delta sync: apply what changed into the live tensors, all or nothing.
+
+A :class:`DeltaReceiver` wraps a :class:`~fastsync.sync.receiver.WeightReceiver` (same plan,
+landing, NIXL agent, version rule and keys). Per version the caller chooses ``begin(v)`` (a delta
+against the version held) or ``begin(v, dense=True)`` (the ordinary planned writes, e.g. to
+measure both). A delta version:
+
+1. ``begin``: spends ``v`` (the same :class:`~fastsync.sync.handshake.Versions` as dense syncs),
+   publishes ``delta:{held version}`` then ``begun``; the engine must not read weights from here
+   to the flip (the same fence as an in-place dense sync).
+2. ``poll``/``wait``: each trainer rank writes its stream into this rank's inbox (one per sender,
+   worst-case sized, registered with the landing memory; ``inbox_bytes``).
+3. ``finish``: every stream is parsed and checked first (version, base version == the version held
+   or -1 with every chunk dense, transfer indices, element bounds), nothing written until all
+   pass; then the changed elements are written into the live tensors, keeping their old values
+   (the rollback copy covers exactly what the delta overwrote); with ``verify`` a CRC of every
+   planned destination box (the whole destination, not just the changed elements) is checked
+   against the sender's CRC of its full new bytes. Any failure restores the old values and the
+   receiver keeps serving its last version.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import torch
+
+from fastsync.errors import ConfigError, FastSyncError, SyncError
+from fastsync.executor.delta import DELTA_CHUNK_ELEMS, decode_positions, int_view, link_capacity, read_stream, transfer_blocks
+from fastsync.executor.metrics import SyncMetrics
+from fastsync.executor.staging import Landing, alloc_touched, as_bytes
+from fastsync.executor.verify import compare_checksums, receiver_checksums
+from fastsync.sync.delta_sender import delta_mode_key
+from fastsync.sync.handshake import begun_key, flipped_key, sender_crc_key, sender_done_key
+from fastsync.sync.receiver import WeightReceiver
+from fastsync.transport.nixl_delta import DeltaInbox
+
+__all__ = ["DeltaReceiver", "DeltaLanding"]
+
+
+class DeltaLanding(Landing):
+    """A :class:`Landing` that also holds one delta inbox per sending trainer rank, registered
+    with the rest of the landing memory (so the agent metadata published at set-up covers it)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], inbox_bytes: dict[int, int], **kw: Any) -> None:
+        super().__init__(tensors, **kw)
+        device = self.arena.device
+        self.inboxes = {s: alloc_touched(n, device) for s, n in inbox_bytes.items()}
+
+    def buffers(self) -> list[torch.Tensor]:
+        return super().buffers() + [b for b in self.inboxes.values() if b.numel()]
+
+    def mark_changed(self) -> None:
+        """The live tensors moved on outside ``apply``: an in-place backup is stale."""
+        self._backup_fresh = False
+
+
+class DeltaReceiver:
+    """Delta sync on one engine rank. Takes ``WeightReceiver``'s arguments (``transport`` must be
+    ``nixl``; ``landing`` is built here) plus ``chunk_elems`` (must match the senders')."""
+
+    def __init__(self, *, chunk_elems: int = DELTA_CHUNK_ELEMS, mode: str = "shadow", backup: bool = False,
+                 **receiver_kw: Any) -> None:
+        if receiver_kw.get("transport", "nixl") != "nixl":
+            raise ConfigError(f"delta sync writes over NIXL; transport={receiver_kw['transport']!r} is not supported")
+        if "landing" in receiver_kw:
+            raise ConfigError("DeltaReceiver builds its own landing (it adds the delta inboxes); pass mode/backup")
+        tensors = receiver_kw["tensors"]
+        if isinstance(tensors, torch.nn.Module):
+            tensors = {n: p.data for n, p in tensors.named_parameters()}
+            receiver_kw["tensors"] = tensors
+        bad = [n for n, t in tensors.items() if not t.is_contiguous()]
+        if bad:
+            raise ConfigError(f"delta sync writes live tensors in place; {bad[:3]} are not contiguous")
+        plan, rank = receiver_kw["plan"], receiver_kw["rank"]
+        srcs = sorted({t.src_rank for t in plan.transfers if t.dst_rank == rank})
+        landing = DeltaLanding(tensors, {s: link_capacity(plan, s, rank, chunk_elems) for s in srcs},
+                               mode=mode, backup=backup)
+        self.inner = WeightReceiver(landing=landing, **receiver_kw)
+        self.landing = landing
+        self.rank = rank
+        self.inbox: DeltaInbox | None = None
+        self._open: int | None = None
+        self._complete = False
+        self._metrics: SyncMetrics | None = None
+        self.last_metrics: SyncMetrics | None = None
+        self.last_stats: dict[str, Any] = {}
+        self._dense_open = False
+
+    @property
+    def version(self) -> int:
+        return self.inner.version
+
+    @property
+    def inbox_bytes(self) -> int:
+        return sum(b.numel() for b in self.landing.inboxes.values())
+
+    def setup(self) -> None:
+        self.inner.setup()
+        tr = self.inner.transport
+        self.inbox = DeltaInbox(tr.agent, self.rank, self.landing.inboxes, self.inner.control,
+                                getattr(tr, "poll_sleep_s", 0.001))
+        self._blocks: dict[int, torch.Tensor | None] = {}
+
+    # ---- one sync -------------------------------------------------------------------------
+    def begin(self, version: int, *, dense: bool = False) -> None:
+        inner = self.inner
+        if self.inbox is None:
+            raise SyncError(f"engine rank {self.rank}: begin() before setup()")
+        if self._open is not None or self._dense_open:
+            raise SyncError(f"engine rank {self.rank}: version {version} begun while another is open")
+        if dense:
+            inner.control.set(delta_mode_key(self.rank, version), b"dense")
+            inner.begin(version)
+            self._dense_open = True
+            return
+        if version <= inner.version:
+            raise SyncError(f"engine rank {self.rank}: version {version} is not newer than held {inner.version}")
+        inner.versions.spend(version)
+        self._metrics = SyncMetrics(version, "engine", self.rank, "nixl-delta", start=time.time())
+        self.inbox.begin(version)
+        self._open, self._complete = version, False
+        inner.control.set(delta_mode_key(self.rank, version), f"delta:{inner.version}".encode())
+        inner.control.set(begun_key(self.rank, version), b"verify" if inner.verify else b"1")
+
+    def poll(self) -> bool:
+        if self._dense_open:
+            return self.inner.poll()
+        if self._open is None:
+            raise SyncError(f"engine rank {self.rank}: poll() with no version open")
+        if not self._complete:
+            assert self.inbox is not None
+            self._complete = self.inbox.poll()
+            if not self._complete:
+                for s in self.landing.inboxes:
+                    got = self.inner.control.try_get(sender_done_key(s, self._open))
+                    if got is not None and got.startswith(b"err:") and s in self.inbox.missing():
+                        version = self._open
+                        msg = f"trainer rank {s} failed ({got[4:].decode(errors='replace')})"
+                        self.abort(msg)
+                        raise SyncError(f"engine rank {self.rank}: version {version} failed, keeping version "
+                                        f"{self.version}: {msg}")
+        return self._complete
+
+    def wait(self, deadline: float | None = None) -> bool:
+        if self._dense_open:
+            return self.inner.wait(deadline)
+        if deadline is None:
+            deadline = time.monotonic() + self.inner.timeout_s
+        assert self._metrics is not None
+        with self._metrics.stage("wait"):
+            while not self.poll():
+                if time.monotonic() >= deadline:
+                    return False
+        return True
+
+    def finish(self) -> int:
+        if self._dense_open:
+            self._dense_open = False
+            v = self.inner.finish()
+            self.last_metrics = self.inner.last_metrics
+            self.last_stats = {"mode": "dense"}
+            return v
+        if self._open is None:
+            raise SyncError(f"engine rank {self.rank}: finish() with no version open")
+        version, m = self._open, self._metrics
+        assert m is not None and self.inbox is not None
+        undo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        try:
+            if not self._complete:
+                missing = "; ".join(f"trainer rank {s}: {w}" for s, w in sorted(self.inbox.missing().items()))
+                raise SyncError(f"engine rank {self.rank}: version {version} incomplete, keeping version "
+                                f"{self.version}; {missing or 'delta streams incomplete'}")
+            with m.stage("decode"):
+                writes = self._decode(version)
+            with m.stage("apply"):
+                for flat, pos, vals in writes:
+                    undo.append((flat, pos, flat[pos].clone()))
+                    flat[pos] = vals
+            if self.inner.verify:
+                with m.stage("verify"):
+                    self._verify(version)
+        except FastSyncError as e:
+            for flat, pos, old in reversed(undo):
+                flat[pos] = old
+            self.abort(str(e))
+            raise
+        except Exception as e:
+            for flat, pos, old in reversed(undo):
+                flat[pos] = old
+            self.abort(f"{type(e).__name__}: {e}")
+            raise SyncError(f"engine rank {self.rank}, version {version}: {type(e).__name__}: {e}") from e
+        self.landing.mark_changed()
+        self.inner.version = version
+        self._open = None
+        m.ok = True
+        m.end = time.time()
+        self.last_metrics = m
+        self.inner.control.set(flipped_key(self.rank, version), b"ok")
+        return version
+
+    def abort(self, reason: str) -> None:
+        if self._dense_open:
+            self._dense_open = False
+            self.inner.abort(reason)
+            return
+        if self._open is None:
+            return
+        version, m = self._open, self._metrics
+        self._open = None
+        assert m is not None
+        m.error = reason
+        m.end = time.time()
+        self.last_metrics = m
+        self.inner.control.set(flipped_key(self.rank, version), f"err:{reason}")
+
+    def sync(self, version: int, *, dense: bool = False, timeout_s: float | None = None) -> int:
+        self.begin(version, dense=dense)
+        self.wait(time.monotonic() + (self.inner.timeout_s if timeout_s is None else timeout_s))
+        return self.finish()
+
+    def close(self) -> None:
+        if self._open is not None or self._dense_open:
+            self.abort("receiver closed")
+        self.inner.close()
+
+    # ---- helpers --------------------------------------------------------------------------
+    def _decode(self, version: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Parse and check every stream; returns ``(flat live tensor, positions, values)``."""
+        program = self.inner.program
+        assert program is not None
+        held = self.inner.version
+        out = []
+        changed = elements = nbytes = 0
+        for s, inbox in self.landing.inboxes.items():
+            who = f"engine rank {self.rank}, stream from trainer rank {s}"
+            v, base, recs = read_stream(inbox, who)
+            nbytes += int(inbox[:64].view(torch.int64)[4])
+            if v != version:
+                raise SyncError(f"{who}: stream is for version {v}, expected {version}")
+            if base not in (held, -1):
+                raise SyncError(f"{who}: delta against version {base}, this rank holds {held}: refusing (a dense "
+                                "sync is needed)")
+            items = {it.index: it for it in program.by_src.get(s, [])}
+            covered = 0
+            for index, first, n, kind, count, payload in recs:
+                it = items.get(index)
+                if it is None:
+                    raise SyncError(f"{who}: record for transfer {index}, which trainer rank {s} does not send here")
+                t = it.transfer
+                info = program.tensors[t.dst_tensor]
+                size = info.itemsize
+                numel = t.nbytes // size
+                if first < 0 or first + n > numel:
+                    raise SyncError(f"{who}: record covers elements [{first}, {first + n}) of transfer {index} "
+                                    f"({t.dst_tensor!r}), which has {numel}")
+                blocks = None
+                if kind == "blocks":
+                    if index not in self._blocks:
+                        self._blocks[index] = transfer_blocks(t)
+                    blocks = self._blocks[index]
+                idx, vals = decode_positions(kind, n, count, payload, size, blocks, who)
+                if base == -1 and kind != "dense":
+                    raise SyncError(f"{who}: a stream with no base must be dense, record for transfer {index} is {kind}")
+                covered += n if kind == "dense" else 0
+                local = torch.arange(first, first + n) if idx is None else idx + first
+                pos = _dst_elements(it.dst_runs, size, local)
+                flat = int_view(as_bytes(self.landing.live[t.dst_tensor]), size)
+                out.append((flat, pos, int_view(vals.clone(), size)))
+                changed += local.numel()
+            total = sum(it.transfer.nbytes // self.inner.program.tensors[it.transfer.dst_tensor].itemsize
+                        for it in items.values())
+            elements += total
+            if base == -1 and covered != total:
+                raise SyncError(f"{who}: dense stream covers {covered} of {total} elements")
+        self.last_stats = {"mode": "delta", "changed": changed, "elements": elements, "bytes": nbytes}
+        return out
+
+    def _verify(self, version: int) -> None:
+        program = self.inner.program
+        assert program is not None
+        expected: dict[int, int] = {}
+        deadline = time.monotonic() + self.inner.timeout_s
+        for s in program.by_src:
+            raw = self.inner.control.get(sender_crc_key(s, version), max(0.0, deadline - time.monotonic()),
+                                         what=f"trainer rank {s} (checksums of version {version})")
+            expected.update({int(k): v for k, v in json.loads(raw).items()})
+        regions = {n: as_bytes(t) for n, t in self.landing.live.items()}
+        bad = compare_checksums(program, expected, receiver_checksums(program, regions))
+        if bad:
+            raise SyncError(f"engine rank {self.rank}: version {version} failed verification after the delta: "
+                            + "; ".join(bad[:5]) + (f" (+{len(bad) - 5} more)" if len(bad) > 5 else ""))
+
+
+def _dst_elements(dst_runs: list[tuple[int, int]], itemsize: int, local: torch.Tensor) -> torch.Tensor:
+    """Element offsets in the destination tensor of a transfer's elements ``local`` (positions in
+    the transfer's row-major order), through its destination byte runs."""
+    if len(dst_runs) == 1:
+        return local + dst_runs[0][0] // itemsize
+    lens = torch.tensor([n // itemsize for _, n in dst_runs], dtype=torch.int64)
+    starts = torch.cumsum(lens, 0) - lens
+    offs = torch.tensor([o // itemsize for o, _ in dst_runs], dtype=torch.int64)
+    r = torch.searchsorted(starts, local, right=True) - 1
+    return offs[r] + (local - starts[r])

@@ -1,0 +1,234 @@
+"""Trainer side of delta sync: keep the last version sent, send only what changed.
+
+A :class:`DeltaSender` wraps a :class:`~fastsync.sync.sender.WeightSender` (same plan, program,
+NIXL agent, version rule and control-plane keys) and adds, per engine rank it writes to:
+
+* the *base*: the bytes of every planned transfer exactly as the engine holds them (after the
+  cast or FP8 quantisation, not the fp32 master), from the last version sent, and the number of
+  that version. Memory: one copy of this rank's planned bytes (``base_bytes``), on the sources'
+  device (host memory for CPU shards);
+* an *outbox* of the worst-case stream size (``outbox_bytes``, every chunk dense, about this
+  rank's planned bytes plus 64 bytes per delta chunk), registered with NIXL once.
+
+Per version each engine rank says, before anything moves, whether it wants a dense sync (the
+ordinary planned writes) or a delta stream, and which version it holds (``delta_mode_key``). A
+delta is encoded only against a base of exactly that version; otherwise (a receiver that
+restarted, rolled back, missed a version, or is new) every chunk goes dense inside the stream,
+stamped base -1. After a dense sync the base is refreshed from the same sources.
+
+Example (on every trainer rank, after ``optimizer.step()``)::
+
+    sender = DeltaSender(rank=rank, plan=plan, sources=shards, shards=layout, control=control)
+    sender.setup()
+    for step in range(num_steps):
+        train_step()
+        sender.sync(version=step + 1)     # dense or delta, as the engine ranks asked
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fastsync.errors import ConfigError, FastSyncError, SyncError
+from fastsync.executor.delta import (
+    DELTA_CHUNK_ELEMS,
+    HEADER_BYTES,
+    chunk_spans,
+    encode_chunk,
+    int_view,
+    link_capacity,
+    transfer_blocks,
+    transfer_itemsize,
+    write_stream_header,
+)
+from fastsync.executor.metrics import SyncMetrics
+from fastsync.executor.pack import source_view, transform_into
+from fastsync.executor.staging import alloc_touched, wait_device
+from fastsync.executor.verify import crc_update
+from fastsync.sync.handshake import begun_key, flipped_key, sender_crc_key, sender_done_key
+from fastsync.sync.sender import WeightSender
+from fastsync.transport.nixl_delta import DeltaOutbox
+
+__all__ = ["DeltaSender", "delta_mode_key"]
+
+
+def delta_mode_key(engine_rank: int, version: int) -> str:
+    """``dense``, or ``delta:{held version}`` (set by the engine rank before ``begun``)."""
+    return f"recv/{engine_rank}/delta/{version}"
+
+
+class DeltaSender:
+    """Delta sync on one trainer rank. Takes ``WeightSender``'s arguments (``transport`` must be
+    ``nixl``) plus ``chunk_elems`` (elements per delta chunk, the unit of the dense-vs-delta choice)."""
+
+    def __init__(self, *, chunk_elems: int = DELTA_CHUNK_ELEMS, **sender_kw: Any) -> None:
+        if chunk_elems < 1:
+            raise ConfigError(f"chunk_elems must be >= 1, got {chunk_elems}")
+        if sender_kw.get("transport", "nixl") != "nixl":
+            raise ConfigError(f"delta sync writes over NIXL; transport={sender_kw['transport']!r} is not supported")
+        self.inner = WeightSender(**sender_kw)
+        self.chunk_elems = chunk_elems
+        self.rank = self.inner.rank
+        self.plan = self.inner.plan
+        self.mine = [(i, t) for i, t in enumerate(self.plan.transfers) if t.src_rank == self.rank]
+        self.base_version: dict[int, int] = {}  # engine rank -> version the base holds for it
+        self.base: dict[int, torch.Tensor] = {}
+        self.outbox: DeltaOutbox | None = None
+        self.last_stats: dict[str, Any] = {}
+        self.last_metrics: SyncMetrics | None = None
+
+    # ---- set-up ---------------------------------------------------------------------------
+    def setup(self) -> None:
+        self.inner.setup()
+        device = next(iter(self.inner.sources.values())).device if self.inner.sources else torch.device("cpu")
+        total = sum(t.nbytes for _, t in self.mine)
+        self._base_arena = alloc_touched(total, device)
+        off = 0
+        for i, t in self.mine:
+            self.base[i] = self._base_arena[off: off + t.nbytes]
+            off += t.nbytes
+        self._scratch = alloc_touched(max((t.nbytes for _, t in self.mine), default=1), device)
+        boxes = {d: alloc_touched(link_capacity(self.plan, self.rank, d, self.chunk_elems), device)
+                 for d in self.inner.dsts}
+        tr = self.inner.transport
+        self.outbox = DeltaOutbox(tr.agent, self.rank, boxes, tr._remote, self.inner.control, self.inner.timeout_s)
+        self._blocks = {i: transfer_blocks(t) for i, t in self.mine if t.transform == "fp8_block"}
+
+    @property
+    def base_bytes(self) -> int:
+        return self._base_arena.numel()
+
+    @property
+    def outbox_bytes(self) -> int:
+        return sum(b.numel() for b in self.outbox.outboxes.values()) if self.outbox else 0
+
+    # ---- one sync -------------------------------------------------------------------------
+    def sync(self, version: int, *, verify: bool | None = None, timeout_s: float | None = None,
+             wait_receivers: bool = False, on_page: Callable[[int], None] | None = None) -> SyncMetrics:
+        """Send ``version`` dense or as a delta, as the engine ranks asked (mixing both on one
+        trainer rank is refused before any byte moves)."""
+        if self.outbox is None:
+            raise SyncError(f"trainer rank {self.rank}: sync() before setup()")
+        inner = self.inner
+        timeout = inner.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        modes: dict[int, str] = {}
+        asked = False
+        for d in inner.dsts:
+            got = inner.control.get(begun_key(d, version), max(0.0, deadline - time.monotonic()),
+                                    what=f"engine rank {d} (begin of version {version})")
+            asked = asked or got == b"verify"
+            raw = inner.control.try_get(delta_mode_key(d, version))
+            modes[d] = "dense" if raw is None else raw.decode()
+        dense = [d for d, m in modes.items() if m == "dense"]
+        if len(dense) == len(modes):
+            return self._dense(version, verify, timeout_s, wait_receivers)
+        inner.versions.spend(version)
+        m = SyncMetrics(version, "trainer", self.rank, "nixl-delta", start=time.time())
+        try:
+            if dense:
+                raise SyncError(f"trainer rank {self.rank}, version {version}: engine ranks {dense} asked for a "
+                                f"dense sync, {sorted(set(modes) - set(dense))} for a delta; one trainer rank sends "
+                                "one kind per version")
+            held = {d: int(mode.split(":", 1)[1]) for d, mode in modes.items()}
+            crcs: dict[int, int] | None = {} if (verify or (verify is None and asked)) else None
+            if inner.gather is not None:
+                inner.gather.run(deadline, m)
+            with m.stage("encode"):
+                sizes = self._encode(version, held, crcs)
+            with m.stage("post"):
+                self.outbox.post(version, sizes, deadline, on_page)
+            if crcs is not None:
+                inner.control.set(sender_crc_key(self.rank, version), json.dumps(crcs))
+            inner.control.set(sender_done_key(self.rank, version), b"ok")
+            self.base_version = {d: version for d in held}
+            m.bytes_per_link = {f"t{self.rank}->r{d}": n for d, n in sizes.items()}
+            if wait_receivers:
+                self._wait_flips(version, deadline, m)
+            m.ok = True
+        except FastSyncError as e:
+            self.base_version = {}
+            m.error = str(e)
+            inner.control.set(sender_done_key(self.rank, version), f"err:{e}")
+            raise
+        except Exception as e:
+            self.base_version = {}
+            m.error = f"{type(e).__name__}: {e}"
+            inner.control.set(sender_done_key(self.rank, version), f"err:{m.error}")
+            raise SyncError(f"trainer rank {self.rank}, version {version}: {m.error}") from e
+        finally:
+            m.end = time.time()
+            self.last_metrics = m
+        return m
+
+    def _dense(self, version: int, verify: bool | None, timeout_s: float | None, wait_receivers: bool) -> SyncMetrics:
+        self.base_version = {}
+        m = self.inner.sync(version, verify=verify, timeout_s=timeout_s, wait_receivers=wait_receivers)
+        # the sources still hold what was just sent: refresh the base from them
+        for i, t in self.mine:
+            self._pack(t, self.base[i])
+        wait_device(self._base_arena)
+        self.base_version = {d: version for d in self.inner.dsts}
+        self.last_stats = {"mode": "dense", "bytes_dense": self.inner.program.bytes_total,
+                           "bytes_sent": self.inner.program.bytes_total}
+        self.last_metrics = m
+        return m
+
+    def _wait_flips(self, version: int, deadline: float, m: SyncMetrics) -> None:
+        with m.stage("wait_flip"):
+            for d in self.inner.dsts:
+                got = self.inner.control.get(flipped_key(d, version), max(0.0, deadline - time.monotonic()),
+                                             what=f"engine rank {d} (flip of version {version})").decode()
+                if got != "ok":
+                    raise SyncError(f"engine rank {d} refused version {version}: {got}")
+
+    def _pack(self, t: Any, out_u8: torch.Tensor) -> None:
+        dtype = self.inner.program.dst_info[t.dst_rank][t.dst_tensor].dtype
+        gathered = self.inner.gather.full if self.inner.gather is not None else None
+        src = source_view(t, self.inner.sources, self.inner.shards, gathered)
+        transform_into(out_u8, src, t.transform, dtype)
+
+    def _encode(self, version: int, held: dict[int, int], crcs: dict[int, int] | None) -> dict[int, int]:
+        """Encode every transfer into its receiver's outbox; update the base. Returns stream bytes."""
+        assert self.outbox is not None
+        pos = {d: HEADER_BYTES for d in held}
+        records = {d: 0 for d in held}
+        # a delta only against the exact version the receiver holds; else every chunk dense
+        self._delta_ok = {d: self.base_version.get(d) == h for d, h in held.items()}
+        self.base_version = {}  # the base is being overwritten: invalid until this version is sent
+        changed = elements = dense_bytes = 0
+        for i, t in self.mine:
+            d = t.dst_rank
+            size = transfer_itemsize(t)
+            new_u8 = self._scratch[: t.nbytes]
+            self._pack(t, new_u8)
+            wait_device(new_u8)
+            new, old = int_view(new_u8, size), int_view(self.base[i], size)
+            box = self.outbox.outboxes[d]
+            for first, n in chunk_spans(t, size, self.chunk_elems):
+                p, k = encode_chunk(box, pos[d], i, first, new[first: first + n], old[first: first + n],
+                                    force_dense=not self._delta_ok[d], blocks=self._blocks.get(i))
+                records[d] += p != pos[d]
+                pos[d] = p
+                changed += k
+            elements += new.numel()
+            dense_bytes += t.nbytes
+            if crcs is not None:
+                crcs[i] = crc_update(0, new_u8)
+            self.base[i].copy_(new_u8)
+        for d in held:
+            write_stream_header(self.outbox.outboxes[d], version, held[d] if self._delta_ok[d] else -1,
+                                records[d], pos[d])
+        self.last_stats = {"mode": "delta", "changed": changed, "elements": elements, "bytes_dense": dense_bytes,
+                           "bytes_sent": sum(pos.values()), "dense_links": sorted(d for d, ok in self._delta_ok.items() if not ok)}
+        return pos
+
+    def close(self) -> None:
+        if self.outbox is not None:
+            self.outbox.close()
+        self.inner.close()

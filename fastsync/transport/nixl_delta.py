@@ -1,0 +1,183 @@
+"""Variable-length one-sided writes over NIXL for delta streams (``fastsync.sync.delta``).
+
+A delta stream's size changes every version, but NIXL handles are prepared once. So each
+(sender, receiver) pair gets an outbox on the sender and an inbox of the same worst-case size on
+the receiver (registered once; the inbox inside the receiver's landing buffers, so the agent
+metadata the receiver publishes already covers it), cut into at most ``max_pages`` equal pages.
+A handle per page is prepared at set-up; a sync posts the first ``m`` pages that hold the stream
+with the notification ``fsd|version|src|k|m``, and a receiver has the stream when it holds all
+``m`` notifications from that sender (sent after the bytes, as for dense writes).
+
+The agent is the sync's own NIXL agent (``NixlTransport.agent``): one agent, one connection.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from fastsync.control import ControlPlane
+from fastsync.errors import SyncError, TransportError
+
+__all__ = ["DeltaOutbox", "DeltaInbox", "inbox_key", "page_bytes"]
+
+_MIN_PAGE = 64 << 10
+
+
+def inbox_key(engine_rank: int) -> str:
+    return f"nixl/delta/recv/{engine_rank}/inbox"
+
+
+def page_bytes(capacity: int, max_pages: int = 64) -> int:
+    """Page size for an outbox/inbox of ``capacity`` bytes (a multiple of 64, >= 64 KiB)."""
+    per = -(-capacity // max_pages)
+    return max(_MIN_PAGE, -(-per // 64) * 64)
+
+
+def _mem(t: torch.Tensor) -> tuple[str, int]:
+    return ("DRAM", 0) if t.device.type == "cpu" else ("VRAM", t.device.index or 0)
+
+
+class DeltaOutbox:
+    """Sender side: one registered outbox per receiver, page handles prepared once."""
+
+    def __init__(self, agent: object, rank: int, outboxes: dict[int, torch.Tensor], remote_names: dict[int, str],
+                 control: ControlPlane, timeout_s: float) -> None:
+        self.agent = agent
+        self.rank = rank
+        self.outboxes = outboxes
+        self._handles: dict[int, list[object]] = {}
+        self._page: dict[int, int] = {}
+        bufs = [b for b in outboxes.values() if b.numel()]
+        self._reg = None
+        if bufs:
+            mem = _mem(bufs[0])[0]
+            try:
+                self._reg = agent.register_memory([(b.data_ptr(), b.numel(), _mem(b)[1], "") for b in bufs], mem)
+            except Exception as e:
+                raise TransportError(f"nixl delta: trainer rank {rank}: registering outboxes failed: {e}") from e
+        for d, box in outboxes.items():
+            inbox = json.loads(control.get(inbox_key(d), timeout_s, what=f"engine rank {d} (delta inbox)"))
+            ptr, size, rmem, rdev = inbox[str(rank)]
+            if size != box.numel():
+                raise TransportError(f"nixl delta: engine rank {d} holds a {size}-byte inbox for trainer rank {rank}, "
+                                     f"whose outbox is {box.numel()} bytes: the two sides disagree on the plan")
+            page = page_bytes(size)
+            lmem, ldev = _mem(box)
+            handles = []
+            for off in range(0, size, page):
+                n = min(page, size - off)
+                ldesc = agent.get_xfer_descs(np.array([(box.data_ptr() + off, n, ldev)], dtype=np.uint64), lmem)
+                rdesc = agent.get_xfer_descs(np.array([(ptr + off, n, rdev)], dtype=np.uint64), rmem)
+                try:
+                    handles.append(agent.initialize_xfer("WRITE", ldesc, rdesc, remote_names[d], b""))
+                except Exception as e:
+                    raise TransportError(f"nixl delta: trainer rank {rank} cannot prepare writes to engine rank {d}: {e}") from e
+            self._handles[d] = handles
+            self._page[d] = page
+
+    def post(self, version: int, nbytes: dict[int, int], deadline: float,
+             on_page: Callable[[int], None] | None = None) -> None:
+        """Write the first ``nbytes[d]`` bytes of each outbox; returns when every write is done."""
+        posted: list[tuple[int, object]] = []
+        count = 0
+        try:
+            for d, n in nbytes.items():
+                m = -(-n // self._page[d])
+                for k in range(m):
+                    h = self._handles[d][k]
+                    if self.agent.transfer(h, f"fsd|{version}|{self.rank}|{k}|{m}".encode()) == "ERR":
+                        raise TransportError(f"nixl delta: trainer rank {self.rank} failed to post to engine rank {d}")
+                    posted.append((d, h))
+                    if on_page is not None:
+                        on_page(count)
+                    count += 1
+            for d, h in posted:
+                while True:
+                    state = self.agent.check_xfer_state(h)
+                    if state == "DONE":
+                        break
+                    if state == "ERR":
+                        raise TransportError(f"nixl delta: writes from trainer rank {self.rank} to engine rank {d} failed")
+                    if time.monotonic() >= deadline:
+                        raise SyncError(f"nixl delta: writes from trainer rank {self.rank} to engine rank {d} "
+                                        "not done by the deadline")
+                    time.sleep(0.0002)
+        except BaseException:
+            end = min(deadline, time.monotonic() + 5.0)
+            for _, h in posted:  # let posted writes finish before the failure is reported
+                while time.monotonic() < end:
+                    try:
+                        if self.agent.check_xfer_state(h) != "PROC":
+                            break
+                    except Exception:
+                        break
+                    time.sleep(0.0005)
+            raise
+
+    def close(self) -> None:
+        for hs in self._handles.values():
+            for h in hs:
+                try:
+                    self.agent.release_xfer_handle(h)
+                except Exception:
+                    pass
+        self._handles.clear()
+        if self._reg is not None:
+            try:
+                self.agent.deregister_memory(self._reg)
+            except Exception:
+                pass
+            self._reg = None
+
+
+class DeltaInbox:
+    """Receiver side: publishes the inbox addresses, counts page notifications per sender."""
+
+    def __init__(self, agent: object, rank: int, inboxes: dict[int, torch.Tensor], control: ControlPlane,
+                 poll_sleep_s: float = 0.001) -> None:
+        self.agent = agent
+        self.rank = rank
+        self.inboxes = inboxes
+        self.poll_sleep_s = poll_sleep_s
+        addrs = {str(s): [b.data_ptr(), b.numel(), *_mem(b)] for s, b in inboxes.items()}
+        control.set(inbox_key(rank), json.dumps(addrs))
+        self._got: dict[int, set[int]] = {}
+        self._expect: dict[int, int | None] = {}
+        self._version: int | None = None
+
+    def begin(self, version: int) -> None:
+        self._version = version
+        self._got = {s: set() for s in self.inboxes}
+        self._expect = {s: None for s in self.inboxes}
+
+    def poll(self) -> bool:
+        for msgs in self.agent.get_new_notifs().values():
+            for msg in msgs:
+                parts = msg.decode(errors="replace").split("|")
+                if len(parts) != 5 or parts[0] != "fsd":
+                    continue
+                try:
+                    v, src, k, m = (int(x) for x in parts[1:])
+                except ValueError:
+                    continue
+                if v == self._version and src in self._got:
+                    self._got[src].add(k)
+                    self._expect[src] = m
+        done = all(m is not None and len(self._got[s]) >= m for s, m in self._expect.items())
+        if not done and self.poll_sleep_s:
+            time.sleep(self.poll_sleep_s)
+        return done
+
+    def missing(self) -> dict[int, str]:
+        out = {}
+        for s, m in self._expect.items():
+            if m is None:
+                out[s] = "no delta page arrived"
+            elif len(self._got[s]) < m:
+                out[s] = f"{m - len(self._got[s])} of {m} delta pages missing"
+        return out
