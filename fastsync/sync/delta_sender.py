@@ -64,15 +64,18 @@ def delta_mode_key(engine_rank: int, version: int) -> str:
 
 class DeltaSender:
     """Delta sync on one trainer rank. Takes ``WeightSender``'s arguments (``transport`` must be
-    ``nixl``) plus ``chunk_elems`` (elements per delta chunk, the unit of the dense-vs-delta choice)."""
+    ``nixl``) plus ``chunk_elems`` (elements per delta chunk, the unit of the dense-vs-delta choice) and
+    ``page_bytes`` (NIXL write size of a stream; default: the outbox / 64, at least 64 KiB)."""
 
-    def __init__(self, *, chunk_elems: int = DELTA_CHUNK_ELEMS, **sender_kw: Any) -> None:
+    def __init__(self, *, chunk_elems: int = DELTA_CHUNK_ELEMS, page_bytes: int | None = None,
+                 **sender_kw: Any) -> None:
         if chunk_elems < 1:
             raise ConfigError(f"chunk_elems must be >= 1, got {chunk_elems}")
         if sender_kw.get("transport", "nixl") != "nixl":
             raise ConfigError(f"delta sync writes over NIXL; transport={sender_kw['transport']!r} is not supported")
         self.inner = WeightSender(**sender_kw)
         self.chunk_elems = chunk_elems
+        self.page_bytes = page_bytes
         self.rank = self.inner.rank
         self.plan = self.inner.plan
         self.mine = [(i, t) for i, t in enumerate(self.plan.transfers) if t.src_rank == self.rank]
@@ -96,7 +99,8 @@ class DeltaSender:
         boxes = {d: alloc_touched(link_capacity(self.plan, self.rank, d, self.chunk_elems), device)
                  for d in self.inner.dsts}
         tr = self.inner.transport
-        self.outbox = DeltaOutbox(tr.agent, self.rank, boxes, tr._remote, self.inner.control, self.inner.timeout_s)
+        self.outbox = DeltaOutbox(tr.agent, self.rank, boxes, tr._remote, self.inner.control, self.inner.timeout_s,
+                                  self.page_bytes)
         self._blocks = {i: transfer_blocks(t) for i, t in self.mine if t.transform == "fp8_block"}
 
     @property

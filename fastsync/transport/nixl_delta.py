@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from fastsync.control import ControlPlane
-from fastsync.errors import SyncError, TransportError
+from fastsync.errors import ConfigError, SyncError, TransportError
 
 __all__ = ["DeltaOutbox", "DeltaInbox", "inbox_key", "page_bytes"]
 
@@ -46,7 +46,9 @@ class DeltaOutbox:
     """Sender side: one registered outbox per receiver, page handles prepared once."""
 
     def __init__(self, agent: object, rank: int, outboxes: dict[int, torch.Tensor], remote_names: dict[int, str],
-                 control: ControlPlane, timeout_s: float) -> None:
+                 control: ControlPlane, timeout_s: float, page: int | None = None) -> None:
+        if page is not None and (page <= 0 or page % 64):
+            raise ConfigError(f"delta page_bytes must be a positive multiple of 64, got {page}")
         self.agent = agent
         self.rank = rank
         self.outboxes = outboxes
@@ -66,7 +68,7 @@ class DeltaOutbox:
             if size != box.numel():
                 raise TransportError(f"nixl delta: engine rank {d} holds a {size}-byte inbox for trainer rank {rank}, "
                                      f"whose outbox is {box.numel()} bytes: the two sides disagree on the plan")
-            page = page_bytes(size)
+            page = page_bytes(size) if page is None else page
             lmem, ldev = _mem(box)
             handles = []
             for off in range(0, size, page):
@@ -89,13 +91,13 @@ class DeltaOutbox:
             for d, n in nbytes.items():
                 m = -(-n // self._page[d])
                 for k in range(m):
+                    if on_page is not None:
+                        on_page(count)  # fault injection: called before each page is posted
+                    count += 1
                     h = self._handles[d][k]
                     if self.agent.transfer(h, f"fsd|{version}|{self.rank}|{k}|{m}".encode()) == "ERR":
                         raise TransportError(f"nixl delta: trainer rank {self.rank} failed to post to engine rank {d}")
                     posted.append((d, h))
-                    if on_page is not None:
-                        on_page(count)
-                    count += 1
             for d, h in posted:
                 while True:
                     state = self.agent.check_xfer_state(h)
