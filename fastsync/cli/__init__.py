@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "moe-bench": "moe_cmd",
     "plugins": "plugins_cmd",
     "trace": "trace_cmd",
+    "delta-bench": "delta_cmd",
 }
 
 

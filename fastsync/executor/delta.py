@@ -59,7 +59,9 @@ __all__ = [
 DELTA_CHUNK_ELEMS = 1 << 16
 HEADER_BYTES = 64
 _MAGIC = 0x46534454  # "FSDT"
-KINDS = {"dense": 1, "index": 2, "bitmap": 3, "blocks": 4}
+KINDS = {"dense": 1, "index": 2, "bitmap": 3, "blocks": 4, "sparse": 5}
+#: the largest chunk whose positions fit uint16 (``sparse`` records)
+MAX_SPARSE_CHUNK = 1 << 16
 _KIND_NAMES = {v: k for k, v in KINDS.items()}
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -80,6 +82,7 @@ def stream_capacity(transfers: list[Transfer], itemsizes: list[int], chunk_elems
     """Bytes of the largest stream these transfers can produce (every chunk dense)."""
     total = HEADER_BYTES
     for t, size in zip(transfers, itemsizes):
+        total += HEADER_BYTES  # slack for one ``sparse`` record's table and padding
         for _, n in chunk_spans(t, size, chunk_elems):
             total += HEADER_BYTES + _align8(n * size)
     return total
@@ -123,17 +126,19 @@ def encoded_bytes(n: int, k: int, itemsize: int) -> dict[str, int]:
 
 
 def encode_chunk(out_u8: torch.Tensor, pos: int, index: int, first: int, new: torch.Tensor, old: torch.Tensor,
-                 *, force_dense: bool = False, blocks: torch.Tensor | None = None) -> tuple[int, int]:
+                 *, force_dense: bool = False, blocks: torch.Tensor | None = None,
+                 changed: torch.Tensor | None = None) -> tuple[int, int]:
     """Encode one chunk (``new``/``old``: flat integer views of the same dtype) at byte ``pos`` of
     ``out_u8``. Returns ``(new pos, changed elements)``; an unchanged chunk writes nothing.
-    ``blocks``: the chunk's per-element FP8 block ids (block encoding instead of elements)."""
+    ``blocks``: the chunk's per-element FP8 block ids (block encoding instead of elements);
+    ``changed``: the change mask when already computed."""
     n = new.numel()
     size = new.element_size()
     if force_dense:
         changed_mask = None
         k = n
     else:
-        changed_mask = new != old
+        changed_mask = new != old if changed is None else changed
         k = int(changed_mask.sum())
         if k == 0:
             return pos, 0
@@ -183,6 +188,64 @@ def encode_chunk(out_u8: torch.Tensor, pos: int, index: int, first: int, new: to
     return end, k
 
 
+def encode_transfer(out_u8: torch.Tensor, pos: int, index: int, new: torch.Tensor, old: torch.Tensor,
+                    chunk_elems: int) -> tuple[int, int, int]:
+    """Encode one plain (element-wise) transfer against its base, vectorised over the transfer.
+    Per chunk of ``chunk_elems`` the cheapest of uint16 positions + values (gathered into one
+    ``sparse`` record per transfer: chunk ids, per-chunk counts, positions, values), ``bitmap``
+    or ``dense`` is chosen from the measured count of changed elements. Updates ``old`` to
+    ``new``. Returns ``(new pos, changed elements, records written)``."""
+    if chunk_elems > MAX_SPARSE_CHUNK:
+        raise SyncError(f"chunk_elems {chunk_elems} > {MAX_SPARSE_CHUNK}: positions would not fit uint16")
+    n_all = new.numel()
+    size = new.element_size()
+    mask = new != old
+    idx = mask.nonzero().view(-1)
+    k_all = idx.numel()
+    if k_all == 0:
+        return pos, 0, 0
+    vals = new[idx]
+    old[idx] = vals  # the base moves to this version (only the changed elements)
+    num_chunks = -(-n_all // chunk_elems)
+    cid = idx // chunk_elems
+    counts = torch.bincount(cid, minlength=num_chunks)
+    lens = torch.full((num_chunks,), chunk_elems, dtype=torch.int64)
+    lens[-1] = n_all - (num_chunks - 1) * chunk_elems
+    cost_idx = 2 * counts + counts * size + 16
+    cost_bits = (lens + 7) // 8 + counts * size
+    cost_dense = lens * size
+    sparse = (counts > 0) & (cost_idx <= cost_bits) & (cost_idx <= cost_dense)
+    records = 0
+    if bool(sparse.any()):
+        ids = sparse.nonzero().view(-1)
+        sel = sparse[cid]
+        local = (idx[sel] - cid[sel] * chunk_elems).to(torch.int32).to(torch.uint16)
+        sv = vals[sel]
+        m, k = ids.numel(), local.numel()
+        a, b, c = _align8(4 * m), _align8(2 * k), _align8(k * size)
+        payload = 2 * a + b + c
+        end = pos + HEADER_BYTES + payload
+        if end > out_u8.numel():
+            raise SyncError(f"delta stream overflows its {out_u8.numel()}-byte buffer at transfer {index}")
+        body = out_u8[pos + HEADER_BYTES: end]
+        body[: 4 * m].copy_(ids.to(torch.int32).view(torch.uint8))
+        body[a: a + 4 * m].copy_(counts[ids].to(torch.int32).view(torch.uint8))
+        body[2 * a: 2 * a + 2 * k].copy_(local.view(torch.uint8))
+        body[2 * a + b: 2 * a + b + k * size].copy_(sv.view(torch.uint8))
+        hdr = torch.tensor([index, 0, n_all, KINDS["sparse"], m, payload, chunk_elems, k], dtype=torch.int64)
+        out_u8[pos: pos + HEADER_BYTES].copy_(hdr.view(torch.uint8))
+        pos = end
+        records += 1
+    rest = ((counts > 0) & ~sparse).nonzero().view(-1).tolist()
+    for c_ in rest:  # chunks where many elements changed: bitmap or dense (rare at RL learning rates)
+        first = c_ * chunk_elems
+        n = int(lens[c_])
+        pos, _ = encode_chunk(out_u8, pos, index, first, new[first: first + n], old[first: first + n],
+                                changed=mask[first: first + n])
+        records += 1
+    return pos, k_all, records
+
+
 def _block_order(blocks: torch.Tensor) -> torch.Tensor:
     """Element positions sorted by block id, row-major inside each block (stable)."""
     return torch.sort(blocks, stable=True).indices
@@ -193,8 +256,9 @@ def write_stream_header(out_u8: torch.Tensor, version: int, base_version: int, n
     out_u8[:HEADER_BYTES].copy_(hdr.view(torch.uint8))
 
 
-def read_stream(buf_u8: torch.Tensor, who: str) -> tuple[int, int, list[tuple[int, int, int, str, int, torch.Tensor]]]:
-    """Parse a stream: ``(version, base_version, [(transfer index, first, n, kind, count, payload)])``.
+def read_stream(buf_u8: torch.Tensor, who: str) -> tuple[int, int, list[tuple]]:
+    """Parse a stream: ``(version, base_version, [(transfer index, first, n, kind, count, payload,
+    (extra header fields))])``.
     Raises SyncError naming ``who`` on a malformed stream (checked before anything is applied)."""
     if buf_u8.numel() < HEADER_BYTES:
         raise SyncError(f"{who}: delta stream shorter than its header")
@@ -206,11 +270,11 @@ def read_stream(buf_u8: torch.Tensor, who: str) -> tuple[int, int, list[tuple[in
     for _ in range(num):
         if pos + HEADER_BYTES > nbytes:
             raise SyncError(f"{who}: delta stream truncated at byte {pos}")
-        index, first, n, kind, count, payload = (int(x) for x in buf_u8[pos: pos + HEADER_BYTES].view(torch.int64)[:6])
+        index, first, n, kind, count, payload, x6, x7 = (int(x) for x in buf_u8[pos: pos + HEADER_BYTES].view(torch.int64))
         end = pos + HEADER_BYTES + payload
         if kind not in _KIND_NAMES or end > nbytes or count < 0 or n < 0:
             raise SyncError(f"{who}: bad delta record at byte {pos} (transfer {index}, kind {kind})")
-        out.append((index, first, n, _KIND_NAMES[kind], count, buf_u8[pos + HEADER_BYTES: end]))
+        out.append((index, first, n, _KIND_NAMES[kind], count, buf_u8[pos + HEADER_BYTES: end], (x6, x7)))
         pos = end
     if pos != nbytes:
         raise SyncError(f"{who}: delta stream has {nbytes - pos} trailing bytes")
@@ -218,8 +282,26 @@ def read_stream(buf_u8: torch.Tensor, who: str) -> tuple[int, int, list[tuple[in
 
 
 def decode_positions(kind: str, n: int, count: int, payload: torch.Tensor, itemsize: int,
-                     blocks: torch.Tensor | None, who: str) -> tuple[torch.Tensor | None, torch.Tensor]:
+                     blocks: torch.Tensor | None, who: str, extra: tuple[int, int] = (0, 0)
+                     ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """``(positions or None for dense, value bytes)`` of one record; checks every bound."""
+    if kind == "sparse":
+        chunk, k = extra
+        if not 0 < chunk <= MAX_SPARSE_CHUNK or k < 0:
+            raise SyncError(f"{who}: sparse record with chunk size {chunk} and {k} elements")
+        a, b = _align8(4 * count), _align8(2 * k)
+        if payload.numel() < 2 * a + b + k * itemsize:
+            raise SyncError(f"{who}: sparse record shorter than its {count} chunks and {k} elements")
+        ids = payload[: 4 * count].view(torch.int32).to(torch.int64)
+        counts = payload[a: a + 4 * count].view(torch.int32).to(torch.int64)
+        if count and (int(ids.min()) < 0 or int(ids.max()) * chunk >= n or int(counts.min()) < 0) \
+                or int(counts.sum()) != k:
+            raise SyncError(f"{who}: sparse record's chunk table does not fit its {n} elements / {k} positions")
+        local = payload[2 * a: 2 * a + 2 * k].view(torch.uint16).to(torch.int64)
+        idx = torch.repeat_interleave(ids * chunk, counts) + local
+        if k and int(idx.max()) >= n:
+            raise SyncError(f"{who}: sparse record points outside its {n} elements")
+        return idx, payload[2 * a + b: 2 * a + b + k * itemsize]
     if kind == "dense":
         if payload.numel() < n * itemsize:
             raise SyncError(f"{who}: dense record of {n} elements carries {payload.numel()} bytes")

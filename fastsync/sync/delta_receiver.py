@@ -232,7 +232,7 @@ class DeltaReceiver:
         program = self.inner.program
         assert program is not None
         held = self.inner.version
-        out = []
+        by_tensor: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         changed = elements = nbytes = 0
         for s, inbox in self.landing.inboxes.items():
             who = f"engine rank {self.rank}, stream from trainer rank {s}"
@@ -245,7 +245,7 @@ class DeltaReceiver:
                                 "sync is needed)")
             items = {it.index: it for it in program.by_src.get(s, [])}
             covered = 0
-            for index, first, n, kind, count, payload in recs:
+            for index, first, n, kind, count, payload, extra in recs:
                 it = items.get(index)
                 if it is None:
                     raise SyncError(f"{who}: record for transfer {index}, which trainer rank {s} does not send here")
@@ -261,14 +261,15 @@ class DeltaReceiver:
                     if index not in self._blocks:
                         self._blocks[index] = transfer_blocks(t)
                     blocks = self._blocks[index]
-                idx, vals = decode_positions(kind, n, count, payload, size, blocks, who)
+                idx, vals = decode_positions(kind, n, count, payload, size, blocks, who, extra)
                 if base == -1 and kind != "dense":
                     raise SyncError(f"{who}: a stream with no base must be dense, record for transfer {index} is {kind}")
                 covered += n if kind == "dense" else 0
                 local = torch.arange(first, first + n) if idx is None else idx + first
                 pos = _dst_elements(it.dst_runs, size, local)
-                flat = int_view(as_bytes(self.landing.live[t.dst_tensor]), size)
-                out.append((flat, pos, int_view(vals.clone(), size)))
+                group = by_tensor.setdefault(t.dst_tensor, ([], []))
+                group[0].append(pos)
+                group[1].append(vals)
                 changed += local.numel()
             total = sum(it.transfer.nbytes // self.inner.program.tensors[it.transfer.dst_tensor].itemsize
                         for it in items.values())
@@ -276,6 +277,13 @@ class DeltaReceiver:
             if base == -1 and covered != total:
                 raise SyncError(f"{who}: dense stream covers {covered} of {total} elements")
         self.last_stats = {"mode": "delta", "changed": changed, "elements": elements, "bytes": nbytes}
+        out = []
+        for name, (poss, valss) in by_tensor.items():
+            size = program.tensors[name].itemsize
+            flat = int_view(as_bytes(self.landing.live[name]), size)
+            pos = poss[0] if len(poss) == 1 else torch.cat(poss)
+            vals = int_view(valss[0].clone() if len(valss) == 1 else torch.cat(valss), size)
+            out.append((flat, pos, vals))
         return out
 
     def _verify(self, version: int) -> None:

@@ -38,8 +38,10 @@ from fastsync.errors import ConfigError, FastSyncError, SyncError
 from fastsync.executor.delta import (
     DELTA_CHUNK_ELEMS,
     HEADER_BYTES,
+    MAX_SPARSE_CHUNK,
     chunk_spans,
     encode_chunk,
+    encode_transfer,
     int_view,
     link_capacity,
     transfer_blocks,
@@ -69,8 +71,8 @@ class DeltaSender:
 
     def __init__(self, *, chunk_elems: int = DELTA_CHUNK_ELEMS, page_bytes: int | None = None,
                  **sender_kw: Any) -> None:
-        if chunk_elems < 1:
-            raise ConfigError(f"chunk_elems must be >= 1, got {chunk_elems}")
+        if not 1 <= chunk_elems <= MAX_SPARSE_CHUNK:
+            raise ConfigError(f"chunk_elems must be in [1, {MAX_SPARSE_CHUNK}], got {chunk_elems}")
         if sender_kw.get("transport", "nixl") != "nixl":
             raise ConfigError(f"delta sync writes over NIXL; transport={sender_kw['transport']!r} is not supported")
         self.inner = WeightSender(**sender_kw)
@@ -214,17 +216,22 @@ class DeltaSender:
             wait_device(new_u8)
             new, old = int_view(new_u8, size), int_view(self.base[i], size)
             box = self.outbox.outboxes[d]
-            for first, n in chunk_spans(t, size, self.chunk_elems):
-                p, k = encode_chunk(box, pos[d], i, first, new[first: first + n], old[first: first + n],
-                                    force_dense=not self._delta_ok[d], blocks=self._blocks.get(i))
-                records[d] += p != pos[d]
-                pos[d] = p
+            if self._delta_ok[d] and t.transform != "fp8_block":
+                pos[d], k, r = encode_transfer(box, pos[d], i, new, old, self.chunk_elems)
+                records[d] += r
                 changed += k
+            else:
+                for first, n in chunk_spans(t, size, self.chunk_elems):
+                    p, k = encode_chunk(box, pos[d], i, first, new[first: first + n], old[first: first + n],
+                                        force_dense=not self._delta_ok[d], blocks=self._blocks.get(i))
+                    records[d] += p != pos[d]
+                    pos[d] = p
+                    changed += k
+                self.base[i].copy_(new_u8)
             elements += new.numel()
             dense_bytes += t.nbytes
             if crcs is not None:
                 crcs[i] = crc_update(0, new_u8)
-            self.base[i].copy_(new_u8)
         for d in held:
             write_stream_header(self.outbox.outboxes[d], version, held[d] if self._delta_ok[d] else -1,
                                 records[d], pos[d])

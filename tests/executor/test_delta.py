@@ -12,6 +12,7 @@ from fastsync.executor.delta import (
     block_ids,
     decode_positions,
     encode_chunk,
+    encode_transfer,
     int_view,
     read_stream,
     stream_capacity,
@@ -32,9 +33,9 @@ def _roundtrip(new: torch.Tensor, old: torch.Tensor, blocks: torch.Tensor | None
     got = old.clone()
     flat = int_view(got.view(torch.uint8), size)
     kinds = []
-    for index, first, cnt, kind, count, payload in recs:
+    for index, first, cnt, kind, count, payload, extra in recs:
         assert index == 7 and first == 0 and cnt == n
-        idx, vals = decode_positions(kind, n, count, payload, size, blocks, "test")
+        idx, vals = decode_positions(kind, n, count, payload, size, blocks, "test", extra)
         pos_ = torch.arange(n) if idx is None else idx
         flat[pos_] = int_view(vals.clone(), size)
         kinds.append(kind)
@@ -100,5 +101,33 @@ def test_capacity_covers_every_chunk_dense() -> None:
     t = Transfer(0, 0, "w", ((0, 5), (0, 70001)), "p", ((0, 5), (0, 70001)), "copy", 5 * 70001 * 2)
     cap = stream_capacity([t], [2], chunk_elems=1 << 16)
     chunks = -(-5 * 70001 // (1 << 16))
-    assert cap == HEADER_BYTES + chunks * HEADER_BYTES + sum(
+    assert cap == 2 * HEADER_BYTES + chunks * HEADER_BYTES + sum(
         -(-min(1 << 16, 5 * 70001 - a) * 2 // 8) * 8 for a in range(0, 5 * 70001, 1 << 16))
+
+
+def test_transfer_encoding_mixes_sparse_bitmap_and_dense_chunks_losslessly() -> None:
+    """One transfer of 5 chunks of 4099 elements (the last partial): a sparse chunk, an
+    unchanged one, a half-changed one (bitmap), an all-changed one (dense), a sparse last one."""
+    g = torch.Generator().manual_seed(3)
+    n, chunk = 4 * 4099 + 1234, 4099
+    old = torch.randn(n, generator=g).to(torch.bfloat16)
+    new = old.clone()
+    rate = torch.tensor([0.01] * chunk + [0.0] * chunk + [0.5] * chunk + [1.0] * chunk + [0.02] * 1234)
+    mask = torch.rand(n, generator=g) < rate
+    new[mask] = (old[mask].float() * 1.5 + 0.25).to(torch.bfloat16)
+    base = old.clone()
+    buf = torch.zeros(HEADER_BYTES + 5 * HEADER_BYTES + 2 * n + 64, dtype=torch.uint8)
+    pos, k, records = encode_transfer(buf, HEADER_BYTES, 4, old.view(torch.int16), base.view(torch.int16), chunk)
+    assert (k, records) == (0, 0)  # identical: nothing written
+    pos, k, records = encode_transfer(buf, HEADER_BYTES, 4, new.view(torch.int16), base.view(torch.int16), chunk)
+    assert k == int((new.view(torch.int16) != old.view(torch.int16)).sum())
+    assert torch.equal(base.view(torch.int16), new.view(torch.int16))  # the base moved to the new version
+    write_stream_header(buf, 2, 1, records, pos)
+    _, _, recs = read_stream(buf, "test")
+    assert sorted(r[3] for r in recs) == ["bitmap", "dense", "sparse"]
+    got = old.clone().view(torch.int16)
+    for index, first, cnt, kind, count, payload, extra in recs:
+        idx, vals = decode_positions(kind, cnt, count, payload, 2, None, "test", extra)
+        pos_ = torch.arange(cnt) if idx is None else idx
+        got[pos_ + first] = int_view(vals.clone(), 2)
+    assert torch.equal(got, new.view(torch.int16))
