@@ -229,8 +229,11 @@ def run_delta_bench(cfg: DeltaBenchConfig, timeout_s: float = 1800.0) -> dict:
 def _summarise(cfg: DeltaBenchConfig, hf: dict, plan: Any, rows: list[dict]) -> dict:
     ends: dict[int, list[float]] = {}
     ok: dict[int, list[bool]] = {}
+    estages: dict[int, dict[str, float]] = {}
     for r in rows:
         if r.get("kind") == "engine":
+            for k, v in r["stages"].items():
+                estages.setdefault(r["version"], {})[k] = max(v, estages.get(r["version"], {}).get(k, 0.0))
             ends.setdefault(r["version"], []).append(r["end"])
             ok.setdefault(r["version"], []).append(r["verified"])
     steps = []
@@ -246,6 +249,8 @@ def _summarise(cfg: DeltaBenchConfig, hf: dict, plan: Any, rows: list[dict]) -> 
             "changed_fraction": delta["changed"] / max(delta["elements"], 1),
             "bytes_dense": plan.bytes_total, "bytes_delta": delta["bytes_sent"],
             "seconds_dense": secs(dense), "seconds_delta": secs(delta),
+            "stages_delta": {"trainer": delta["stages"], "engine_max": estages.get(delta["version"], {})},
+            "stages_dense": {"trainer": dense["stages"], "engine_max": estages.get(dense["version"], {})},
             "verified": all(ok[delta["version"]]) and all(ok[dense["version"]]) and len(ok[delta["version"]]) == cfg.rollouts,
         })
     bytes_ratio = sum(s["bytes_delta"] for s in steps) / max(sum(s["bytes_dense"] for s in steps), 1)

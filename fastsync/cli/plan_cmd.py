@@ -38,6 +38,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype-out", choices=["bf16", "fp8"], default="bf16", help="engine weight dtype (default bf16)")
     p.add_argument("--max-transfer-mb", type=float, default=None,
                    help="split transfers larger than this many MiB into chunks (default: no split)")
+    p.add_argument("--delta-fraction", type=float, default=None, metavar="F",
+                   help="also predict a delta sync where fraction F of engine elements changed (measure F with "
+                        "fastsync delta-bench)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--save", metavar="PATH", default=None, help="write the serialised plan to PATH")
     plan_outputs.add_arguments(p)
@@ -102,6 +105,7 @@ def _plan_report(args: argparse.Namespace, steps: Steps) -> dict:
     steps.next("writing the trace / figure")
     files = plan_outputs.write_outputs(args, plan, sim, events, f"{inv.name}: {args.trainer} -> {args.rollout}, "
                                        f"{args.nic_gbps:g} Gb/s per GPU")
+    delta = _delta_report(plan, args)
     return {
         "model": inv.name,
         "architecture": inv.architecture,
@@ -138,7 +142,23 @@ def _plan_report(args: argparse.Namespace, steps: Steps) -> dict:
         "unread_params": plan.meta["unread_params"],
         "saved_to": args.save,
         **files,
+        **({"delta": delta} if delta else {}),
     }
+
+
+def _delta_report(plan: object, args: argparse.Namespace) -> dict | None:
+    """The delta sync of ``plan`` at ``--delta-fraction``, priced by the same simulator."""
+    f = getattr(args, "delta_fraction", None)
+    if f is None:
+        return None
+    from fastsync.plan.delta_sim import delta_plan
+    from fastsync.plan.simulate import simulate
+
+    dplan = delta_plan(plan, f)
+    sim = simulate(dplan, nic_gbps=args.nic_gbps, intra_node_gbps=args.intra_node_gbps,
+                   gpus_per_node=args.gpus_per_node)
+    return {"fraction": f, "bytes_total": dplan.bytes_total, "max_recv_bytes": sim.max_recv_bytes,
+            "predicted_seconds": sim.predicted_seconds, "bottleneck": sim.bottleneck}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -166,6 +186,11 @@ def run(args: argparse.Namespace) -> int:
                          f"planner+hash {r['planner_seconds']:.2f} s; {r['plan_cpu_seconds']:.2f} s CPU)"),
         ("plan hash", r["plan_hash"]),
     ]
+    if "delta" in r:
+        d = r["delta"]
+        rows.append(("delta sync", f"{d['predicted_seconds']:.3f} s at {100 * d['fraction']:g}% changed: "
+                                   f"{_gb(d['bytes_total'])} ({d['bytes_total'] / r['bytes_total']:.3f} of dense), "
+                                   f"max {_gb(d['max_recv_bytes'])} per inference rank; {d['bottleneck']}"))
     if r["unread_params"]:
         rows.append(("not sent (tied)", ", ".join(r["unread_params"])))
     if r["saved_to"]:

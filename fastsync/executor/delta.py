@@ -33,6 +33,7 @@ import torch
 from fastsync.errors import SyncError
 from fastsync.layout.box import box_numel, box_shape
 from fastsync.layout.types import FP8_BLOCK
+from fastsync.plan.delta_sim import DELTA_CHUNK_ELEMS, HEADER_BYTES, MAX_SPARSE_CHUNK
 from fastsync.plan.types import Plan, Transfer
 
 __all__ = [
@@ -55,13 +56,9 @@ __all__ = [
     "link_capacity",
 ]
 
-#: default delta-chunk size in elements (a dense-vs-delta decision is made per chunk)
-DELTA_CHUNK_ELEMS = 1 << 16
-HEADER_BYTES = 64
 _MAGIC = 0x46534454  # "FSDT"
 KINDS = {"dense": 1, "index": 2, "bitmap": 3, "blocks": 4, "sparse": 5}
-#: the largest chunk whose positions fit uint16 (``sparse`` records)
-MAX_SPARSE_CHUNK = 1 << 16
+
 _KIND_NAMES = {v: k for k, v in KINDS.items()}
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

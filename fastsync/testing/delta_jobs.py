@@ -41,7 +41,8 @@ def update_fraction(version: int) -> float:
 
 
 def job_model(job: DeltaJob) -> Any:
-    from fastsync.bench.model import BenchModel
+    from types import SimpleNamespace
+
     from fastsync.plan.planner import build_plan
     from fastsync.testing.synthetic import ModelDims, engine_layout, fsdp_layout, small_model
 
@@ -50,7 +51,7 @@ def job_model(job: DeltaJob) -> Any:
     trainer = fsdp_layout(params, job.trainers)
     engine = engine_layout(params, dims, tp=job.rollouts, fp8=job.fp8, dtype="bfloat16")
     plan = build_plan(params, trainer, engine)
-    return BenchModel(params, trainer, engine, plan, "delta test model")
+    return SimpleNamespace(params=params, trainer=trainer, engine=engine, plan=plan)
 
 
 def _seed(*parts: object) -> int:
