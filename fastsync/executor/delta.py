@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from fastsync.errors import SyncError
@@ -196,13 +197,23 @@ def encode_transfer(out_u8: torch.Tensor, pos: int, index: int, new: torch.Tenso
         raise SyncError(f"chunk_elems {chunk_elems} > {MAX_SPARSE_CHUNK}: positions would not fit uint16")
     n_all = new.numel()
     size = new.element_size()
-    mask = new != old
-    idx = mask.nonzero().view(-1)
+    if new.device.type == "cpu":  # numpy's compare and flatnonzero run ~5x faster than torch's here
+        a, b = new.numpy(), old.numpy()
+        mask_np = np.not_equal(a, b)
+        idx_np = np.flatnonzero(mask_np)
+        if idx_np.size == 0:
+            return pos, 0, 0
+        vals_np = a[idx_np]
+        b[idx_np] = vals_np  # the base moves to this version (only the changed elements)
+        mask, idx, vals = torch.from_numpy(mask_np), torch.from_numpy(idx_np), torch.from_numpy(vals_np)
+    else:
+        mask = new != old
+        idx = mask.nonzero().view(-1)
+        if idx.numel() == 0:
+            return pos, 0, 0
+        vals = new[idx]
+        old[idx] = vals
     k_all = idx.numel()
-    if k_all == 0:
-        return pos, 0, 0
-    vals = new[idx]
-    old[idx] = vals  # the base moves to this version (only the changed elements)
     num_chunks = -(-n_all // chunk_elems)
     cid = idx // chunk_elems
     counts = torch.bincount(cid, minlength=num_chunks)
@@ -215,9 +226,13 @@ def encode_transfer(out_u8: torch.Tensor, pos: int, index: int, new: torch.Tenso
     records = 0
     if bool(sparse.any()):
         ids = sparse.nonzero().view(-1)
-        sel = sparse[cid]
-        local = (idx[sel] - cid[sel] * chunk_elems).to(torch.int32).to(torch.uint16)
-        sv = vals[sel]
+        if ids.numel() == int((counts > 0).sum()):  # every changed chunk is sparse (the usual case)
+            local = (idx - cid * chunk_elems).to(torch.int32).to(torch.uint16)
+            sv = vals
+        else:
+            sel = sparse[cid]
+            local = (idx[sel] - cid[sel] * chunk_elems).to(torch.int32).to(torch.uint16)
+            sv = vals[sel]
         m, k = ids.numel(), local.numel()
         a, b, c = _align8(4 * m), _align8(2 * k), _align8(k * size)
         payload = 2 * a + b + c

@@ -177,19 +177,19 @@ class DeltaReceiver:
                 writes = self._decode(version)
             with m.stage("apply"):
                 for flat, pos, vals in writes:
-                    undo.append((flat, pos, flat[pos].clone()))
-                    flat[pos] = vals
+                    undo.append((flat, pos, _gather(flat, pos)))
+                    _scatter(flat, pos, vals)
             if self.inner.verify:
                 with m.stage("verify"):
                     self._verify(version)
         except FastSyncError as e:
             for flat, pos, old in reversed(undo):
-                flat[pos] = old
+                _scatter(flat, pos, old)
             self.abort(str(e))
             raise
         except Exception as e:
             for flat, pos, old in reversed(undo):
-                flat[pos] = old
+                _scatter(flat, pos, old)
             self.abort(f"{type(e).__name__}: {e}")
             raise SyncError(f"engine rank {self.rank}, version {version}: {type(e).__name__}: {e}") from e
         self.landing.mark_changed()
@@ -312,3 +312,18 @@ def _dst_elements(dst_runs: list[tuple[int, int]], itemsize: int, local: torch.T
     offs = torch.tensor([o // itemsize for o, _ in dst_runs], dtype=torch.int64)
     r = torch.searchsorted(starts, local, right=True) - 1
     return offs[r] + (local - starts[r])
+
+
+def _gather(flat: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """``flat[pos]`` (numpy's take on the CPU: several times faster than torch's indexing here)."""
+    if flat.device.type == "cpu":
+        return torch.from_numpy(flat.numpy()[pos.numpy()])
+    return flat[pos]
+
+
+def _scatter(flat: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor) -> None:
+    """``flat[pos] = vals`` in place."""
+    if flat.device.type == "cpu":
+        flat.numpy()[pos.numpy()] = vals.numpy()
+    else:
+        flat[pos] = vals
