@@ -101,7 +101,7 @@ class DeltaReceiver:
         self.inner.setup()
         tr = self.inner.transport
         self.inbox = DeltaInbox(tr.agent, self.rank, self.landing.inboxes, self.inner.control,
-                                getattr(tr, "poll_sleep_s", 0.001))
+                                getattr(tr, "poll_sleep_s", 0.001), key=tr._key)
         self._blocks: dict[int, torch.Tensor | None] = {}
 
     # ---- one sync -------------------------------------------------------------------------

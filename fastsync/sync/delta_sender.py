@@ -102,7 +102,7 @@ class DeltaSender:
                  for d in self.inner.dsts}
         tr = self.inner.transport
         self.outbox = DeltaOutbox(tr.agent, self.rank, boxes, tr._remote, self.inner.control, self.inner.timeout_s,
-                                  self.page_bytes)
+                                  self.page_bytes, key=tr._key, agent_name=tr.agent_name)
         self._blocks = {i: transfer_blocks(t) for i, t in self.mine if t.transform == "fp8_block"}
 
     @property

@@ -8,13 +8,19 @@ A handle per page is prepared at set-up; a sync posts the first ``m`` pages that
 with the notification ``fsd|version|src|k|m``, and a receiver has the stream when it holds all
 ``m`` notifications from that sender (sent after the bytes, as for dense writes).
 
-The agent is the sync's own NIXL agent (``NixlTransport.agent``): one agent, one connection.
+The agent is the sync's own NIXL agent (``NixlTransport.agent``): one agent, one connection,
+and the same trust rule as dense writes: a page notification ``fsd|version|src|k|m|mac`` counts
+only if NIXL reports it from the agent that sender announced at set-up, with a MAC under the job's
+notification key over (agent, receiver, version, sender, page, pages), for the open version;
+anything else is refused and counted, and never completes a version.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import numpy as np
@@ -22,8 +28,11 @@ import torch
 
 from fastsync.control import ControlPlane
 from fastsync.errors import ConfigError, SyncError, TransportError
+from fastsync.security import check_mac, mac
 
 __all__ = ["DeltaOutbox", "DeltaInbox", "inbox_key", "page_bytes"]
+
+log = logging.getLogger("fastsync.transport.nixl_delta")
 
 _MIN_PAGE = 64 << 10
 
@@ -46,12 +55,15 @@ class DeltaOutbox:
     """Sender side: one registered outbox per receiver, page handles prepared once."""
 
     def __init__(self, agent: object, rank: int, outboxes: dict[int, torch.Tensor], remote_names: dict[int, str],
-                 control: ControlPlane, timeout_s: float, page: int | None = None) -> None:
+                 control: ControlPlane, timeout_s: float, page: int | None = None, *, key: bytes = b"",
+                 agent_name: str = "") -> None:
         if page is not None and (page <= 0 or page % 64):
             raise ConfigError(f"delta page_bytes must be a positive multiple of 64, got {page}")
         self.agent = agent
         self.rank = rank
         self.outboxes = outboxes
+        self._key = key
+        self._agent_name = agent_name
         self._handles: dict[int, list[object]] = {}
         self._page: dict[int, int] = {}
         bufs = [b for b in outboxes.values() if b.numel()]
@@ -95,7 +107,9 @@ class DeltaOutbox:
                         on_page(count)  # fault injection: called before each page is posted
                     count += 1
                     h = self._handles[d][k]
-                    if self.agent.transfer(h, f"fsd|{version}|{self.rank}|{k}|{m}".encode()) == "ERR":
+                    tag = mac(self._key, "fsd", self._agent_name, str(d), str(version), str(self.rank), str(k),
+                              str(m)).hex()
+                    if self.agent.transfer(h, f"fsd|{version}|{self.rank}|{k}|{m}|{tag}".encode()) == "ERR":
                         raise TransportError(f"nixl delta: trainer rank {self.rank} failed to post to engine rank {d}")
                     posted.append((d, h))
             for d, h in posted:
@@ -141,8 +155,12 @@ class DeltaInbox:
     """Receiver side: publishes the inbox addresses, counts page notifications per sender."""
 
     def __init__(self, agent: object, rank: int, inboxes: dict[int, torch.Tensor], control: ControlPlane,
-                 poll_sleep_s: float = 0.001) -> None:
+                 poll_sleep_s: float = 0.001, *, key: bytes = b"") -> None:
         self.agent = agent
+        self._key = key
+        self._control = control
+        self._agents: dict[int, str] = {}
+        self.refused: Counter = Counter()
         self.rank = rank
         self.inboxes = inboxes
         self.poll_sleep_s = poll_sleep_s
@@ -157,19 +175,59 @@ class DeltaInbox:
         self._got = {s: set() for s in self.inboxes}
         self._expect = {s: None for s in self.inboxes}
 
+    def _agent_of(self, src: int) -> str | None:
+        """The agent trainer rank ``src`` announced at set-up (authenticated control plane)."""
+        if src not in self._agents:
+            raw = self._control.try_get(f"nixl/send/{src}/to/{self.rank}")
+            if raw is None:
+                return None
+            self._agents[src] = str(json.loads(raw)["agent"])
+        return self._agents[src]
+
+    def _refuse(self, reason: str, agent: str, msg: bytes) -> None:
+        self.refused[reason] += 1
+        if self.refused[reason] <= 5:
+            log.warning("nixl delta: engine rank %s refused a notification from agent %r (%s): %r",
+                        self.rank, agent, reason, msg[:80])
+
     def poll(self) -> bool:
-        for msgs in self.agent.get_new_notifs().values():
+        for agent, msgs in self.agent.get_new_notifs().items():
             for msg in msgs:
                 parts = msg.decode(errors="replace").split("|")
-                if len(parts) != 5 or parts[0] != "fsd":
-                    continue
+                if not parts or parts[0] != "fsd":
+                    continue  # a dense write's notification (or not ours): the dense receiver's business
                 try:
-                    v, src, k, m = (int(x) for x in parts[1:])
+                    if len(parts) != 6:
+                        raise ValueError
+                    v, src, k, m = (int(x) for x in parts[1:5])
+                    tag = bytes.fromhex(parts[5])
                 except ValueError:
+                    self._refuse("malformed", agent, msg)
                     continue
-                if v == self._version and src in self._got:
-                    self._got[src].add(k)
-                    self._expect[src] = m
+                if src not in self._got:
+                    self._refuse(f"trainer rank {src} sends nothing to this engine rank", agent, msg)
+                    continue
+                want = self._agent_of(src)
+                if want != agent:
+                    self._agents.pop(src, None)  # the sender may have restarted: read its set-up again
+                    want = self._agent_of(src)
+                if want != agent:
+                    self._refuse(f"not trainer rank {src}'s agent", agent, msg)
+                    continue
+                if not check_mac(self._key, tag, "fsd", agent, str(self.rank), str(v), str(src), str(k), str(m)):
+                    self._refuse("bad MAC", agent, msg)
+                    continue
+                if v != self._version or not 0 <= k < m:
+                    if v != self._version:
+                        self._refuse("another version (late or replayed)", agent, msg)
+                    else:
+                        self._refuse(f"page {k} of {m}", agent, msg)
+                    continue
+                if self._expect[src] not in (None, m):
+                    self._refuse(f"page count {m} after {self._expect[src]}", agent, msg)
+                    continue
+                self._got[src].add(k)
+                self._expect[src] = m
         done = all(m is not None and len(self._got[s]) >= m for s, m in self._expect.items())
         if not done and self.poll_sleep_s:
             time.sleep(self.poll_sleep_s)
