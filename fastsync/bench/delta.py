@@ -140,7 +140,7 @@ def _trainer(cfg: DeltaBenchConfig, results: Any) -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
             rows = [sync(2 * step, "delta"), sync(2 * step + 1, "dense")]
-            results.put({"kind": "trainer", "step": step, "loss": float(loss), "rows": rows})
+            results.put({"kind": "trainer", "step": step, "loss": loss.item(), "rows": rows})
         sender.close()
         results.put({"kind": "exit", "role": "trainer"})
     except BaseException as e:
