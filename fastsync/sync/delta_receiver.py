@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from fastsync import plugins
 from fastsync.errors import ConfigError, FastSyncError, SyncError
 from fastsync.executor.delta import DELTA_CHUNK_ELEMS, decode_positions, int_view, link_capacity, read_stream, transfer_blocks
 from fastsync.executor.metrics import SyncMetrics
@@ -120,6 +121,7 @@ class DeltaReceiver:
             raise SyncError(f"engine rank {self.rank}: version {version} is not newer than held {inner.version}")
         inner.versions.spend(version)
         self._metrics = SyncMetrics(version, "engine", self.rank, "nixl-delta", start=time.time())
+        plugins.hook().fastsync_before_sync(version=version, role="engine", rank=self.rank, plan=inner.plan)
         self.inbox.begin(version)
         self._open, self._complete = version, False
         inner.control.set(delta_mode_key(self.rank, version), f"delta:{inner.version}".encode())
@@ -199,6 +201,7 @@ class DeltaReceiver:
         m.end = time.time()
         self.last_metrics = m
         self.inner.control.set(flipped_key(self.rank, version), b"ok")
+        plugins.hook().fastsync_after_sync(version=version, role="engine", rank=self.rank, metrics=m.to_json(), ok=True)
         return version
 
     def abort(self, reason: str) -> None:
@@ -215,6 +218,7 @@ class DeltaReceiver:
         m.end = time.time()
         self.last_metrics = m
         self.inner.control.set(flipped_key(self.rank, version), f"err:{reason}")
+        plugins.hook().fastsync_after_sync(version=version, role="engine", rank=self.rank, metrics=m.to_json(), ok=False)
 
     def sync(self, version: int, *, dense: bool = False, timeout_s: float | None = None) -> int:
         self.begin(version, dense=dense)

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from fastsync import plugins
 from fastsync.errors import ConfigError, FastSyncError, SyncError
 from fastsync.executor.delta import (
     DELTA_CHUNK_ELEMS,
@@ -136,6 +137,8 @@ class DeltaSender:
             return self._dense(version, verify, timeout_s, wait_receivers)
         inner.versions.spend(version)
         m = SyncMetrics(version, "trainer", self.rank, "nixl-delta", start=time.time())
+        hook = plugins.hook()
+        hook.fastsync_before_sync(version=version, role="trainer", rank=self.rank, plan=self.plan)
         try:
             if dense:
                 raise SyncError(f"trainer rank {self.rank}, version {version}: engine ranks {dense} asked for a "
@@ -170,6 +173,7 @@ class DeltaSender:
         finally:
             m.end = time.time()
             self.last_metrics = m
+            hook.fastsync_after_sync(version=version, role="trainer", rank=self.rank, metrics=m.to_json(), ok=m.ok)
         return m
 
     def _dense(self, version: int, verify: bool | None, timeout_s: float | None, wait_receivers: bool) -> SyncMetrics:
