@@ -6,7 +6,8 @@ torch.distributed, NIXL, vLLM) are imported lazily, on first use of a name that 
 ``import fastsync`` stays light (errors and the hook marker only).
 
 * Sync lifecycle: ``WeightSync`` (trainer side, drives live engines), ``WeightSender`` (one
-  trainer rank), ``WeightReceiver`` (one engine rank), ``SyncResult``, ``EngineHandle``.
+  trainer rank), ``WeightReceiver`` (one engine rank), ``SyncResult``, ``EngineHandle``;
+  delta sync (only what changed): ``DeltaSender``, ``DeltaReceiver``.
 * Control plane: ``TCPStoreControl``, ``ControlPlane``, ``DEFAULT_HOST``; the job secret:
   ``job_secret`` (resolve or create one), ``SECRET_ENV`` (its environment variable).
 * Planning: ``build_plan``, ``Plan``, ``Transfer``, ``simulate``.
@@ -49,6 +50,8 @@ _LAZY: dict[str, tuple[str, str]] = {
     "EngineHandle": ("fastsync.sync.weight_sync", "EngineHandle"),
     "WeightSender": ("fastsync.sync.sender", "WeightSender"),
     "WeightReceiver": ("fastsync.sync.receiver", "WeightReceiver"),
+    "DeltaSender": ("fastsync.sync.delta_sender", "DeltaSender"),
+    "DeltaReceiver": ("fastsync.sync.delta_receiver", "DeltaReceiver"),
     # control plane
     "ControlPlane": ("fastsync.control", "ControlPlane"),
     "TCPStoreControl": ("fastsync.control", "TCPStoreControl"),
