@@ -21,7 +21,7 @@ from fastsync.bench.model import BenchModel, build_bench_model
 from fastsync.bench.trace_out import write_bench_trace
 from fastsync.bench.workers import WorkerConfig, receiver_main, trainer_main
 from fastsync.control import TCPStoreControl
-from fastsync.errors import SyncError
+from fastsync.errors import ConfigError, SyncError
 from fastsync.trace.progress import Steps
 
 __all__ = ["Cluster", "run_bench", "summarize", "make_schedule"]
@@ -193,6 +193,22 @@ class _Progress:
             self.stream.flush()
 
 
+def check_memory(model: BenchModel, cfg: WorkerConfig) -> None:
+    """Refuse a benchmark whose copies cannot fit in this host's memory: the trainers hold the
+    model once (sharded), the engines once plus a backup or shadow copy."""
+    import os
+
+    try:
+        phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return
+    need = 3 * model.nbytes
+    if need > phys:
+        raise ConfigError(f"benchmark model {model.description} is {model.nbytes / (1 << 30):.3g} GiB: trainers and "
+                          f"engines with their backups need about {need / (1 << 30):.3g} GiB, more than this host's "
+                          f"{phys / (1 << 30):.3g} GiB (lower --size-gb)")
+
+
 def run_bench(cfg: WorkerConfig, transports: list[str], steps: int, warmup: int = 1,
               progress: bool | None = None, trace_file: str | None = None, plot_file: str | None = None) -> dict:
     """Run the benchmark end to end; returns the JSON-able result. With ``trace_file`` /
@@ -213,7 +229,10 @@ def run_bench(cfg: WorkerConfig, transports: list[str], steps: int, warmup: int 
         bar(r, num_procs, label)
 
     t0 = time.monotonic()
-    with Cluster(cfg) as cluster:
+    model = build_bench_model(trainers=cfg.trainers, rollouts=cfg.rollouts, size_bytes=cfg.size_bytes,
+                              preset=cfg.preset, fp8=cfg.fp8)
+    check_memory(model, cfg)
+    with Cluster(cfg, model) as cluster:
         setup.next(f"starting {num_procs} worker processes")
         cluster.start(schedule)
         per_sync = cfg.timeout_s

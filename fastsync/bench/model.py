@@ -82,8 +82,8 @@ def build_bench_model(*, trainers: int, rollouts: int, size_bytes: int | None = 
 
 
 def _preset_model(preset: str, trainers: int, rollouts: int, size_bytes: int | None) -> BenchModel:
-    from fastsync import plugins
     from fastsync.layout.engine import build_engine_layout
+    from fastsync.layout.namemap import get_name_map
     from fastsync.layout.trainer import fsdp_layout
     from fastsync.models.inventory import inventory_from_config, load_inventory
     from fastsync.plan.planner import build_plan
@@ -94,11 +94,14 @@ def _preset_model(preset: str, trainers: int, rollouts: int, size_bytes: int | N
         layers = int(cfg.get("num_hidden_layers", 1))
         fixed = sum(p.nbytes for n, p in inv.params.items() if not n.startswith("model.layers."))
         per_layer = (inv.nbytes - fixed) / max(layers, 1)
+        smallest = fixed + per_layer
+        if size_bytes < smallest:
+            raise ConfigError(f"--size-gb {size_bytes / (1 << 30):.3g}: preset {preset!r} trimmed to one layer is still "
+                              f"{smallest / (1 << 30):.3g} GB (embedding, lm_head and one layer); give --size-gb "
+                              f"{smallest / (1 << 30):.3g} or more, or omit --model for a synthetic model of that size")
         cfg["num_hidden_layers"] = max(1, min(layers, int((size_bytes - fixed) // max(per_layer, 1))))
         inv = inventory_from_config(cfg, name=inv.name)
-    name_map = plugins.hook().fastsync_name_map(architecture=inv.architecture, config=inv.config)
-    if name_map is None:
-        raise ConfigError(f"no name map registered for architecture {inv.architecture!r} (preset {preset!r})")
+    name_map = get_name_map(inv.architecture, inv.config, inv.params)
     trainer = fsdp_layout(inv.params, trainers)
     engine = build_engine_layout(inv, name_map, tp=rollouts)
     plan = build_plan(inv.params, trainer, engine, allow_unread=True)

@@ -178,8 +178,15 @@ def run_bench(
     ``rounds`` times, alternating, each round a fresh process, and the faster round of each is
     reported (on a shared machine the load drifts over minutes; alternating keeps it fair).
     """
-    if tokens < 1 or ep < 1 or reps < 1 or rounds < 1:
-        raise ConfigError(f"--tokens, --ep, --reps, --rounds must be >= 1 (got {tokens}, {ep}, {reps}, {rounds})")
+    from fastsync.layout.limits import check_count, check_seconds
+
+    check_count("tokens (--tokens)", tokens, hi=1 << 20)
+    check_count("ep (--ep)", ep, hi=64)
+    check_count("reps (--reps)", reps, hi=1000)
+    check_count("rounds (--rounds)", rounds, hi=100)
+    if threads is not None:
+        check_count("threads (--threads)", threads, hi=4096)
+    check_seconds("timeout_s (--timeout)", timeout_s)
     if tokens % ep:
         raise ConfigError(f"--tokens {tokens} must be divisible by --ep {ep}")
     cfg = load_config_dict(model)

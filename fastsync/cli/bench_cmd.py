@@ -7,28 +7,31 @@ import argparse
 import json
 import sys
 
+from fastsync.cli._args import float_in, int_in, nonempty, seconds
 from fastsync.errors import ConfigError
 from fastsync.trace.progress import auto
 
 TRANSPORT_ORDER = ("rank0", "torch", "nixl")
+#: Trainer or engine processes one host may run in the benchmark.
+MAX_PROCS = 256
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="measure weight-sync transports between real processes on this host")
-    p.add_argument("--trainers", type=int, required=True, help="trainer processes (FSDP shards)")
-    p.add_argument("--rollouts", type=int, required=True, help="inference processes (one TP group)")
-    p.add_argument("--size-gb", type=float, help="synthetic Qwen3-MoE-like model of about this many GB (bf16)")
-    p.add_argument("--model", help="registered model preset (trimmed to --size-gb layers when both are given)")
+    p.add_argument("--trainers", type=int_in(1, MAX_PROCS), required=True, help="trainer processes (FSDP shards)")
+    p.add_argument("--rollouts", type=int_in(1, MAX_PROCS), required=True, help="inference processes (one TP group)")
+    p.add_argument("--size-gb", type=float_in(0.0, 4096.0), help="synthetic Qwen3-MoE-like model of about this many GB (bf16)")
+    p.add_argument("--model", type=nonempty, help="registered model preset (trimmed to --size-gb layers when both are given)")
     p.add_argument("--transport", default="all", help="nixl, torch, rank0, a comma list, or all (default)")
-    p.add_argument("--steps", type=int, default=5, help="timed syncs per transport (after one warm-up)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed syncs per transport first")
-    p.add_argument("--staging-mb", type=int, default=256, help="sender staging budget per trainer rank (MiB)")
+    p.add_argument("--steps", type=int_in(1, 100000), default=5, help="timed syncs per transport (after one warm-up)")
+    p.add_argument("--warmup", type=int_in(0, 10000), default=1, help="untimed syncs per transport first")
+    p.add_argument("--staging-mb", type=int_in(1, 1 << 20), default=256, help="sender staging budget per trainer rank (MiB)")
     p.add_argument("--mode", choices=("inplace", "shadow"), default="inplace",
                    help="receiver atomicity: in-place writes with a backup refreshed between syncs (default), "
                         "or a shadow copy applied at the flip")
     p.add_argument("--fp8", action="store_true",
                    help="engine holds 128x128 block-FP8 weights plus scales (quantised on the trainers)")
-    p.add_argument("--timeout", type=float, default=120.0, help="deadline of each sync, seconds")
+    p.add_argument("--timeout", type=seconds, default=120.0, help="deadline of each sync, seconds")
     p.add_argument("--check-exact", action="store_true",
                    help="also compare every receiver's tensors with an independent reference (slow, small models)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -44,13 +47,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _transports(spec: str) -> list[str]:
     from fastsync import plugins
 
-    names = list(TRANSPORT_ORDER) if spec == "all" else [s.strip() for s in spec.split(",") if s.strip()]
+    names = list(TRANSPORT_ORDER) if spec.strip() == "all" else [s.strip() for s in spec.split(",") if s.strip()]
     regs = plugins.transports()
+    if not names:
+        raise ConfigError(f"--transport {spec!r} names no transport; give nixl, torch, rank0, a comma list, "
+                          f"or all (registered: {sorted(regs)})")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"--transport {spec!r} names a transport twice")
     for n in names:
         if n not in regs:
             raise ConfigError(f"--transport: unknown transport {n!r}; registered: {sorted(regs)}")
-    if spec == "all":
+    if spec.strip() == "all":
         names = [n for n in names if regs[n].extra.get("available", True)]
+        if not names:
+            raise ConfigError("--transport all: no registered transport can run here")
     else:
         for n in names:
             if not regs[n].extra.get("available", True):
@@ -87,8 +97,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
     else:
         print_table(result)
-    ok = all(r["verified"] and r["seconds_median"] is not None and r.get("exact") is not False
-             for r in result["transports"].values())
+    ok = result.get("error") is None and all(
+        r["verified"] and r["seconds_median"] is not None and r.get("exact") is not False
+        for r in result["transports"].values())
     return 0 if ok else 1
 
 

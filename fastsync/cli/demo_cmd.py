@@ -11,25 +11,26 @@ from __future__ import annotations
 import argparse
 import json
 
+from fastsync.cli._args import int_in, nonempty, seconds
 from fastsync.errors import ConfigError
 from fastsync.trace.progress import auto
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="end to end: FSDP2 trainers write into a live vLLM engine (fastsync vs rank-0)")
-    p.add_argument("--model", default=None, help="local HF checkpoint directory (default: build a tiny random one)")
-    p.add_argument("--preset", default="small-qwen3-moe", help="random checkpoint to build: small-qwen3-moe | tiny-qwen3-moe | tiny-qwen3")
-    p.add_argument("--trainers", type=int, default=2, help="trainer processes (2-4)")
-    p.add_argument("--tp", type=int, default=1, help="engine tensor_parallel_size")
-    p.add_argument("--transport", default="nixl", help="transport for both paths (nixl)")
+    p.add_argument("--model", default=None, type=nonempty, help="local HF checkpoint directory (default: build a tiny random one)")
+    p.add_argument("--preset", default="small-qwen3-moe", type=nonempty, help="random checkpoint to build: small-qwen3-moe | tiny-qwen3-moe | tiny-qwen3")
+    p.add_argument("--trainers", type=int_in(1, 8), default=2, help="trainer processes (2-4)")
+    p.add_argument("--tp", type=int_in(1, 8), default=1, help="engine tensor_parallel_size")
+    p.add_argument("--transport", default="nixl", type=nonempty, help="transport for both paths (nixl)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="engine dtype (float32: engine and trainer agree token for token; bfloat16 can flip "
                         "near-tied greedy choices)")
-    p.add_argument("--repeats", type=int, default=3, help="syncs per path (the median is reported)")
-    p.add_argument("--max-tokens", type=int, default=8, help="greedy tokens per prompt")
+    p.add_argument("--repeats", type=int_in(1, 1000), default=3, help="syncs per path (the median is reported)")
+    p.add_argument("--max-tokens", type=int_in(1, 200), default=8, help="greedy tokens per prompt")
     p.add_argument("--workdir", default=None, help="where the tiny checkpoint is written")
     p.add_argument("--no-baseline", action="store_true", help="skip the rank-0 baseline")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds any one step may take")
+    p.add_argument("--timeout", type=seconds, default=120.0, help="seconds any one step may take")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.set_defaults(func=run)
 

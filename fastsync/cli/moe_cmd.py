@@ -5,23 +5,25 @@ from __future__ import annotations
 import argparse
 import json
 
+from fastsync.cli._args import int_in, nonempty, seconds
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "moe-bench",
         help="forward+backward tokens/s, peak memory and error of a MoE block: HF eager, HF grouped_mm, fastsync",
     )
-    p.add_argument("--model", required=True, help="preset name (e.g. qwen3-30b-a3b) or an HF config dir")
-    p.add_argument("--tokens", type=int, default=2048, help="tokens per step (split over --ep ranks)")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel processes for fastsync (gloo on CPU)")
-    p.add_argument("--reps", type=int, default=3, help="timed steps per variant (median reported)")
-    p.add_argument("--backend", default="auto", help="fastsync backend: auto, torch, grouped_mm, te, deepep")
-    p.add_argument("--rounds", type=int, default=2,
+    p.add_argument("--model", required=True, type=nonempty, help="preset name (e.g. qwen3-30b-a3b) or an HF config dir")
+    p.add_argument("--tokens", type=int_in(1, 1 << 20), default=2048, help="tokens per step (split over --ep ranks)")
+    p.add_argument("--ep", type=int_in(1, 64), default=1, help="expert-parallel processes for fastsync (gloo on CPU)")
+    p.add_argument("--reps", type=int_in(1, 1000), default=3, help="timed steps per variant (median reported)")
+    p.add_argument("--backend", default="auto", type=nonempty, help="fastsync backend: auto, torch, grouped_mm, te, deepep")
+    p.add_argument("--rounds", type=int_in(1, 100), default=2,
                    help="alternating rounds of HF grouped_mm and fastsync (fresh processes; best reported)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch threads per variant (default: all cores; "
+    p.add_argument("--seed", type=int_in(0, 2**63 - 1), default=0)
+    p.add_argument("--threads", type=int_in(1, 4096), default=None, help="torch threads per variant (default: all cores; "
                    "split over the --ep processes)")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per variant")
+    p.add_argument("--timeout", type=seconds, default=900.0, help="seconds allowed per variant")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from fastsync.cli import plan_outputs
+from fastsync.cli._args import float_in, int_in, nonempty
 from fastsync.errors import ConfigError
 from fastsync.trace.progress import Steps, auto
 
@@ -28,17 +29,17 @@ __all__ = ["add_parser", "run", "plan_report"]
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="plan and simulate a weight sync between a trainer and an inference layout",
                        description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--model", required=True, help="preset name (e.g. kimi-k2) or a directory with a HF config.json")
-    p.add_argument("--trainer", required=True, help="trainer layout spec, e.g. fsdp:256, hsdp:2x64, zero3:8")
-    p.add_argument("--rollout", required=True, help="inference layout spec, e.g. vllm:tp8,dp4,ep,replicas4")
-    p.add_argument("--nic-gbps", type=float, default=400.0, help="per-GPU NIC bandwidth in Gb/s (default 400)")
-    p.add_argument("--intra-node-gbps", type=float, default=None,
+    p.add_argument("--model", required=True, type=nonempty, help="preset name (e.g. kimi-k2) or a directory with a HF config.json")
+    p.add_argument("--trainer", required=True, type=nonempty, help="trainer layout spec, e.g. fsdp:256, hsdp:2x64, zero3:8")
+    p.add_argument("--rollout", required=True, type=nonempty, help="inference layout spec, e.g. vllm:tp8,dp4,ep,replicas4")
+    p.add_argument("--nic-gbps", type=float_in(0.001, 1e6, lo_open=False), default=400.0, help="per-GPU NIC bandwidth in Gb/s (default 400)")
+    p.add_argument("--intra-node-gbps", type=float_in(0.001, 1e6, lo_open=False), default=None,
                    help="per-GPU intra-node bandwidth in Gb/s for owner gathers (default: NIC speed)")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="trainer GPUs per node (default 8)")
+    p.add_argument("--gpus-per-node", type=int_in(1, 1024), default=8, help="trainer GPUs per node (default 8)")
     p.add_argument("--dtype-out", choices=["bf16", "fp8"], default="bf16", help="engine weight dtype (default bf16)")
-    p.add_argument("--max-transfer-mb", type=float, default=None,
+    p.add_argument("--max-transfer-mb", type=float_in(0.0, float(1 << 30)), default=None,
                    help="split transfers larger than this many MiB into chunks (default: no split)")
-    p.add_argument("--delta-fraction", type=float, default=None, metavar="F",
+    p.add_argument("--delta-fraction", type=float_in(0.0, 1.0, lo_open=False), default=None, metavar="F",
                    help="also predict a delta sync where fraction F of engine elements changed (measure F with "
                         "fastsync delta-bench)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -54,6 +55,24 @@ def _gb(n: float) -> str:
     return f"{int(n)} B"
 
 
+def _secs(s: float) -> str:
+    """Seconds with enough digits that a small time never prints as 0.0."""
+    if s >= 10:
+        return f"{s:.1f} s"
+    if s >= 0.001:
+        return f"{s:.3f} s"
+    return f"{s:.2e} s"
+
+
+def baseline_ratio(rank0_s: float, fastsync_s: float) -> str:
+    """How the rank-0 baseline compares with fastsync, stated the right way round."""
+    if rank0_s <= 0 or fastsync_s <= 0:
+        return "no ratio: a predicted time is zero"
+    if rank0_s >= fastsync_s:
+        return f"{rank0_s / fastsync_s:.1f}x slower than fastsync"
+    return f"{fastsync_s / rank0_s:.1f}x faster than fastsync"
+
+
 def plan_report(args: argparse.Namespace) -> dict:
     """Build everything and return the report as a dict (what ``--json`` prints)."""
     with Steps(6, enabled=auto(json=getattr(args, "json", False)), desc="fastsync plan") as steps:
@@ -67,15 +86,16 @@ def _plan_report(args: argparse.Namespace, steps: Steps) -> dict:
     from fastsync.plan.planner import build_plan
     from fastsync.plan.simulate import rank0_baseline, simulate
 
+    # the same checks as the argparse types, for callers that build the Namespace themselves
     for flag, value in (("nic_gbps", args.nic_gbps), ("intra_node_gbps", args.intra_node_gbps)):
-        if value is not None and not (value > 0 and math.isfinite(value)):
-            raise ConfigError(f"--{flag.replace('_', '-')} ({flag}) must be a positive finite number, got {value}")
-    if args.gpus_per_node <= 0:
-        raise ConfigError(f"--gpus-per-node must be positive, got {args.gpus_per_node}")
+        if value is not None and not (isinstance(value, (int, float)) and 0.001 <= value <= 1e6 and math.isfinite(value)):
+            raise ConfigError(f"--{flag.replace('_', '-')} ({flag}) must be a finite number in [0.001, 1e6] Gb/s, got {value}")
+    if not isinstance(args.gpus_per_node, int) or not 1 <= args.gpus_per_node <= 1024:
+        raise ConfigError(f"--gpus-per-node must be an integer in 1..1024, got {args.gpus_per_node}")
     max_bytes = None
     if args.max_transfer_mb is not None:
-        if args.max_transfer_mb <= 0:
-            raise ConfigError(f"--max-transfer-mb must be positive, got {args.max_transfer_mb}")
+        if not (0 < args.max_transfer_mb <= (1 << 30) and math.isfinite(args.max_transfer_mb)):
+            raise ConfigError(f"--max-transfer-mb must be a finite number in (0, 2**30], got {args.max_transfer_mb}")
         max_bytes = int(args.max_transfer_mb * (1 << 20))
         if max_bytes <= 0:
             raise ConfigError(f"--max-transfer-mb {args.max_transfer_mb} is under one byte")
@@ -167,7 +187,6 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(r))
         return 0
     over = (r["predicted_seconds"] / r["lower_bound_seconds"] - 1) * 100 if r["lower_bound_seconds"] else 0.0
-    speedup = r["rank0_predicted_seconds"] / r["predicted_seconds"] if r["predicted_seconds"] else float("inf")
     rows = [
         ("model", f"{r['model']} ({r['architecture']})"),
         ("layouts", f"trainer {r['trainer']} ({r['num_trainers']} ranks) -> rollout {r['rollout']} "
@@ -181,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
                                f"= {r['recv_balance']:.2f}"),
         ("predicted sync", f"{r['predicted_seconds']:.3f} s at {r['nic_gbps']:g} Gb/s/GPU "
                            f"(lower bound {r['lower_bound_seconds']:.3f} s, +{over:.1f}%; {r['bottleneck']})"),
-        ("rank-0 baseline", f"{r['rank0_predicted_seconds']:.1f} s ({speedup:.0f}x slower)"),
+        ("rank-0 baseline", f"{_secs(r['rank0_predicted_seconds'])} ({baseline_ratio(r['rank0_predicted_seconds'], r['predicted_seconds'])})"),
         ("time to plan", f"{r['plan_seconds']:.2f} s (layouts {r['layout_seconds']:.2f} s, "
                          f"planner+hash {r['planner_seconds']:.2f} s; {r['plan_cpu_seconds']:.2f} s CPU)"),
         ("plan hash", r["plan_hash"]),

@@ -211,8 +211,17 @@ def run_demo(*, model_dir: str | None = None, preset: str = "small-qwen3-moe", n
     from fastsync.demo.checkpoints import build_tiny_checkpoint
     from fastsync.errors import ConfigError, SyncError
 
-    if not 1 <= num_trainers <= 8:
-        raise ConfigError(f"num_trainers must be 1..8, got {num_trainers}")
+    from fastsync.layout.limits import check_count, check_seconds
+
+    check_count("num_trainers (--trainers)", num_trainers, hi=8)
+    check_count("tp (--tp)", tp, hi=8)
+    check_count("repeats (--repeats)", repeats, hi=1000)
+    check_count("max_tokens (--max-tokens)", max_tokens, hi=200)
+    check_seconds("timeout_s (--timeout)", timeout_s)
+    from fastsync import plugins
+
+    if transport not in plugins.transports():
+        raise ConfigError(f"transport (--transport) {transport!r} is not registered; registered: {sorted(plugins.transports())}")
     from fastsync.trace.progress import Steps
 
     steps = Steps(3, enabled=progress, desc="fastsync demo")

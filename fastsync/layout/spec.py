@@ -37,6 +37,7 @@ from __future__ import annotations
 import re
 
 from fastsync.errors import ConfigError
+from fastsync.layout.limits import MAX_WORLD_SIZE
 from fastsync.layout.types import EngineLayout, TrainerLayout
 
 __all__ = [
@@ -57,7 +58,13 @@ GRAMMAR = """\
   engine:  vllm:tpT[,dpD][,ep | ,epE (E = T*D, EP over the whole engine)][,replicasR][,quant=fp8][,dtype=bf16|fp16|fp32]
   examples: fsdp:256  hsdp:2x64  zero3:8  megatron:tp8,pp2,ep4,dp2  vllm:tp8,dp4,ep,replicas4 (= vllm:tp8,ep32,replicas4)"""
 
-_ITEM = re.compile(r"^([a-z_]+?)=?(\d+)$")
+_ITEM = re.compile(r"^([a-z_]+?)=?([0-9]+)$")
+#: Longest digit string a field may hold (anything longer is over every bound anyway).
+_MAX_DIGITS = 9
+
+
+def _digits(val: object) -> bool:
+    return isinstance(val, str) and re.fullmatch(r"[0-9]+", val) is not None
 
 
 def _err(spec: str, msg: str) -> ConfigError:
@@ -66,9 +73,10 @@ def _err(spec: str, msg: str) -> ConfigError:
 
 def parse_args(spec: str, args: str, *, ints: tuple[str, ...], flags: tuple[str, ...] = (),
                strings: tuple[str, ...] = (), positional: str | None = None,
-               aliases: dict[str, str] | None = None) -> dict[str, object]:
+               aliases: dict[str, str] | None = None, max_int: int = MAX_WORLD_SIZE) -> dict[str, object]:
     """Parse ``args`` into a dict. ``positional`` names the key a bare leading number fills.
-    Unknown keys, repeated keys and non-integers raise ConfigError naming the field."""
+    Unknown keys, repeated keys, non-integers and integers over ``max_int`` (default: the world
+    size bound) raise ConfigError naming the field."""
     aliases = aliases or {}
     out: dict[str, object] = {}
     items = [a.strip() for a in args.split(",")] if args.strip() else []
@@ -76,8 +84,8 @@ def parse_args(spec: str, args: str, *, ints: tuple[str, ...], flags: tuple[str,
         low = item.lower()
         if not low:
             raise _err(spec, "empty field")
-        if i == 0 and positional and low.isdigit():
-            key, val = positional, low
+        if i == 0 and positional and re.fullmatch(r"[-+0-9.e_]+", low) and any(c in low for c in "0123456789"):
+            key, val = positional, low  # a number: checked as the positional field below
         elif "=" in low and low.split("=", 1)[0] in (*strings, *(aliases.get(s, s) for s in strings)):
             key, val = low.split("=", 1)
         else:
@@ -94,8 +102,10 @@ def parse_args(spec: str, args: str, *, ints: tuple[str, ...], flags: tuple[str,
         if key in flags and val is None:
             out[key] = True
         elif key in ints or (key in flags and val is not None):
-            if val is None or not val.isdigit() or int(val) < 1:
+            if val is None or not _digits(val) or int(val[:_MAX_DIGITS + 1]) < 1:
                 raise _err(spec, f"field {key!r} must be a positive integer, got {val!r}")
+            if len(val) > _MAX_DIGITS or int(val) > max_int:
+                raise _err(spec, f"field {key!r} = {val} is over the limit {max_int}")
             out[key] = int(val)
         elif key in strings:
             if not val:
@@ -105,6 +115,11 @@ def parse_args(spec: str, args: str, *, ints: tuple[str, ...], flags: tuple[str,
             known = sorted({*ints, *flags, *strings})
             raise _err(spec, f"unknown field {key!r} (known for this kind: {known})")
     return out
+
+
+def _check_world(spec: str, what: str, size: int) -> None:
+    if size > MAX_WORLD_SIZE:
+        raise _err(spec, f"world size {what} = {size} is over the limit {MAX_WORLD_SIZE} ranks")
 
 
 def _require(spec: str, got: dict, key: str) -> int:
@@ -122,7 +137,7 @@ def fsdp_builder(args: str, inventory: object) -> TrainerLayout:
     spec = f"fsdp:{args}"
     got = parse_args(spec, args, ints=("n",), strings=("dim",), positional="n")
     dim = got.get("dim", "0")
-    if not str(dim).isdigit():
+    if not _digits(str(dim)) or len(str(dim)) > _MAX_DIGITS:
         raise _err(spec, f"field 'dim' must be a non-negative integer, got {dim!r}")
     params = getattr(inventory, "params", inventory)
     max_ndim = max((len(p.shape) for p in params.values()), default=0)  # type: ignore[union-attr]
@@ -135,14 +150,16 @@ def hsdp_builder(args: str, inventory: object) -> TrainerLayout:
     from fastsync.layout.trainer import hsdp_layout
 
     spec = f"hsdp:{args}"
-    m = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*", args.lower())
+    m = re.fullmatch(r"\s*([0-9]{1,9})\s*x\s*([0-9]{1,9})\s*", args.lower())
     if m:
         r, s = int(m.group(1)), int(m.group(2))
         if r < 1 or s < 1:
             raise _err(spec, "replicate and shard must be positive")
-        return hsdp_layout(inventory, r, s)
-    got = parse_args(spec, args, ints=("replicate", "shard"), aliases={"r": "replicate", "s": "shard"})
-    return hsdp_layout(inventory, _require(spec, got, "replicate"), _require(spec, got, "shard"))
+    else:
+        got = parse_args(spec, args, ints=("replicate", "shard"), aliases={"r": "replicate", "s": "shard"})
+        r, s = _require(spec, got, "replicate"), _require(spec, got, "shard")
+    _check_world(spec, "replicate*shard", r * s)
+    return hsdp_layout(inventory, r, s)
 
 
 def zero3_builder(args: str, inventory: object) -> TrainerLayout:
@@ -166,6 +183,7 @@ def megatron_builder(args: str, inventory: object) -> TrainerLayout:
 
     spec = f"megatron:{args}"
     got = parse_args(spec, args, ints=("tp", "pp", "ep", "dp"))
+    _check_world(spec, "tp*pp*dp", _require(spec, got, "tp") * int(got.get("pp", 1)) * int(got.get("dp", 1)))  # type: ignore[call-overload]
     return megatron_layout(inventory, tp=_require(spec, got, "tp"), pp=int(got.get("pp", 1)),  # type: ignore[arg-type]
                            ep=int(got.get("ep", 1)), dp=int(got.get("dp", 1)))  # type: ignore[arg-type]
 
@@ -188,6 +206,7 @@ def vllm_builder(args: str, inventory: object, name_map: object) -> EngineLayout
         raise _err(spec, f"field 'ep'={ep}: vLLM's expert-parallel group is the whole engine, tp*dp = {tp * dp} "
                          f"ranks; write 'ep' (or ep={tp * dp}) and use replicasN for more engines, e.g. "
                          f"vllm:tp{tp},dp{dp},ep,replicas4")
+    _check_world(spec, "tp*dp*replicas", tp * dp * int(got.get("replicas", 1)))  # type: ignore[call-overload]
     quant = got.get("quant")
     if quant not in (None, "fp8", "bf16", "none"):
         raise _err(spec, f"field 'quant' must be fp8 or bf16, got {quant!r}")

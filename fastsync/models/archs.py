@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from fastsync.errors import ConfigError
+from fastsync.layout.limits import MAX_DIM, MAX_EXPERTS, MAX_LAYERS
 
 __all__ = ["EXPERT_FORMAT_KEY", "expert_format", "ARCHITECTURES", "MODEL_TYPES", "enumerate_params", "cfg_get", "head_dim_of", "num_experts_of", "is_moe_layer", "mla_dims"]
 
@@ -39,11 +40,49 @@ def cfg_get(config: dict, key: str, default: object = _MISSING) -> object:
     return val
 
 
+#: Bounds of count-like keys (dimensions default to 1..MAX_DIM).
+_BOUNDS = {
+    "num_hidden_layers": (1, MAX_LAYERS),
+    "first_k_dense_replace": (0, MAX_LAYERS),
+    "decoder_sparse_step": (0, MAX_LAYERS),
+    "n_routed_experts": (1, MAX_EXPERTS),
+    "num_experts": (1, MAX_EXPERTS),
+    "num_local_experts": (1, MAX_EXPERTS),
+    "n_shared_experts": (0, MAX_EXPERTS),
+    "qk_nope_head_dim": (0, MAX_DIM),
+}
+
+
 def _int(config: dict, key: str, default: object = _MISSING) -> int:
+    """``config[key]`` as an integer within its bound (``_BOUNDS``, else 1..MAX_DIM). A float
+    such as ``1.5`` (or ``64.0``), a bool, NaN or a string is refused, never truncated."""
     val = cfg_get(config, key, default)
-    if not isinstance(val, int) or isinstance(val, bool) or val < 0:
-        raise ConfigError(f"config key {key!r} must be a non-negative integer, got {val!r}")
+    lo, hi = _BOUNDS.get(key, (1, MAX_DIM))
+    if val == 0 and default == 0 and key not in _BOUNDS:
+        return 0  # an optional size whose absence reads as 0
+    if not isinstance(val, int) or isinstance(val, bool):
+        raise ConfigError(f"config key {key!r} must be an integer, got {val!r}")
+    if not lo <= val <= hi:
+        raise ConfigError(f"config key {key!r} = {val} is outside {lo}..{hi}")
     return val
+
+
+def _check_heads(config: dict) -> None:
+    heads = _int(config, "num_attention_heads")
+    kv = _int(config, "num_key_value_heads", heads)
+    if heads % kv:
+        raise ConfigError(f"config keys num_attention_heads={heads} and num_key_value_heads={kv}: "
+                          f"the query heads must be a multiple of the key/value heads")
+
+
+def _check_moe(config: dict) -> int:
+    """Routed experts, checked with ``num_experts_per_tok`` (1..experts) when given."""
+    num_experts = num_experts_of(config)
+    k = config.get("num_experts_per_tok")
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= num_experts):
+        raise ConfigError(f"config key 'num_experts_per_tok' must be an integer in 1..{num_experts} "
+                          f"(the routed experts), got {k!r}")
+    return num_experts
 
 
 def num_experts_of(config: dict) -> int:
@@ -58,10 +97,13 @@ def num_experts_of(config: dict) -> int:
 
 def head_dim_of(config: dict) -> int:
     """``head_dim`` when given, else ``hidden_size // num_attention_heads`` (HF's rule)."""
-    hd = config.get("head_dim")
-    if hd is not None:
-        return int(hd)
-    return _int(config, "hidden_size") // _int(config, "num_attention_heads")
+    if config.get("head_dim") is not None:
+        return _int(config, "head_dim")
+    hd = _int(config, "hidden_size") // _int(config, "num_attention_heads")
+    if hd < 1:
+        raise ConfigError(f"config keys hidden_size={config['hidden_size']} and num_attention_heads="
+                          f"{config['num_attention_heads']} give head_dim 0; set head_dim")
+    return hd
 
 
 def _embed_and_head(config: dict, params: Params, body: Callable[[Params], None]) -> Params:
@@ -79,6 +121,9 @@ def _gqa_attention(config: dict, p: str, params: Params, *, qk_norm: bool) -> No
     heads = _int(config, "num_attention_heads")
     kv = _int(config, "num_key_value_heads", heads)
     hd = head_dim_of(config)
+    _check_heads(config)
+    if heads * hd > MAX_DIM:
+        raise ConfigError(f"config keys num_attention_heads*head_dim = {heads * hd} is over the limit {MAX_DIM}")
     bias = bool(config.get("attention_bias", False))
     params.append((f"{p}.self_attn.q_proj.weight", (heads * hd, hidden)))
     if bias:
@@ -114,6 +159,10 @@ def expert_format(config: dict) -> str:
     return fmt
 
 
+#: Per-expert tensors a model may list (experts x MoE layers x 3); beyond it use the fused format.
+MAX_PER_EXPERT_TENSORS = 1 << 20
+
+
 def _experts(p: str, num_experts: int, hidden: int, inter: int, params: Params, fmt: str = "fused") -> None:
     if fmt == "per_expert":
         for e in range(num_experts):
@@ -123,6 +172,12 @@ def _experts(p: str, num_experts: int, hidden: int, inter: int, params: Params, 
         return
     params.append((f"{p}.experts.gate_up_proj", (num_experts, 2 * inter, hidden)))
     params.append((f"{p}.experts.down_proj", (num_experts, hidden, inter)))
+
+
+def _check_per_expert(config: dict, num_experts: int, layers: int) -> None:
+    if expert_format(config) == "per_expert" and 3 * num_experts * layers > MAX_PER_EXPERT_TENSORS:
+        raise ConfigError(f"per-expert format: {num_experts} experts x {layers} layers is {3 * num_experts * layers} "
+                          f"tensors, over the limit {MAX_PER_EXPERT_TENSORS}; use the fused expert format")
 
 
 def _norms(p: str, hidden: int, params: Params) -> None:
@@ -164,6 +219,8 @@ def is_moe_layer(architecture: str, config: dict, layer: int) -> bool:
     if architecture == "Qwen3MoeForCausalLM":
         sparse_step = _int(config, "decoder_sparse_step", 1)
         only_mlp = config.get("mlp_only_layers") or []
+        if not isinstance(only_mlp, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in only_mlp):
+            raise ConfigError(f"config key 'mlp_only_layers' must be a list of layer indices, got {only_mlp!r}")
         return (
             layer not in only_mlp
             and num_experts_of(config) > 0
@@ -181,7 +238,8 @@ def qwen3_moe_params(config: dict) -> Params:
     _reject_mlp_bias(config)
     arch = "Qwen3MoeForCausalLM"
     hidden, layers = _int(config, "hidden_size"), _int(config, "num_hidden_layers")
-    num_experts = num_experts_of(config)
+    num_experts = _check_moe(config)
+    _check_per_expert(config, num_experts, layers)
     moe_inter = _int(config, "moe_intermediate_size")
     inter = _int(config, "intermediate_size", 0)
     if config.get("shared_expert_intermediate_size"):
@@ -205,7 +263,8 @@ def qwen3_moe_params(config: dict) -> Params:
 
 def mixtral_params(config: dict) -> Params:
     hidden, inter, layers = (_int(config, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers"))
-    num_experts = num_experts_of(config)
+    num_experts = _check_moe(config)
+    _check_per_expert(config, num_experts, layers)
 
     def body(params: Params) -> None:
         for i in range(layers):
@@ -223,7 +282,7 @@ def mla_dims(config: dict) -> dict[str, int | None]:
     q_lora = config.get("q_lora_rank")
     return {
         "heads": _int(config, "num_attention_heads"),
-        "q_lora_rank": None if q_lora is None else int(q_lora),
+        "q_lora_rank": None if q_lora is None else _int(config, "q_lora_rank"),
         "kv_lora_rank": _int(config, "kv_lora_rank"),
         "qk_nope_head_dim": _int(config, "qk_nope_head_dim"),
         "qk_rope_head_dim": _int(config, "qk_rope_head_dim"),
@@ -237,7 +296,8 @@ def deepseek_v3_params(config: dict) -> Params:
     d = mla_dims(config)
     heads, q_lora, kv_lora = d["heads"], d["q_lora_rank"], d["kv_lora_rank"]
     qk_head = d["qk_nope_head_dim"] + d["qk_rope_head_dim"]
-    num_experts = num_experts_of(config)
+    num_experts = _check_moe(config)
+    _check_per_expert(config, num_experts, layers)
     moe_inter = _int(config, "moe_intermediate_size")
     num_shared = _int(config, "n_shared_experts", 0)
 

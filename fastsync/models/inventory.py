@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass
 
 from fastsync.errors import ConfigError
+from fastsync.layout.limits import MAX_MODEL_BYTES
 from fastsync.layout.types import DTYPE_BYTES, ParamSpec
 from fastsync.models.archs import EXPERT_FORMAT_KEY, enumerate_params
 
@@ -62,11 +63,18 @@ def inventory_from_config(config: dict, *, name: str = "custom", dtype: str | No
     the inventory's config under ``fastsync_expert_format`` so name maps follow it."""
     from fastsync import plugins
 
+    if not isinstance(config, dict):
+        raise ConfigError(f"model {name!r}: config must be a JSON object, got {type(config).__name__}")
     registered = plugins.architectures()
     archs = config.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ConfigError(f"model {name!r}: config key 'architectures' must be a list of names, got {archs!r}")
+    model_type = config.get("model_type")
+    if model_type is not None and not isinstance(model_type, str):
+        raise ConfigError(f"model {name!r}: config key 'model_type' must be a string, got {model_type!r}")
     if not archs:
         by_type = {t: a for a, r in registered.items() for t in r.extra.get("model_types", ())}
-        if config.get("model_type") in by_type:
+        if model_type in by_type:
             archs = [by_type[config["model_type"]]]
     if not archs:
         raise ConfigError(f"model {name!r}: config.json has no 'architectures' entry; supported: {sorted(registered)}")
@@ -80,7 +88,19 @@ def inventory_from_config(config: dict, *, name: str = "custom", dtype: str | No
     if dt not in DTYPE_BYTES:
         raise ConfigError(f"model {name!r}: unknown dtype {dt!r}; known: {sorted(DTYPE_BYTES)}")
     params = {n: ParamSpec(n, shape, dt) for n, shape in enumerate_params(arch, config)}
+    nbytes = sum(p.nbytes for p in params.values())
+    if nbytes > MAX_MODEL_BYTES:
+        raise ConfigError(f"model {name!r}: config.json describes {nbytes / 1e12:.3g} TB of parameters, over the "
+                          f"limit {MAX_MODEL_BYTES / 1e12:.3g} TB (check vocab_size, hidden_size and the layer counts)")
     return Inventory(name=name, architecture=arch, config=dict(config), params=params)
+
+
+#: A config.json is a few kB; anything this large is not one.
+MAX_CONFIG_BYTES = 16 << 20
+
+
+def _refuse_constant(name: str) -> object:
+    raise ValueError(f"{name} is not a valid config.json number")
 
 
 def _presets() -> dict:
@@ -109,10 +129,13 @@ def load_inventory(preset_or_dir: str, *, dtype: str | None = None, fused_expert
             f"known presets: {sorted(presets)}"
         )
     try:
+        if os.path.getsize(path) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{path!r} is {os.path.getsize(path)} bytes, over the limit {MAX_CONFIG_BYTES} for a config.json")
         with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"cannot read {path!r}: {e}") from e
+            config = json.load(f, parse_constant=_refuse_constant)
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        # JSONDecodeError is a ValueError; a non-UTF-8 file raises UnicodeDecodeError
+        raise ConfigError(f"cannot read {path!r}: {type(e).__name__}: {e}") from e
     if not isinstance(config, dict):
         raise ConfigError(f"{path!r} is not a JSON object")
     return inventory_from_config(config, name=preset_or_dir, dtype=dtype, fused_experts=fused_experts)

@@ -37,6 +37,7 @@ from fastsync.sync.handshake import (
     sender_done_key,
 )
 from fastsync.executor.metrics import SyncMetrics
+from fastsync.layout.limits import check_seconds
 from fastsync.executor.program import RecvProgram, compile_recv
 from fastsync.sync.sender import make_transport
 from fastsync.executor.staging import Landing
@@ -78,6 +79,7 @@ class WeightReceiver:
             raise PlanError(
                 f"plan was built for engine layout {plan.engine_hash}, engine rank {rank} has {engine_hash}: re-plan"
             )
+        check_seconds("timeout_s", timeout_s)
         if isinstance(tensors, torch.nn.Module):
             tensors = {n: p.data for n, p in tensors.named_parameters()}
         self.rank = rank
@@ -223,7 +225,7 @@ class WeightReceiver:
     def sync(self, version: int, timeout_s: float | None = None) -> int:
         """``begin``, ``wait`` and ``finish`` in one call."""
         self.begin(version)
-        self.wait(time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s))
+        self.wait(time.monotonic() + (self.timeout_s if timeout_s is None else check_seconds("timeout_s", timeout_s)))
         return self.finish()
 
     def close(self) -> None:

@@ -34,6 +34,7 @@ from fastsync.executor.metrics import SyncMetrics
 from fastsync.executor.pack import Packer
 from fastsync.executor.program import SendProgram, TensorInfo, compile_send
 from fastsync.executor.staging import alloc_touched, dtype_name
+from fastsync.layout.limits import check_bytes, check_count, check_seconds
 from fastsync.layout.types import Shard, TrainerLayout
 from fastsync.plan.types import Plan
 from fastsync.transport.base import SenderContext, Transport, World
@@ -75,8 +76,10 @@ class WeightSender:
     ) -> None:
         if not 0 <= rank < plan.num_trainers:
             raise ConfigError(f"trainer rank {rank} outside the plan's {plan.num_trainers} trainers")
-        if timeout_s <= 0:
-            raise ConfigError(f"timeout_s must be positive, got {timeout_s}")
+        check_seconds("timeout_s", timeout_s)
+        check_bytes("staging_bytes", staging_bytes)
+        check_count("num_slots", num_slots, hi=64)
+        check_bytes("min_direct_run_bytes", min_direct_run_bytes, lo=0)
         if isinstance(shards, TrainerLayout):
             if shards.fingerprint() != plan.trainer_hash:
                 raise PlanError(
@@ -162,7 +165,7 @@ class WeightSender:
         if self.program is None:
             raise SyncError(f"trainer rank {self.rank}: sync() before setup()")
         self.versions.spend(version)
-        timeout = self.timeout_s if timeout_s is None else timeout_s
+        timeout = self.timeout_s if timeout_s is None else check_seconds("timeout_s", timeout_s)
         deadline = time.monotonic() + timeout
         m = SyncMetrics(version, "trainer", self.rank, self.transport.name, start=time.time())
         hook = plugins.hook()

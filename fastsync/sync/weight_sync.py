@@ -25,6 +25,7 @@ import torch
 from fastsync.control import DEFAULT_HOST, ControlPlane
 from fastsync.errors import ConfigError, FastSyncError, LayoutError, SyncError
 from fastsync.sync.handshake import Versions, setup_connected_key, setup_plan_key
+from fastsync.layout.limits import MAX_WORLD_SIZE, check_count, check_seconds
 from fastsync.layout.types import EngineLayout, ParamSpec, TrainerLayout
 from fastsync.plan.types import Plan
 
@@ -129,6 +130,12 @@ class WeightSync:
         control_port: int | None = None,
         trace_dir: str | None = None,
     ) -> None:
+        check_count("world_size", world_size, hi=MAX_WORLD_SIZE)
+        check_count("rank", rank, lo=0, hi=world_size - 1)
+        if not isinstance(transport, str) or not transport.strip():
+            raise ConfigError(f"transport must name a registered transport, got {transport!r}")
+        if not isinstance(name, str) or not name.strip():
+            raise ConfigError(f"name must be a non-empty string, got {name!r}")
         if not 0 <= rank < world_size:
             raise ConfigError(f"trainer rank {rank} outside world size {world_size}")
         if engines and rank != 0:
@@ -137,10 +144,9 @@ class WeightSync:
             raise ConfigError("give both layout= and sources=, or neither (then the model describes itself)")
         if model is None and layout is None:
             raise ConfigError("WeightSync needs a model or layout= and sources=")
-        if timeout_s <= 0:
-            raise ConfigError(f"timeout_s must be positive, got {timeout_s}")
-        if control_port is not None and control_port <= 0:
-            raise ConfigError(f"control_port must be positive, got {control_port}")
+        check_seconds("timeout_s", timeout_s)
+        if control_port is not None:
+            check_count("control_port", control_port, hi=65535)
         self.model = model
         self.rank = rank
         self.world_size = world_size
