@@ -86,6 +86,33 @@ class Cluster:
                 on_row(row)
         return self.rows
 
+    def drain(self, grace_s: float, on_row: Callable[[dict], None] | None = None) -> list[str]:
+        """After a failure: keep reading rows until every worker exited or ``grace_s`` passed
+        (then :meth:`close` kills the rest). Returns the crash errors seen meanwhile."""
+        errors: list[str] = []
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(p.exitcode is None for p in self.procs.values()):
+            try:
+                row = self.results.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if row.get("kind") == "crash":
+                errors.append(f"{row['role']} rank {row['rank']}: {row['error']}")
+            else:
+                self.rows.append(row)
+                if on_row is not None:
+                    on_row(row)
+        while True:  # rows already queued by workers that ended
+            try:
+                row = self.results.get(timeout=0.05)
+            except queue.Empty:
+                break
+            if row.get("kind") == "crash":
+                errors.append(f"{row['role']} rank {row['rank']}: {row['error']}")
+            else:
+                self.rows.append(row)
+        return errors
+
     def close(self) -> None:
         for p in self.procs.values():
             p.join(timeout=5)
@@ -236,11 +263,19 @@ def run_bench(cfg: WorkerConfig, transports: list[str], steps: int, warmup: int 
         setup.next(f"starting {num_procs} worker processes")
         cluster.start(schedule)
         per_sync = cfg.timeout_s
+        error: str | None = None
+        worker_errors: list[str] = []
         try:
             rows = cluster.collect(lambda rs: sum(r.get("kind") == "exit" for r in rs) == num_procs,
                                    timeout_s=120 + per_sync * len(schedule), on_row=on_row)
+        except SyncError as e:  # a worker died or crashed: keep what the finished syncs measured
+            error = str(e).split("\n", 1)[0]
+            worker_errors = cluster.drain(grace_s=10.0, on_row=on_row)
+            rows = cluster.rows
         finally:
             setup.close()
+        ended = time.time()
+        alive = [f"{k[0]} {k[1]}" for k, p in cluster.procs.items() if p.exitcode is None]
         model = cluster.model
     result = summarize(rows, schedule, warmup, model, num_procs)
     files = {"trace_file": trace_file, "plot_file": plot_file}
@@ -255,7 +290,19 @@ def run_bench(cfg: WorkerConfig, transports: list[str], steps: int, warmup: int 
         if r.get("kind") == "setup":
             setup[r["transport"]].append(r["seconds"])
     default = "nixl" if "nixl" in result else (transports[0] if transports else None)
+    completed = sorted(v for _, v, _ in schedule
+                       if sum(r.get("kind") == "sync" and r.get("version") == v and r.get("ok") for r in rows) == num_procs)
+    killed = [r for r in rows if r.get("kind") == "killed"]
+    failure = None if error is None else {
+        "error": error,
+        "worker_errors": worker_errors,
+        "killed": [{k: r[k] for k in ("role", "rank", "version")} for r in killed],
+        "all_ended_s_after_kill": (ended - killed[0]["time"]) if killed else None,
+        "killed_at_exit": alive,
+    }
     return {
+        "error": failure,
+        "completed_versions": completed,
         "model": model.description,
         "bytes_per_sync": model.plan.bytes_total,
         "num_tensors": len(model.params),

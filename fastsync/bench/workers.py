@@ -37,6 +37,9 @@ class WorkerConfig:
     torch_threads: int = 1
     # fault injection for tests: (trainer rank, version, chunk index) at which that trainer exits
     kill_at: tuple[int, int, int] | None = None
+    # fault injection for tests: (engine rank, version) at which that engine rank's process exits,
+    # after the version's barrier, while the other ranks begin the sync
+    kill_engine_at: tuple[int, int] | None = None
     rank0_bucket_bytes: int = 256 << 20
     fp8: bool = False  # engine holds block-FP8 weights + scales (the plan then has owner gathers)
     device: str = "cpu"  # where trainer shards and engine tensors live ("cuda": VRAM on the one GPU)
@@ -86,6 +89,26 @@ def _world_if_gathers(cfg: WorkerConfig, control: Any, model: Any, global_rank: 
         ensure_world(control, global_rank, cfg.trainers + cfg.rollouts, cfg.timeout_s)
 
 
+def _liveness(cfg: WorkerConfig, control: Any, role: str, rank: int) -> Any:
+    """This process's heartbeat and a watch over every other benchmark process."""
+    from fastsync.sync.liveness import Heartbeat, PeerWatch
+
+    Heartbeat(control.with_prefix("bench"), role, rank)
+    peers = [("trainer", t) for t in range(cfg.trainers)] + [("engine", r) for r in range(cfg.rollouts)]
+    return PeerWatch(control.with_prefix("bench"), [p for p in peers if p != (role, rank)], who=f"{role} rank {rank}")
+
+
+def _barrier(cfg: WorkerConfig, control: Any, name: str, watch: Any) -> None:
+    """The version's barrier; a dead peer fails it within seconds, naming the peer."""
+    from fastsync.sync.liveness import wait_key
+
+    n = cfg.trainers + cfg.rollouts
+    if control.add(f"barrier/{name}", 1) >= n:
+        control.set(f"barrier/{name}/go", b"1")
+        return
+    wait_key(control, f"barrier/{name}/go", time.monotonic() + cfg.timeout_s, f"barrier {name!r} ({n} ranks)", watch)
+
+
 def trainer_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
     _env(cfg)
     from fastsync.bench.model import trainer_buffers
@@ -94,6 +117,7 @@ def trainer_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
 
     try:
         control = TCPStoreControl.client(cfg.port, timeout_s=cfg.timeout_s)
+        watch = _liveness(cfg, control, "trainer", rank)
         model = _model(cfg, control)
         _world_if_gathers(cfg, control, model, rank)
         flat, views, shards = trainer_buffers(model, rank, device=cfg.device)
@@ -121,7 +145,7 @@ def trainer_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
                 def on_chunk(k: int, _kc: int = kill_chunk) -> None:
                     if k >= _kc:
                         os._exit(17)  # a trainer dying mid-sync, some writes already landed
-            control.barrier(f"bench/{name}/{version}", cfg.trainers + cfg.rollouts, cfg.timeout_s)
+            _barrier(cfg, control, f"bench/{name}/{version}", watch)
             try:
                 m = senders[name].sync(version, on_chunk=on_chunk, timeout_s=cfg.sync_timeout_s)
                 results.put({"kind": "sync", **m.to_json()})
@@ -148,6 +172,7 @@ def receiver_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
 
     try:
         control = TCPStoreControl.client(cfg.port, timeout_s=cfg.timeout_s)
+        watch = _liveness(cfg, control, "engine", rank)
         model = _model(cfg, control)
         _world_if_gathers(cfg, control, model, cfg.trainers + rank)
         tensors = {n: torch.zeros(t.shape, dtype=getattr(torch, t.dtype), device=cfg.device)
@@ -168,7 +193,11 @@ def receiver_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
                 receivers[name] = rx
             rx = receivers[name]
             rx.verify = verify
-            control.barrier(f"bench/{name}/{version}", cfg.trainers + cfg.rollouts, cfg.timeout_s)
+            _barrier(cfg, control, f"bench/{name}/{version}", watch)
+            if cfg.kill_engine_at == (rank, version):
+                results.put({"kind": "killed", "role": "engine", "rank": rank, "version": version, "time": time.time()})
+                time.sleep(0.2)  # let the queue's feeder thread hand the row over
+                os._exit(17)  # an engine rank dying as the others begin the version
             row: dict[str, Any]
             try:
                 rx.sync(version, timeout_s=cfg.sync_timeout_s)

@@ -40,7 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse: usage error (2, message already printed) or --help (0)
+        return e.code if isinstance(e.code, int) else 2
     try:
         return int(args.func(args) or 0)
     except FastSyncError as e:

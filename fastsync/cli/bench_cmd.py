@@ -127,3 +127,8 @@ def print_table(result: dict, out=sys.stdout) -> None:
     for key, what in (("trace_file", "trace"), ("plot_file", "figure")):
         if result.get(key):
             print(f"{what}: {result[key]}", file=out)
+    failure = result.get("error")
+    if failure:
+        print(f"FAILED after versions {result['completed_versions']} completed: {failure['error']}", file=out)
+        for e in failure["worker_errors"][:4]:
+            print(f"  {e}", file=out)

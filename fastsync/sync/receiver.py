@@ -39,6 +39,7 @@ from fastsync.sync.handshake import (
 from fastsync.executor.metrics import SyncMetrics
 from fastsync.layout.limits import check_seconds
 from fastsync.executor.program import RecvProgram, compile_recv
+from fastsync.sync.liveness import Heartbeat, PeerWatch
 from fastsync.sync.sender import make_transport
 from fastsync.executor.staging import Landing
 from fastsync.executor.verify import compare_checksums, receiver_checksums
@@ -99,6 +100,8 @@ class WeightReceiver:
         self._complete = False
         self._last_check = 0.0
         self.last_metrics: SyncMetrics | None = None
+        self.heartbeat: Heartbeat | None = None
+        self.watch: PeerWatch | None = None
 
     def setup(self) -> None:
         """Compile what must arrive, publish plan hash and tensors, register with the transport."""
@@ -112,6 +115,12 @@ class WeightReceiver:
         ctx = ReceiverContext(self.rank, self.plan, self.program, self.landing, self.control,
                               World(self.plan.num_trainers, self.plan.num_receivers), self.timeout_s)
         self.transport.setup_receiver(ctx)
+        if self.heartbeat is None:
+            self.heartbeat = Heartbeat(self.control, "engine", self.rank)
+        if self.watch is not None:
+            self.watch.stop()
+        self.watch = PeerWatch(self.control, [("trainer", s) for s in sorted(self.program.by_src)],
+                               who=f"engine rank {self.rank}")
 
     # ---- one sync, step by step -----------------------------------------------------------
     def begin(self, version: int) -> None:
@@ -144,6 +153,8 @@ class WeightReceiver:
                 if not self._complete and now - self._last_check > _FAILURE_CHECK_S:
                     self._last_check = now
                     self._check_senders()
+                    if self.watch is not None:
+                        self.watch.check(f"during version {self._open}")
             except FastSyncError as e:
                 version = self._open
                 self.abort(str(e))
@@ -231,6 +242,11 @@ class WeightReceiver:
     def close(self) -> None:
         if self._open is not None:
             self.abort("receiver closed")
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+            self.heartbeat = None
+        if self.watch is not None:
+            self.watch.stop()
         self.transport.close()
 
     # ---- helpers --------------------------------------------------------------------------

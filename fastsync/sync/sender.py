@@ -30,6 +30,7 @@ from fastsync.sync.handshake import (
     sender_done_key,
 )
 from fastsync.sync.gather import OwnerGather
+from fastsync.sync.liveness import Heartbeat, PeerWatch, wait_key
 from fastsync.executor.metrics import SyncMetrics
 from fastsync.executor.pack import Packer
 from fastsync.executor.program import SendProgram, TensorInfo, compile_send
@@ -109,6 +110,8 @@ class WeightSender:
         self.program: SendProgram | None = None
         self.versions = Versions(f"trainer rank {rank}")
         self.last_metrics: SyncMetrics | None = None
+        self.heartbeat: Heartbeat | None = None
+        self.watch: PeerWatch | None = None
 
     def setup(self) -> None:
         """Read every receiver's plan hash and tensors (refusing a mismatch before any byte
@@ -147,6 +150,12 @@ class WeightSender:
         ctx = SenderContext(self.rank, self.plan, self.program, packer, self.control, self.world, self.timeout_s,
                             self.sources, self.shards)
         self.transport.setup_sender(ctx)
+        if self.heartbeat is None:
+            self.heartbeat = Heartbeat(self.control, "trainer", self.rank)
+        if self.watch is not None:
+            self.watch.stop()
+        self.watch = PeerWatch(self.control, [("engine", d) for d in sorted({*self.dsts, *self._waits_for()})],
+                               who=f"trainer rank {self.rank}")
 
     def sync(
         self,
@@ -174,13 +183,13 @@ class WeightSender:
             asked = False
             with m.stage("wait_receivers"):
                 for d in self._waits_for():
-                    got = self.control.get(begun_key(d, version), max(0.0, deadline - time.monotonic()),
-                                           what=f"engine rank {d} (begin of version {version})")
+                    got = wait_key(self.control, begun_key(d, version), deadline,
+                                   f"engine rank {d} (begin of version {version})", self.watch)
                     asked = asked or got == b"verify"
             crcs: dict[int, int] | None = {} if (verify or (verify is None and asked)) else None
             if self.gather is not None and self.transport.uses_staging:  # rank0 assembles its own full tensors
                 self.gather.run(deadline, m)
-            self.transport.send(version, deadline, m, crcs, on_chunk)
+            self.transport.send(version, deadline, m, crcs, self._watched(on_chunk, version))
             if crcs is not None:
                 self.control.set(sender_crc_key(self.rank, version), json.dumps(crcs))
             self.control.set(sender_done_key(self.rank, version), b"ok")
@@ -189,8 +198,8 @@ class WeightSender:
             if wait_receivers:
                 with m.stage("wait_flip"):
                     for d in self.dsts:
-                        got = self.control.get(flipped_key(d, version), max(0.0, deadline - time.monotonic()),
-                                               what=f"engine rank {d} (flip of version {version})").decode()
+                        got = wait_key(self.control, flipped_key(d, version), deadline,
+                                       f"engine rank {d} (flip of version {version})", self.watch).decode()
                         if got != "ok":
                             raise SyncError(f"engine rank {d} refused version {version}: {got}")
             m.ok = True
@@ -215,6 +224,23 @@ class WeightSender:
             return list(range(self.plan.num_receivers))
         return self.dsts
 
+    def _watched(self, on_chunk: Callable[[int], None] | None, version: int) -> Callable[[int], None]:
+        """``on_chunk`` that first checks the destinations are alive (between chunks)."""
+        watch = self.watch
+
+        def call(k: int) -> None:
+            if watch is not None:
+                watch.check(f"during version {version}")
+            if on_chunk is not None:
+                on_chunk(k)
+
+        return call
+
     def close(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+            self.heartbeat = None
+        if self.watch is not None:
+            self.watch.stop()
         self.transport.close()
 
