@@ -40,6 +40,9 @@ class WorkerConfig:
     # fault injection for tests: (engine rank, version) at which that engine rank's process exits,
     # after the version's barrier, while the other ranks begin the sync
     kill_engine_at: tuple[int, int] | None = None
+    # a dead peer fails the version barriers within seconds (off: wait there for a replacement
+    # process, as a test that restarts a killed rank does)
+    watch_peers: bool = True
     rank0_bucket_bytes: int = 256 << 20
     fp8: bool = False  # engine holds block-FP8 weights + scales (the plan then has owner gathers)
     device: str = "cpu"  # where trainer shards and engine tensors live ("cuda": VRAM on the one GPU)
@@ -98,6 +101,18 @@ def _liveness(cfg: WorkerConfig, control: Any, role: str, rank: int) -> Any:
     return PeerWatch(control.with_prefix("bench"), [p for p in peers if p != (role, rank)], who=f"{role} rank {rank}")
 
 
+def _exit_now(results: Any) -> None:
+    """After a crash row is queued: end the process at once (transport teardown towards dead
+    peers can take many seconds; the host's resources go with the process anyway)."""
+    import sys
+
+    traceback.print_exc(file=sys.stderr)
+    results.close()
+    results.join_thread()
+    sys.stderr.flush()
+    os._exit(1)
+
+
 def _barrier(cfg: WorkerConfig, control: Any, name: str, watch: Any) -> None:
     """The version's barrier; a dead peer fails it within seconds, naming the peer."""
     from fastsync.sync.liveness import wait_key
@@ -106,7 +121,8 @@ def _barrier(cfg: WorkerConfig, control: Any, name: str, watch: Any) -> None:
     if control.add(f"barrier/{name}", 1) >= n:
         control.set(f"barrier/{name}/go", b"1")
         return
-    wait_key(control, f"barrier/{name}/go", time.monotonic() + cfg.timeout_s, f"barrier {name!r} ({n} ranks)", watch)
+    wait_key(control, f"barrier/{name}/go", time.monotonic() + cfg.timeout_s, f"barrier {name!r} ({n} ranks)",
+             watch if cfg.watch_peers else None)
 
 
 def trainer_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
@@ -158,7 +174,7 @@ def trainer_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
     except BaseException as e:
         results.put({"kind": "crash", "role": "trainer", "rank": rank,
                      "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()})
-        raise
+        _exit_now(results)
 
 
 def receiver_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
@@ -229,4 +245,4 @@ def receiver_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
     except BaseException as e:
         results.put({"kind": "crash", "role": "engine", "rank": rank,
                      "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()})
-        raise
+        _exit_now(results)

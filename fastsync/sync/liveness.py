@@ -38,6 +38,7 @@ class Heartbeat:
     def __init__(self, control: ControlPlane, role: str, rank: int, period_s: float = HEARTBEAT_PERIOD_S) -> None:
         self.control, self.key, self.period_s = control, alive_key(role, rank), period_s
         self._stop = threading.Event()
+        self.errors, self.last_error = 0, ""
         self.control.add(self.key, 1)
         self._thread = threading.Thread(target=self._run, name=f"fastsync-heartbeat-{role}{rank}", daemon=True)
         self._thread.start()
@@ -46,8 +47,9 @@ class Heartbeat:
         while not self._stop.wait(self.period_s):
             try:
                 self.control.add(self.key, 1)
-            except Exception:  # the store went away: the job is ending; nothing to beat for
-                return
+            except Exception as e:  # a store hiccup: the next beat retries; a store gone ends the job anyway
+                self.errors += 1
+                self.last_error = f"{type(e).__name__}: {e}"
 
     def stop(self) -> None:
         self._stop.set()
@@ -67,6 +69,7 @@ class PeerWatch:
         self._seen: dict[tuple[str, int], tuple[int, float]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self.errors, self.last_error = 0, ""
         self._thread: threading.Thread | None = None
         if self.peers:
             self._thread = threading.Thread(target=self._run, name=f"fastsync-peerwatch-{who}", daemon=True)
@@ -76,8 +79,9 @@ class PeerWatch:
         while not self._stop.wait(self.sample_s):
             try:
                 self.sample()
-            except Exception:  # the store went away: the job is ending
-                return
+            except Exception as e:  # a store hiccup: sample again next period
+                self.errors += 1
+                self.last_error = f"{type(e).__name__}: {e}"
 
     def sample(self) -> None:
         """Read every peer's counter once, noting when each last moved."""
@@ -103,6 +107,9 @@ class PeerWatch:
 
     def check(self, during: str = "") -> None:
         gone = self.dead()
+        if gone:  # confirm with a fresh read: a replacement process may have beaten since the last sample
+            self.sample()
+            gone = self.dead()
         if gone:
             names = ", ".join(f"{role} rank {rank} (no heartbeat for {s:.1f} s)" for role, rank, s in gone)
             raise SyncError(f"{self.who}: {names} is dead or hung{' ' + during if during else ''}: its process "
