@@ -250,6 +250,10 @@ class FastSyncWorkerExtension:
             "staged": staged,
             "inplace": sorted(n for n, lp in live.items() if lp.kind in ("inplace", "inplace_repack")),
             "unused": dict(getattr(name_map, "unused", {}) or {}),
+            # parameters the engine pads (e.g. the vocabulary to a multiple of 64): fastsync writes
+            # the logical rows, the padding stays as the engine made it
+            "padded": {n: {"logical": list(lp.logical_shape), "engine": list(lp.shape)}
+                       for n, lp in live.items() if lp.logical_shape is not None},
         }
 
     def fastsync_connect(self, plan_json: str, options: dict) -> dict:

@@ -59,10 +59,16 @@ class LiveParam:
     dtype: str
     kind: str
     why: str = ""
+    #: The trainer's (logical) local shape where the engine pads rows beyond it (vLLM pads the
+    #: vocabulary to a multiple of 64); None when the shapes agree. ``shape`` stays the engine's.
+    logical_shape: tuple[int, ...] | None = None
 
     @property
     def live(self) -> torch.Tensor:
-        return getattr(self.module, self.attr).data
+        """The memory fastsync writes: the whole parameter, or its logical leading rows (a
+        contiguous view) when the engine pads rows; the padding stays as the engine made it."""
+        data = getattr(self.module, self.attr).data
+        return data if self.logical_shape is None else data[: self.logical_shape[0]]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -125,6 +131,13 @@ def _classify(name: str, module: torch.nn.Module, attr: str, p: torch.Tensor) ->
     return LiveParam(name, module, attr, tuple(p.shape), dtype, "inplace")
 
 
+def _padded_rows(logical: tuple[int, ...], lp: LiveParam) -> bool:
+    """Whether the engine holds ``logical`` plus padding rows (same trailing dims, more rows) in
+    memory fastsync writes in place, so the logical rows are a contiguous prefix."""
+    return (len(logical) == len(lp.shape) >= 1 and logical[1:] == lp.shape[1:] and 0 < logical[0] < lp.shape[0]
+            and lp.kind in ("inplace", "inplace_repack"))
+
+
 def read_live_params(model: torch.nn.Module) -> dict[str, LiveParam]:
     """Every parameter of a live vLLM model, by engine name, with its logical shape and kind."""
     out: dict[str, LiveParam] = {}
@@ -152,7 +165,9 @@ def check_against(live: dict[str, LiveParam], expected: dict[str, EngineTensor],
         )
     for name, t in expected.items():
         lp = live[name]
-        if tuple(t.shape) != lp.shape:
+        if _padded_rows(tuple(t.shape), lp):
+            lp.logical_shape = tuple(t.shape)
+        elif tuple(t.shape) != lp.shape:
             raise LayoutError(
                 f"engine rank {rank}: engine parameter {name!r} has local shape {lp.shape} in the live model, "
                 f"the trainer's model maps to {tuple(t.shape)}"
