@@ -108,14 +108,20 @@ def test_registered_in_verls_registry() -> None:
 
 
 def test_topology_as_the_manager_dispatches_it() -> None:
-    meta = [{"fastsync_control": ["127.0.0.1", 1234, "ab" * 32]}, {}, {}, {}, {}]
+    master = {"uid": "m", "session": None, "members": [], "version": 7}
+    meta = [{"fastsync_id": "t0", "fastsync_joined": None, "fastsync_control": ["127.0.0.1", 1234, "ab" * 32],
+             "fastsync_master": master}] + [{"fastsync_id": i, "fastsync_joined": None} for i in ("t1", "r0", "r1", "r2")]
     actor_kw, rollout_kw = FastSyncCheckpointEngine.build_topology(2, 3, meta)
     assert actor_kw["role"] == ["trainer"] * 2 and actor_kw["rank"] == [0, 1]
     assert rollout_kw["role"] == ["rollout"] * 3 and rollout_kw["rank"] == [0, 1, 2]
     assert all(len(v) == 2 for v in actor_kw.values()) and all(len(v) == 3 for v in rollout_kw.values())
     assert rollout_kw["control"] == [["127.0.0.1", 1234, "ab" * 32]] * 3 and actor_kw["num_receivers"] == [3, 3]
+    assert rollout_kw["version"] == [7] * 3 and len(set(rollout_kw["session"] + actor_kw["session"])) == 1
+    assert rollout_kw["members"][0] == ["t0", "t1", "r0", "r1", "r2"]
     with pytest.raises(ConfigError, match="exactly one master"):
         FastSyncCheckpointEngine.build_topology(2, 3, [{}] * 5)
+    with pytest.raises(ConfigError, match=r"ranks \[3\].*no fastsync metadata"):
+        FastSyncCheckpointEngine.build_topology(2, 3, meta[:3] + [{}] + meta[4:])
 
 
 @pytest.mark.parametrize("A,R", [(2, 1), (2, 2)])

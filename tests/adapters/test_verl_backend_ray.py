@@ -1,8 +1,18 @@
-"""The ``fastsync`` backend driven by verl's own ``CheckpointEngineManager.build_process_group``
-across real processes: 2 trainer + 1 rollout Ray actors on 127.0.0.1 (NIXL between processes),
-two syncs. The worker groups are a stand-in for verl's ``RayWorkerGroup`` (which needs verl's
-Ray worker bootstrap): they dispatch ``execute_checkpoint_engine`` the way its DP_COMPUTE mode
-does (element i of every list argument to rank i) and return Ray object refs."""
+"""The ``fastsync`` backend driven by verl's own ``CheckpointEngineManager`` across real
+processes (Ray actors on 127.0.0.1, NIXL between processes).
+
+* ``build_process_group``: 2 trainer + 1 rollout rank, two syncs.
+* Elastic replicas through the manager's real ``update_weights`` / ``remove_replicas`` /
+  ``add_replicas``: the rollout ranks are verl's real ``CheckpointEngineWorker`` actors (verl's
+  own RayWorkerGroup is built over them by the manager, and they run ``receive_weights`` inside
+  verl's ``update_weights``); what they feed is a stand-in server adapter that records a digest
+  of each received tensor (where verl's vLLM server would load them). The replicas' pause/resume
+  calls (abort, release/resume KV cache) are no-op stand-ins: no vLLM server behind them.
+
+The trainer worker group is a stand-in for verl's actor ``RayWorkerGroup`` (which needs verl's
+Ray worker bootstrap and a model): it dispatches ``execute_checkpoint_engine`` the way DP_COMPUTE
+does (element i of every list argument to rank i) and ``update_weights`` to every trainer rank,
+returning Ray object refs."""
 
 from __future__ import annotations
 
@@ -72,7 +82,8 @@ def _rank_actor():
 
 
 class _Group:
-    """DP_COMPUTE dispatch of verl's RayWorkerGroup, reduced to what build_process_group calls."""
+    """DP_COMPUTE dispatch of verl's RayWorkerGroup, reduced to what the manager calls on the
+    actor group."""
 
     def __init__(self, actors: list) -> None:
         self.actors = actors
@@ -81,6 +92,55 @@ class _Group:
     def execute_checkpoint_engine(self, method: list[str], **kwargs: list) -> list:
         return [a.execute_checkpoint_engine.remote(method[i], **{k: v[i] for k, v in kwargs.items()})
                 for i, a in enumerate(self.actors)]
+
+    def update_weights(self, global_steps: int | None = None, mode: str = "") -> list:
+        assert mode == "fastsync", mode
+        return [a.send.remote(global_steps) for a in self.actors]
+
+
+def _rollout_worker():
+    """verl's real CheckpointEngineWorker (the class verl's rollout replicas run beside each vLLM
+    worker) with a recording stand-in server adapter, as a Ray actor class."""
+    from verl.checkpoint_engine.base import CheckpointEngineWorker
+
+    class _Recorder:  # stand-in for verl's vLLM server adapter: digests instead of load_weights
+        replica_rank, is_leader_rank = 0, True
+
+        def __init__(self) -> None:
+            self.got: list[tuple[str, str]] = []
+
+        async def update_weights(self, weights, global_steps=None, wire_format=None) -> None:
+            import torch
+
+            self.got = [(n, hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy()).hexdigest())
+                        async for n, t in weights]
+
+    class _Worker(CheckpointEngineWorker):
+        def __init__(self, rollout_config, port: int) -> None:
+            import torch
+
+            torch.set_num_threads(1)
+            # verl's Worker reads its (single-rank) process group from these, as RayWorkerGroup sets them
+            os.environ.update(WORLD_SIZE="1", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            super().__init__(rollout_config, None, _Recorder())
+
+        def received(self) -> list[tuple[str, str]]:
+            return self.server_adapter.got
+
+    return ray.remote(num_cpus=0)(_Worker)
+
+
+class _Replica:
+    """Stand-in for verl's RolloutReplica: the rollout workers, and no-op pause/resume (no vLLM
+    server behind them)."""
+
+    def __init__(self, worker) -> None:
+        self.workers = [worker]
+
+    async def abort_all_requests(self, reject_request: bool = False) -> None: ...
+    async def release_kv_cache(self) -> None: ...
+    async def resume_kv_cache(self) -> None: ...
+    async def resume_generation(self) -> None: ...
 
 
 @pytest.fixture(scope="module")
@@ -125,3 +185,93 @@ def test_verls_manager_builds_the_group_and_two_syncs_deliver(ray_local) -> None
         for a in trainers + rollouts:
             ray.get(a.execute_checkpoint_engine.remote("close"), timeout=30)
             ray.kill(a)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Elastic:
+    """2 trainer ranks, verl's CheckpointEngineManager and real rollout CheckpointEngineWorkers."""
+
+    def __init__(self, num_replicas: int) -> None:
+        from verl.workers.config import RolloutConfig
+
+        self.config = CheckpointEngineConfig(backend="fastsync", custom_backend_module="fastsync_verl",
+                                             update_weights_bucket_megabytes=1,
+                                             engine_kwargs={"fastsync": {"control_host": "127.0.0.1",
+                                                                         "timeout_s": 30}})
+        self.rollout_config = RolloutConfig(name="vllm", checkpoint_engine=self.config)
+        rank_cls = _rank_actor()
+        self.trainers = [rank_cls.remote(r == 0) for r in range(A)]
+        self.replicas: list[_Replica] = []
+        self.manager = CheckpointEngineManager(config=self.config, actor_wg=_Group(self.trainers),
+                                               replicas=[self.new_replica() for _ in range(num_replicas)])
+
+    def new_replica(self) -> _Replica:
+        rep = _Replica(_rollout_worker().remote(self.rollout_config, _free_port()))
+        self.replicas.append(rep)
+        return rep
+
+    def sync(self, step: int) -> None:
+        self.manager.update_weights(global_steps=step)  # verl's own: abort, build group, send/receive, finalize
+
+    def received(self, rep: _Replica) -> list[tuple[str, str]]:
+        return ray.get(rep.workers[0].received.remote(), timeout=30)
+
+    def want(self, step: int) -> list[tuple[str, str]]:
+        return ray.get(self.trainers[0].digest.remote(step), timeout=30)
+
+    def setups(self) -> list[int]:
+        handles = self.trainers + [r.workers[0] for r in self.replicas]
+        return [d["setups"] for d in ray.get([h.execute_checkpoint_engine.remote("describe") for h in handles],
+                                              timeout=30)]
+
+    def close(self) -> None:
+        handles = self.trainers + [r.workers[0] for r in self.replicas]
+        for h in handles:
+            try:
+                ray.get(h.execute_checkpoint_engine.remote("close"), timeout=30)
+            finally:
+                ray.kill(h)
+
+
+@pytest.mark.slow
+def test_removed_then_re_added_replica_gets_a_fresh_plan_and_the_current_weights(ray_local) -> None:
+    job = _Elastic(2)
+    try:
+        r0, r1 = job.manager.replicas
+        job.sync(1)
+        assert job.received(r0) == job.received(r1) == job.want(1)
+        job.manager.remove_replicas([r1])
+        job.sync(2)  # r1 sits this one out and keeps its old state
+        assert job.received(r0) == job.want(2) and job.received(r1) == job.want(1)
+        job.manager.add_replicas([r1])
+        job.sync(3)  # was: "version 2 incomplete ... no write completed" on the re-added rank
+        assert job.received(r0) == job.received(r1) == job.want(3)
+        before = job.setups()
+        job.sync(4)  # members unchanged: the session and its plan are replayed, nothing set up again
+        assert job.received(r0) == job.received(r1) == job.want(4)
+        assert job.setups() == before, (before, job.setups())
+    finally:
+        job.close()
+
+
+@pytest.mark.slow
+def test_brand_new_replica_added_after_a_sync_gets_the_current_weights(ray_local) -> None:
+    job = _Elastic(1)
+    try:
+        (r0,) = job.manager.replicas
+        job.sync(1)
+        assert job.received(r0) == job.want(1)
+        new = job.new_replica()
+        job.manager.add_replicas([new])
+        job.sync(2)  # was: the new rank timed out waiting for 'inventory'
+        assert job.received(r0) == job.received(new) == job.want(2)
+        assert job.setups()[-1] == 1  # the new rank set up once, in the new session
+    finally:
+        job.close()

@@ -17,9 +17,9 @@ Enable with::
 
 Order of calls (verl's ``CheckpointEngineManager.update_weights``, every sync)::
 
-    meta = [e.prepare() for e in actors + rollouts]           # rank 0 starts the control plane
+    meta = [e.prepare() for e in actors + rollouts]           # ids; rank 0: control plane, version
     a_kw, r_kw = FastSyncCheckpointEngine.build_topology(A, R, meta)
-    e.init_process_group(**kw_i)                              # role, rank, sizes, control address
+    e.init_process_group(**kw_i)                              # role, rank, sizes, session, version
     await actor.send_weights(per_tensor_param) || async for n, t in rollout.receive_weights(): ...
     e.finalize()
 """
@@ -48,10 +48,10 @@ from fastsync import (
     box_slices,
 )
 from fastsync_verl.plan import VerlPlan, build_verl_plan, flat_views, inventory_from_json, inventory_of, send_boxes
+from fastsync_verl.session import CONTROL_KEY, ID_KEY, JOINED_KEY, MASTER_KEY, MasterState, assign, new_id
 
 __all__ = ["FastSyncCheckpointEngine"]
 
-_CONTROL_KEY = "fastsync_control"
 _ROLES = ("trainer", "rollout")
 
 
@@ -65,10 +65,11 @@ class FastSyncCheckpointEngine(CheckpointEngine):
     ``max_transfer_bytes`` (default: 1/16 of a rank's share, at most verl's bucket size),
     ``staging_bytes``, ``verify`` (per-transfer checksums), ``keep_registered``.
 
-    Versions are counted by the engines themselves: every trainer and rollout end advances its
-    count at the start of each sync, failed or not (a version number is spent once attempted, so
-    a retry after a failure never meets the failed attempt's control-plane keys or NIXL
-    notifications); verl's ``global_steps`` is accepted and not used.
+    Sessions and versions are handed out by the master trainer rank (``fastsync_verl.session``):
+    it spends a version in every ``prepare`` (failed or not, so a retry never meets the failed
+    attempt's control-plane keys or NIXL notifications), and a change of members (verl's
+    ``remove_replicas`` / ``add_replicas``) opens a new session in which every rank re-plans.
+    verl's ``global_steps`` is accepted and not used.
     """
 
     wire_format = "named_tensors"
@@ -97,8 +98,10 @@ class FastSyncCheckpointEngine(CheckpointEngine):
         self._server: TCPStoreControl | None = None  # trainer rank 0 only
         self._topology: tuple | None = None
         self._control: TCPStoreControl | None = None
-        self._session = 0
-        self._version = 0
+        self._id = new_id()
+        self._master = MasterState() if is_master else None
+        self._session: str | None = None  # the session this rank joined (set up in it or about to)
+        self._version = 0  # the version the master handed out for the coming sync
         self._plan: VerlPlan | None = None
         self._sender: WeightSender | None = None
         self._receiver: WeightReceiver | None = None
@@ -107,52 +110,64 @@ class FastSyncCheckpointEngine(CheckpointEngine):
         self._tensors: dict[str, torch.Tensor] = {}
         self._flats: list[torch.Tensor] = []
         self.last_metrics: dict[str, float] = {}
+        self.setups = 0  # sender/receiver set-ups done (one per session this rank synced in)
 
     # ---- topology --------------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
-        """Trainer rank 0 (``is_master``) starts the control plane once and returns its address;
-        other ranks return an empty dict. Buffers are allocated on the first sync, when the
+        """Every rank reports its id and the session it joined. The master trainer rank
+        (``is_master``) also starts the control plane once, spends the next version and reports
+        the session it leads. Buffers are allocated on the first sync of a session, when the
         tensors' names and shapes are known."""
-        if not self.is_master:
-            return {}
+        meta: dict[str, Any] = {ID_KEY: self._id, JOINED_KEY: self._session}
+        if self._master is None:
+            return meta
         if self._server is None:
             host = self.control_host if self.control_host is not None else _default_host()
             self._server = TCPStoreControl.server(port=self.control_port, host=host, timeout_s=self.timeout_s)
         # the job secret travels with the address through verl's own channel (Ray), never over ours
-        return {_CONTROL_KEY: [self._server.host, self._server.port, self._server.secret.hex()]}
+        meta[CONTROL_KEY] = [self._server.host, self._server.port, self._server.secret.hex()]
+        meta[MASTER_KEY] = self._master.spend()
+        return meta
 
     @classmethod
     def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int,
                        metadata: list[dict]) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
-        """Every rank gets its role, its rank within the role, both world sizes and the control
-        plane address that the (single) master trainer rank published."""
-        if len(metadata) != actor_wg_world_size + rollout_world_size:
-            raise ConfigError(f"fastsync: {len(metadata)} metadata entries for {actor_wg_world_size} trainer "
-                              f"and {rollout_world_size} rollout ranks")
-        masters = [i for i, m in enumerate(metadata[:actor_wg_world_size]) if m and _CONTROL_KEY in m]
-        if len(masters) != 1:
-            raise ConfigError(f"fastsync: expected exactly one master trainer rank publishing the control plane, "
-                              f"got trainer ranks {masters}")
-        addr = list(metadata[masters[0]][_CONTROL_KEY])
+        """Every rank gets its role, its rank within the role, both world sizes, the control
+        plane address, and the session and version the master handed out (see
+        ``fastsync_verl.session``)."""
         a, r = actor_wg_world_size, rollout_world_size
-        common = lambda n: {"num_trainers": [a] * n, "num_receivers": [r] * n, "control": [addr] * n}  # noqa: E731
+        got = assign(a, r, metadata)
+        common = lambda n: {"num_trainers": [a] * n, "num_receivers": [r] * n,  # noqa: E731
+                            "control": [list(got.control)] * n, "session": [got.session] * n,
+                            "version": [got.version] * n, "members": [list(got.members)] * n}
         actor = {"role": ["trainer"] * a, "rank": list(range(a)), **common(a)}
         rollout = {"role": ["rollout"] * r, "rank": list(range(r)), **common(r)}
         return actor, rollout
 
     def init_process_group(self, *, role: str, rank: int, num_trainers: int, num_receivers: int,
-                           control: list) -> None:
-        """Connect to the control plane. Unchanged topology keeps the plan and registrations;
-        a changed one (e.g. verl added replicas) drops them and re-plans on the next sync."""
+                           control: list, session: str, version: int, members: list[str]) -> None:
+        """Take the master's session and version. The same session keeps the plan and the
+        registrations; a new one (verl removed, re-added or added replicas, or a set-up failed)
+        drops them, and the next sync re-plans and sends the current weights to every rank."""
         if role not in _ROLES:
             raise ConfigError(f"fastsync: role must be one of {_ROLES}, got {role!r}")
         size = num_trainers if role == "trainer" else num_receivers
         if not 0 <= rank < size:
             raise ConfigError(f"fastsync: {role} rank {rank} outside world size {size}")
+        index = rank if role == "trainer" else num_trainers + rank
+        if len(members) != num_trainers + num_receivers or members[index] != self._id:
+            raise ConfigError(f"fastsync: {role} rank {rank} is not the engine the master listed at that rank")
+        if version <= self._version:
+            raise SyncError(f"fastsync {role} rank {rank}: version {version} handed out again "
+                            f"(this rank already took {self._version}); versions come from the master only")
+        if self._master is not None:
+            self._master.joined(session, members)
+        self._version = version
         topology = (role, rank, num_trainers, num_receivers, tuple(control))
-        if topology == self._topology and self._control is not None:
+        if session == self._session and topology == self._topology and self._control is not None:
             return
         self._reset()
+        self._session = session
         self._topology = topology
         if len(control) != 3:
             raise ConfigError(f"fastsync: control must be [host, port, job secret], got {len(control)} item(s)")
@@ -162,17 +177,25 @@ class FastSyncCheckpointEngine(CheckpointEngine):
         else:
             self._control = TCPStoreControl.client(port=int(port), host=host, timeout_s=self.timeout_s, secret=secret)
 
+    def describe(self) -> dict[str, Any]:
+        """Where this rank stands: role, rank, session, last version handed to it, set-ups."""
+        role, rank = (self._topology[0], self._topology[1]) if self._topology else (None, None)
+        return {"role": role, "rank": rank, "session": self._session, "version": self._version,
+                "setups": self.setups, "planned": self._plan is not None}
+
     def finalize(self) -> None:
         """Keep plan, buffers and NIXL registrations for the next sync (the point of a static
         plan) unless ``keep_registered=False``."""
         if not self.keep_registered:
             self._reset()
             self._topology = None
+            self._session = None
 
     def close(self) -> None:
         """Release everything, including the control plane on trainer rank 0."""
         self._reset()
         self._topology = None
+        self._session = None
         self._server = None
 
     # ---- trainer side ----------------------------------------------------------------------
@@ -183,7 +206,7 @@ class FastSyncCheckpointEngine(CheckpointEngine):
         of the tensors once), publishes the inventory (rank 0) and sets up the sender. Returns
         per-rank metrics, which verl merges into the trainer's."""
         role, rank, num_trainers, num_receivers, _ = self._need("trainer")
-        version = self._version = self._version + 1  # spent now, even if this sync fails
+        version = self._version  # handed out by the master, spent even if this sync fails
         t0 = time.perf_counter()
         if self._sender is None:
             full: dict[str, torch.Tensor] = {}
@@ -209,9 +232,11 @@ class FastSyncCheckpointEngine(CheckpointEngine):
             try:
                 await asyncio.to_thread(sender.setup)
             except BaseException:
-                sender.close()  # the next sync plans and sets up again
+                sender.close()
+                self._session = None  # the next sync opens a fresh session: every rank sets up again
                 raise
             self._sender = sender
+            self.setups += 1
         else:
             await self._copy_share(weights, rank)
         assert self._sender is not None
@@ -247,7 +272,7 @@ class FastSyncCheckpointEngine(CheckpointEngine):
         ``(name, tensor)`` in verl's order. The tensors are this rank's receive buffers: the
         consumer copies them (into vLLM) before the next sync overwrites them."""
         _, rank, num_trainers, num_receivers, _ = self._need("rollout")
-        version = self._version = self._version + 1  # spent now, even if this sync fails
+        version = self._version  # handed out by the master, spent even if this sync fails
         if self._receiver is None:
             ctl = self._session_control()
             raw = await asyncio.to_thread(ctl.get, "inventory", self.timeout_s,
@@ -261,9 +286,11 @@ class FastSyncCheckpointEngine(CheckpointEngine):
             try:
                 await asyncio.to_thread(receiver.setup)
             except BaseException:
-                receiver.close()  # the next sync sets up again
+                receiver.close()
+                self._session = None  # the next sync opens a fresh session: every rank sets up again
                 raise
             self._receiver = receiver
+            self.setups += 1
         rx = self._receiver
         rx.begin(version)
         deadline = time.monotonic() + self.timeout_s
@@ -276,27 +303,23 @@ class FastSyncCheckpointEngine(CheckpointEngine):
 
     # ---- helpers ---------------------------------------------------------------------------
     def _need(self, role: str) -> tuple:
-        if self._topology is None or self._control is None:
-            raise SyncError(f"fastsync: {role} side used before init_process_group")
+        if self._topology is None or self._control is None or self._session is None:
+            raise SyncError(f"fastsync: {role} side used before init_process_group (or after a failed set-up)")
         if self._topology[0] != role:
             raise SyncError(f"fastsync: {self._topology[0]} rank {self._topology[1]} asked to act as {role}")
         return self._topology
 
     def _session_control(self) -> TCPStoreControl:
-        assert self._control is not None and self._topology is not None
-        _, _, a, r, _ = self._topology
-        return self._control.with_prefix(f"fsverl/{a}x{r}/s{self._session}")
+        assert self._control is not None and self._session is not None
+        return self._control.with_prefix(f"fsverl/{self._session}")
 
     def _reset(self) -> None:
         for end in (self._sender, self._receiver):
             if end is not None:
                 end.close()
-        if self._plan is not None:
-            self._session += 1
         self._sender = self._receiver = None
         self._plan = None
         self._sources, self._boxes, self._tensors, self._flats = {}, {}, {}, []
-        self._version = 0
         if self._control is not None and self._control is not self._server:
             self._control = None
 
