@@ -27,6 +27,8 @@ Order of calls (verl's ``CheckpointEngineManager.update_weights``, every sync)::
 from __future__ import annotations
 
 import asyncio
+import logging
+import sys
 import time
 from collections.abc import AsyncGenerator, Iterable
 from typing import Any
@@ -46,13 +48,17 @@ from fastsync import (
     WeightSender,
     box_shape,
     box_slices,
+    trainer_layout_from_module,
 )
 from fastsync_verl.plan import VerlPlan, build_verl_plan, flat_views, inventory_from_json, inventory_of, send_boxes
+from fastsync_verl.shards import ShardedWeights, install, local_shard
 from fastsync_verl.session import CONTROL_KEY, ID_KEY, JOINED_KEY, MASTER_KEY, MasterState, assign, new_id
 
 __all__ = ["FastSyncCheckpointEngine"]
 
 _ROLES = ("trainer", "rollout")
+_SHARD_MODES = ("auto", "on", "off")
+log = logging.getLogger("fastsync_verl")
 
 
 @CheckpointEngineRegistry.register("fastsync")
@@ -63,7 +69,10 @@ class FastSyncCheckpointEngine(CheckpointEngine):
     run), ``control_host`` (address trainer rank 0 binds the control plane to; default 127.0.0.1
     without Ray, Ray's node IP with it), ``control_port`` (0 = free port), ``timeout_s``,
     ``max_transfer_bytes`` (default: 1/16 of a rank's share, at most verl's bucket size),
-    ``staging_bytes``, ``verify`` (per-transfer checksums), ``keep_registered``.
+    ``staging_bytes``, ``verify`` (per-transfer checksums), ``keep_registered``,
+    ``trainer_shards`` ("auto": FSDP2 actor ranks send from their local shards, no
+    ``full_tensor()``, falling back to verl's full tensors with a logged reason where shards
+    cannot serve; "on": refuse instead of falling back; "off": always full tensors).
 
     Sessions and versions are handed out by the master trainer rank (``fastsync_verl.session``):
     it spends a version in every ``prepare`` (failed or not, so a retry never meets the failed
@@ -77,7 +86,7 @@ class FastSyncCheckpointEngine(CheckpointEngine):
     def __init__(self, bucket_size: int, is_master: bool = False, *, transport: str = "nixl",
                  control_host: str | None = None, control_port: int = 0, timeout_s: float = 120.0,
                  max_transfer_bytes: int | None = None, staging_bytes: int = 64 << 20, verify: bool = False,
-                 keep_registered: bool = True, **unknown: Any) -> None:
+                 keep_registered: bool = True, trainer_shards: str = "auto", **unknown: Any) -> None:
         if unknown:
             raise ConfigError(f"checkpoint_engine.engine_kwargs.fastsync: unknown key(s) {sorted(unknown)}")
         if bucket_size <= 0:
@@ -85,6 +94,11 @@ class FastSyncCheckpointEngine(CheckpointEngine):
                               f"got {bucket_size} bytes")
         if timeout_s <= 0:
             raise ConfigError(f"engine_kwargs.fastsync.timeout_s must be positive, got {timeout_s}")
+        if trainer_shards not in _SHARD_MODES:
+            raise ConfigError(f"engine_kwargs.fastsync.trainer_shards must be one of {_SHARD_MODES}, got {trainer_shards!r}")
+        self.trainer_shards = trainer_shards
+        if trainer_shards != "off" and "verl.workers.engine.fsdp.transformer_impl" in sys.modules:
+            install()  # an actor process: hand the FSDP2 module over with verl's weights
         self.bucket_size = bucket_size
         self.is_master = is_master
         self.transport = transport
@@ -111,6 +125,8 @@ class FastSyncCheckpointEngine(CheckpointEngine):
         self._flats: list[torch.Tensor] = []
         self.last_metrics: dict[str, float] = {}
         self.setups = 0  # sender/receiver set-ups done (one per session this rank synced in)
+        self.full_tensor_syncs = 0  # syncs in which this trainer rank consumed verl's full tensors
+        self._local_names: dict[str, str] = {}  # shard path: HF name -> state_dict name
 
     # ---- topology --------------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
@@ -208,7 +224,17 @@ class FastSyncCheckpointEngine(CheckpointEngine):
         role, rank, num_trainers, num_receivers, _ = self._need("trainer")
         version = self._version  # handed out by the master, spent even if this sync fails
         t0 = time.perf_counter()
-        if self._sender is None:
+        module = self._shard_module(weights, rank)
+        if module is not None:
+            if self._sender is None:
+                await self._setup_shards(module, rank, num_trainers, num_receivers)
+            else:
+                self._copy_shards(module, rank)
+        elif self._plan is not None and self._plan.sharded:
+            raise ConfigError(f"fastsync trainer rank {rank}: this session was planned from FSDP2 shards and verl now "
+                              "hands full tensors; set engine_kwargs.fastsync.trainer_shards consistently")
+        elif self._sender is None:
+            self.full_tensor_syncs += 1
             full: dict[str, torch.Tensor] = {}
             inventory = []
             async for name, tensor in ensure_async_iterator(weights):
@@ -238,6 +264,7 @@ class FastSyncCheckpointEngine(CheckpointEngine):
             self._sender = sender
             self.setups += 1
         else:
+            self.full_tensor_syncs += 1
             await self._copy_share(weights, rank)
         assert self._sender is not None
         t1 = time.perf_counter()
@@ -245,8 +272,77 @@ class FastSyncCheckpointEngine(CheckpointEngine):
         sent = sum(m.bytes_per_link.values())
         self.last_metrics = {f"fastsync/trainer{rank}/sent_bytes": float(sent),
                              f"fastsync/trainer{rank}/collect_s": t1 - t0,
-                             f"fastsync/trainer{rank}/send_s": time.perf_counter() - t1}
+                             f"fastsync/trainer{rank}/send_s": time.perf_counter() - t1,
+                             f"fastsync/trainer{rank}/from_shards": float(module is not None)}
         return self.last_metrics
+
+    # ---- trainer side, FSDP2 shards --------------------------------------------------------
+    def _shard_module(self, weights: Any, rank: int) -> Any:
+        """The FSDP2 module to read shards from, or None for verl's full tensors (logged why)."""
+        if self.trainer_shards == "off":
+            return None
+        if not isinstance(weights, ShardedWeights):
+            why = (f"verl handed {type(weights).__name__}, not fastsync_verl.shards.ShardedWeights "
+                   "(not an FSDP engine, or the hook is not installed in this process)")
+        else:
+            why = weights.refusal()
+            if why is None:
+                return weights.module
+        if self.trainer_shards == "on":
+            raise ConfigError(f"fastsync trainer rank {rank}: engine_kwargs.fastsync.trainer_shards='on' but "
+                              f"the local shards cannot serve: {why}")
+        if self._sender is None:
+            log.warning("fastsync trainer rank %d: full-tensor path (every parameter gathered): %s", rank, why)
+        return None
+
+    async def _setup_shards(self, module: Any, rank: int, num_trainers: int, num_receivers: int) -> None:
+        """Plan from the DTensor placements (identical on every rank), keep one flat buffer of
+        this rank's own shards, publish the inventory with the shards (rank 0), set up."""
+        names = ShardedWeights(None, module).hf_names()
+        layout = trainer_layout_from_module(module, rank, num_trainers)
+        inventory = [(names[n], p.shape, p.dtype) for n, p in layout.params.items()]
+        shards = {names[n]: layout.shards[n] for n in layout.params}
+        self._plan = build_verl_plan(inventory, num_trainers, num_receivers, self.max_transfer_bytes,
+                                     self.bucket_size, shards=shards)
+        mine = self._plan.trainer.shards_on(rank)
+        many = [n for n, sh in mine.items() if len(sh) != 1]
+        if many:
+            raise ConfigError(f"fastsync trainer rank {rank}: parameter {many[0]!r} has {len(mine[many[0]])} shards "
+                              "on this rank; expected one (FSDP2 Shard(d))")
+        dtypes = {n: d for n, _, d in inventory}
+        self._boxes = {n: sh[0].box for n, sh in mine.items()}
+        self._flats, self._sources = flat_views([(n, box_shape(b), dtypes[n]) for n, b in self._boxes.items()])
+        self._local_names = {hf: sd for sd, hf in names.items() if hf in self._boxes}
+        self._copy_shards(module, rank)
+        ctl = self._session_control()
+        if rank == 0:
+            ctl.set("inventory", self._plan.to_json())
+        sender = WeightSender(rank=rank, plan=self._plan.plan, sources=self._sources,
+                              shards={n: [Shard(rank, b, 0)] for n, b in self._boxes.items()}, control=ctl,
+                              transport=self.transport, staging_bytes=self.staging_bytes, timeout_s=self.timeout_s)
+        try:
+            await asyncio.to_thread(sender.setup)
+        except BaseException:
+            sender.close()
+            self._session = None  # the next sync opens a fresh session: every rank sets up again
+            raise
+        self._sender = sender
+        self.setups += 1
+
+    def _copy_shards(self, module: Any, rank: int) -> None:
+        """This rank's local shards into its registered buffer: a local copy of about 1/N of the
+        model (the shards' storage may move between syncs, e.g. with parameter offload)."""
+        state = module.state_dict(keep_vars=True)
+        for hf, sd in self._local_names.items():
+            t = state.get(sd)
+            if t is None:
+                raise ConfigError(f"fastsync trainer rank {rank}: parameter {sd!r} disappeared since the plan")
+            local = local_shard(t)
+            dst = self._sources[hf]
+            if tuple(local.shape) != tuple(dst.shape) or local.dtype != dst.dtype:
+                raise ConfigError(f"fastsync trainer rank {rank}: local shard of {sd!r} is {tuple(local.shape)} "
+                                  f"{local.dtype}, the plan expects {tuple(dst.shape)} {dst.dtype}; the model changed")
+            dst.copy_(local)
 
     async def _copy_share(self, weights: Iterable[tuple[str, torch.Tensor]], rank: int) -> None:
         assert self._plan is not None
@@ -277,8 +373,9 @@ class FastSyncCheckpointEngine(CheckpointEngine):
             ctl = self._session_control()
             raw = await asyncio.to_thread(ctl.get, "inventory", self.timeout_s,
                                           f"trainer rank 0 (inventory), for rollout rank {rank}")
-            self._plan = build_verl_plan(inventory_from_json(raw), num_trainers, num_receivers, self.max_transfer_bytes,
-                                         self.bucket_size)
+            inventory, shards = inventory_from_json(raw)
+            self._plan = build_verl_plan(inventory, num_trainers, num_receivers, self.max_transfer_bytes,
+                                         self.bucket_size, shards=shards)
             self._flats, self._tensors = flat_views(self._plan.inventory)
             receiver = WeightReceiver(rank=rank, plan=self._plan.plan, tensors=self._tensors, control=ctl,
                                       transport=self.transport, mode="inplace", verify=self.verify,
@@ -320,6 +417,7 @@ class FastSyncCheckpointEngine(CheckpointEngine):
         self._sender = self._receiver = None
         self._plan = None
         self._sources, self._boxes, self._tensors, self._flats = {}, {}, {}, []
+        self._local_names = {}
         if self._control is not None and self._control is not self._server:
             self._control = None
 

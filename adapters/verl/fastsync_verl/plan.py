@@ -1,7 +1,9 @@
-"""The static plan behind the verl backend: verl hands every trainer rank the FULL tensors, so
-the trainer layout is ``replicated:N`` and each rollout rank receives a full copy under the HF
-names verl sends. Both sides build the plan from the same inventory (names, shapes, dtypes in
-verl's order), so it is identical everywhere; the sender's setup checks the plan hash."""
+"""The static plan behind the verl backend. Each rollout rank receives a full copy under the HF
+names verl sends. The trainer layout is either ``replicated:N`` (verl handed every trainer rank
+the FULL tensors) or the FSDP2 shards read from the DTensor placements (``fastsync_verl.shards``:
+each rank sends from its own shard, nothing is gathered). Both sides build the plan from the same
+published inventory (names, shapes, dtypes in verl's order, plus the shards when there are any),
+so it is identical everywhere; the sender's setup checks the plan hash."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from fastsync import (
     EngineLayout,
     EngineTensor,
     ParamSpec,
+    Shard,
     Piece,
     Plan,
     TrainerLayout,
@@ -49,21 +52,33 @@ class VerlPlan:
     trainer: TrainerLayout
     engine: EngineLayout
     plan: Plan
+    sharded: bool = False
 
     def to_json(self) -> str:
-        return json.dumps([[n, list(s), d] for n, s, d in self.inventory])
+        shards = ({n: [[s.rank, [list(b) for b in s.box], s.local_offset] for s in sh]
+                   for n, sh in self.trainer.shards.items()} if self.sharded else None)
+        return json.dumps({"inventory": [[n, list(s), d] for n, s, d in self.inventory], "shards": shards})
 
 
-def inventory_from_json(raw: bytes | str) -> Inventory:
-    return [(n, tuple(s), d) for n, s, d in json.loads(raw)]
+Shards = dict[str, tuple[Shard, ...]]
+
+
+def inventory_from_json(raw: bytes | str) -> tuple[Inventory, Shards | None]:
+    obj = json.loads(raw)
+    inv = [(n, tuple(s), d) for n, s, d in obj["inventory"]]
+    if obj.get("shards") is None:
+        return inv, None
+    return inv, {n: tuple(Shard(int(r), tuple((int(a), int(b)) for a, b in box), int(off)) for r, box, off in sh)
+                 for n, sh in obj["shards"].items()}
 
 
 def build_verl_plan(inventory: Inventory, num_trainers: int, num_receivers: int,
-                    max_transfer_bytes: int | None, cap_bytes: int | None = None) -> VerlPlan:
-    """``replicated:num_trainers`` -> full copy per receiver. ``max_transfer_bytes`` splits large
-    tensors so the planner can spread one tensor's bytes over several trainer ranks; None picks
-    1/16 of a trainer rank's fair share (at most ``cap_bytes``, verl's bucket size), so a few
-    equal large tensors still divide evenly."""
+                    max_transfer_bytes: int | None, cap_bytes: int | None = None,
+                    shards: Shards | None = None) -> VerlPlan:
+    """``replicated:num_trainers`` (or the given FSDP2 ``shards``) -> full copy per receiver.
+    ``max_transfer_bytes`` splits large tensors so the planner can spread one tensor's bytes over
+    several trainer ranks; None picks 1/16 of a trainer rank's fair share (at most ``cap_bytes``,
+    verl's bucket size), so a few equal large tensors still divide evenly."""
     if not inventory:
         raise ConfigError("verl sent no weights: nothing to plan")
     params: dict[str, ParamSpec] = {}
@@ -74,10 +89,18 @@ def build_verl_plan(inventory: Inventory, num_trainers: int, num_receivers: int,
     if max_transfer_bytes is None:
         share = sum(p.nbytes for p in params.values()) // (num_trainers * 16)
         max_transfer_bytes = max(4096, share if cap_bytes is None else min(share, cap_bytes))
-    trainer = replicated_layout(params, num_trainers)
+    if shards is None:
+        trainer = replicated_layout(params, num_trainers)
+    else:
+        missing = sorted(set(params) - set(shards))
+        if missing:
+            raise ConfigError(f"fastsync: no trainer shard of parameter {missing[0]!r} ({len(missing)} missing)")
+        trainer = TrainerLayout(num_trainers, params, {n: tuple(shards[n]) for n in params}, kind="fsdp",
+                                description="FSDP2 DTensor shards handed over by verl's actor ranks")
+        trainer.validate()
     engine = full_copy_engine_layout(params, num_receivers)
     plan = build_plan(params, trainer, engine, max_transfer_bytes=max_transfer_bytes)
-    return VerlPlan(inventory, params, trainer, engine, plan)
+    return VerlPlan(inventory, params, trainer, engine, plan, sharded=shards is not None)
 
 
 def flat_views(specs: list[tuple[str, tuple[int, ...], str]]) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:

@@ -1,0 +1,132 @@
+"""Trainer ranks hand fastsync their local FSDP2 shards instead of verl's full tensors.
+
+verl's actor worker syncs with ``engine.get_per_tensor_param()`` and passes the result to the
+checkpoint engine's ``send_weights``. For FSDP2 that result is a *lazy* generator: each
+``full_tensor()`` (an all-gather of the parameter on every trainer rank) runs only when the
+generator is iterated. :func:`install` wraps ``FSDPEngine.get_per_tensor_param`` (verl's hook
+point, in the actor's process, when verl imports ``fastsync_verl`` through
+``checkpoint_engine.custom_backend_module``) so the result is a :class:`ShardedWeights`: it
+iterates exactly like verl's generator (any other backend sees no difference) and also carries the
+FSDP2 module. fastsync's backend then reads each parameter's DTensor placement and local shard and
+never iterates it: no ``full_tensor()`` on any rank.
+
+Where the shards cannot serve (FSDP1, LoRA adapters, packed MoE experts that verl un-fuses on
+export, QAT, a parameter that is not Shard(d)/Replicate), :meth:`ShardedWeights.refusal` says why
+and the backend falls back to iterating the full tensors (logged), or raises if
+``engine_kwargs.fastsync.trainer_shards`` is ``"on"``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from fastsync import ConfigError
+
+__all__ = ["ShardedWeights", "install", "SUPPORTED_VERL", "local_shard"]
+
+log = logging.getLogger("fastsync_verl")
+
+#: verl releases whose hook point (``FSDPEngine.get_per_tensor_param`` returning a lazy generator
+#: over ``module.state_dict()``) this module was written against.
+SUPPORTED_VERL = ("0.9",)
+
+_MARK = "_fastsync_sharded"
+
+
+class ShardedWeights:
+    """verl's lazy full-tensor generator plus the FSDP2 module it would gather from."""
+
+    def __init__(self, full: Any, module: Any, *, refusal: str | None = None) -> None:
+        self._full = full
+        self.module = module
+        self._refusal = refusal
+        self.iterated = False  # True once anything asked for the full tensors
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self.iterated = True
+        return iter(self._full)
+
+    def refusal(self) -> str | None:
+        """Why the local shards cannot stand in for the full tensors, or None."""
+        if self._refusal is not None:
+            return self._refusal
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            if isinstance(t, DTensor) and not all(type(p) is Shard or isinstance(p, Replicate) for p in t.placements):
+                return f"parameter {name!r} has placements {t.placements} (only Shard(d)/Replicate are boxes)"
+        return None
+
+    def hf_names(self) -> dict[str, str]:
+        """state_dict name -> the HF name verl would send (``convert_weight_keys``)."""
+        from verl.utils.model import convert_weight_keys
+
+        keys = list(self.module.state_dict(keep_vars=True).keys())
+        inner = getattr(self.module, "_fsdp_wrapped_module", self.module)
+        renamed = list(convert_weight_keys(dict.fromkeys(keys, 0), inner).keys())
+        if len(renamed) != len(keys):
+            raise ConfigError("verl's convert_weight_keys merged parameter names; fastsync cannot map shards")
+        return dict(zip(keys, renamed))
+
+
+def local_shard(t: Any) -> torch.Tensor:
+    """This rank's bytes of ``t`` (a DTensor's local shard, a plain tensor as is), detached."""
+    from torch.distributed.tensor import DTensor
+
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.detach()
+
+
+def _why_not(engine: Any, module: Any) -> str | None:
+    from verl.utils.fsdp_utils import fsdp_version
+
+    if fsdp_version(module) != 2:
+        return f"FSDP{fsdp_version(module)} module (local shards are DTensors only with FSDP2)"
+    inner = getattr(module, "_fsdp_wrapped_module", module)
+    if hasattr(inner, "peft_config"):
+        return "LoRA adapters (verl merges or sends adapters, not the sharded base weights)"
+    if getattr(engine, "_qat_enabled", False):
+        return "QAT is enabled (verl quantises the full tensors on export)"
+    model_config = getattr(engine, "model_config", None)
+    hf = getattr(model_config, "hf_config", None)
+    if hf is not None and any(getattr(hf, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+        return (f"MoE model {getattr(hf, 'model_type', '?')!r}: verl un-fuses packed experts on export "
+                "(unfuse_moe_params), which the shard path does not replicate yet")
+    return None
+
+
+def install() -> None:
+    """Wrap verl's ``FSDPEngine.get_per_tensor_param`` (idempotent). Raises ConfigError naming
+    the class and the supported verl versions when the hook point is not where it was."""
+    import verl
+
+    version = getattr(verl, "__version__", "?")
+    try:
+        from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+    except ImportError as e:
+        raise ConfigError(f"fastsync_verl: verl {version} has no verl.workers.engine.fsdp.transformer_impl.FSDPEngine "
+                          f"(supported verl versions: {', '.join(v + '.x' for v in SUPPORTED_VERL)}): {e}") from e
+    orig = getattr(FSDPEngine, "get_per_tensor_param", None)
+    if orig is None:
+        raise ConfigError(f"fastsync_verl: verl {version}: FSDPEngine.get_per_tensor_param is gone "
+                          f"(supported verl versions: {', '.join(v + '.x' for v in SUPPORTED_VERL)})")
+    if getattr(orig, _MARK, False):
+        return
+    if not any(str(version).startswith(v) for v in SUPPORTED_VERL):
+        log.warning("fastsync_verl: verl %s is not a supported version (%s); trainer shards hook installed anyway",
+                    version, ", ".join(SUPPORTED_VERL))
+
+    @functools.wraps(orig)
+    def get_per_tensor_param(self, *args: Any, **kwargs: Any):
+        full, peft = orig(self, *args, **kwargs)
+        if peft is not None or kwargs.get("layered_summon") or args:
+            return full, peft  # adapter paths: verl's own tensors, untouched
+        return ShardedWeights(full, self.module, refusal=_why_not(self, self.module)), peft
+
+    setattr(get_per_tensor_param, _MARK, True)
+    FSDPEngine.get_per_tensor_param = get_per_tensor_param

@@ -1,0 +1,125 @@
+"""FSDP2 actor ranks hand fastsync their local shards: no ``full_tensor()`` on any rank.
+
+Two real trainer processes hold a model sharded with FSDP2 ``fully_shard`` over gloo; each runs
+verl's own ``FSDPEngine.get_per_tensor_param`` (the export verl's actor worker calls before
+``send_weights``, wrapped by ``fastsync_verl.shards.install``) on that module and hands the result to
+the ``fastsync`` backend. The object passed as the engine's ``self`` is a stand-in holding only the
+attributes that method reads (the module, offload flags, model config); verl's full FSDPEngine needs
+an optimizer, a device mesh config and a checkpoint. The rollout rank runs in this process; the
+process group is built by the same calls verl's CheckpointEngineManager makes. Sizes are awkward
+(vocab 203, hidden 40, rows 75) so shards are uneven.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import socket
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("verl.workers.engine.fsdp.transformer_impl", reason="verl's FSDP engine does not import")
+pytest.importorskip("nixl._api", reason="NIXL not installed")
+
+from verl.checkpoint_engine import CheckpointEngineRegistry  # noqa: E402
+
+import fastsync_verl  # noqa: E402,F401
+from fastsync.errors import ConfigError  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # spawn hands sys.path to the children
+from verl_shards_job import A, _model, _step, _trainer  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(mode: str) -> tuple[list[dict], list[list[tuple[str, torch.Tensor]]]]:
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    pipes = [ctx.Pipe() for _ in range(A)]
+    procs = [ctx.Process(target=_trainer, args=(r, port, pipes[r][1], mode)) for r in range(A)]
+    for p in procs:
+        p.start()
+    rollout = CheckpointEngineRegistry.new("fastsync", bucket_size=1 << 20, control_host="127.0.0.1", timeout_s=30)
+    reports: list[dict] = []
+    got: list[list[tuple[str, torch.Tensor]]] = []
+    try:
+        backend = CheckpointEngineRegistry.get("fastsync")
+        for _ in (1, 2):
+            meta = []
+            for parent, _ in pipes:
+                assert parent.poll(180), "trainer process did not report"
+                msg = parent.recv()
+                assert "error" not in msg, msg
+                meta.append(msg)
+            a_kw, r_kw = backend.build_topology(A, 1, meta + [rollout.prepare()])
+            for i, (parent, _) in enumerate(pipes):
+                parent.send({k: v[i] for k, v in a_kw.items()})
+            rollout.init_process_group(**{k: v[0] for k, v in r_kw.items()})
+
+            async def collect():
+                return [(n, t.clone()) async for n, t in rollout.receive_weights()]
+            try:
+                got.append(asyncio.run(collect()))
+            finally:
+                rollout.finalize()
+            step = []
+            for parent, _ in pipes:
+                assert parent.poll(60), "trainer process did not finish the sync"
+                step.append(parent.recv())
+            reports.append(step)
+    finally:
+        rollout.close()
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    return reports, got
+
+
+@pytest.mark.slow
+def test_fsdp2_shards_land_bit_identical_without_full_tensor() -> None:
+    reports, got = _run("on")
+    want = _model(7)
+    for k, (step, received) in enumerate(zip(reports, got), start=1):
+        _step(want, k)
+        assert not [r for r in step if "error" in r], step
+        assert all(r["type"] == "ShardedWeights" and r["iterated"] is False for r in step), step
+        assert [r["full_tensor"] for r in step] == [0, 0]  # no rank gathered any parameter
+        assert all(r["metrics"][f"fastsync/trainer{i}/from_shards"] == 1.0 for i, r in enumerate(step))
+        sd = want.state_dict()
+        assert [n for n, _ in received] == list(sd)  # verl's order (state_dict order)
+        for n, t in received:
+            assert torch.equal(t, sd[n]), n
+        sent = [r["metrics"][f"fastsync/trainer{i}/sent_bytes"] for i, r in enumerate(step)]
+        assert min(sent) > 0 and sum(sent) == sum(t.nbytes for t in sd.values()), sent
+
+
+@pytest.mark.slow
+def test_off_uses_verls_full_tensors_and_still_delivers() -> None:
+    reports, got = _run("off")
+    want = _model(7)
+    for k, (step, received) in enumerate(zip(reports, got), start=1):
+        _step(want, k)
+        assert not [r for r in step if "error" in r], step
+        assert all(r["full_tensor"] > 0 for r in step)  # the full-tensor path: every rank gathers
+        sd = want.state_dict()
+        for n, t in received:
+            assert torch.equal(t, sd[n]), n
+
+
+def test_bad_trainer_shards_value_is_refused_naming_the_key() -> None:
+    with pytest.raises(ConfigError, match="trainer_shards"):
+        CheckpointEngineRegistry.new("fastsync", bucket_size=1 << 20, trainer_shards="yes")
+
+
+def test_on_without_shards_refuses_naming_the_reason() -> None:
+    engine = CheckpointEngineRegistry.new("fastsync", bucket_size=1 << 20, trainer_shards="on")
+    with pytest.raises(ConfigError, match="trainer_shards='on'.*list"):
+        engine._shard_module([("w", torch.zeros(3))], 0)

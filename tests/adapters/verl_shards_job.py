@@ -1,0 +1,80 @@
+"""Trainer-rank process of tests/adapters/test_verl_shards.py (a module of its own so that
+multiprocessing's spawn can import it by name)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+A = 2
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    m = torch.nn.Module()
+    m.model = torch.nn.Module()
+    m.model.embed_tokens = torch.nn.Embedding(203, 40)
+    m.model.layers = torch.nn.ModuleList([torch.nn.Linear(40, 75, bias=False), torch.nn.Linear(75, 40, bias=False)])
+    m.model.norm = torch.nn.LayerNorm(40)
+    m.lm_head = torch.nn.Linear(40, 203, bias=False)
+    return m
+
+
+def _step(m: torch.nn.Module, k: int) -> None:
+    with torch.no_grad():
+        for p in m.parameters():  # on local shards under FSDP2: what an optimizer step does
+            p.mul_(0.5).add_(0.01 * k)
+
+
+def _trainer(rank: int, port: int, conn, mode: str) -> None:
+    import os
+    import types
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    from verl_cpu_platform import use_cpu_platform
+
+    use_cpu_platform()  # test bridge: verl 0.9.1 has no CPU platform (see verl_cpu_platform.py)
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+    from verl.utils.import_utils import import_external_libs
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine  # as in verl's actor process
+
+    import_external_libs("fastsync_verl")  # what checkpoint_engine.custom_backend_module does
+
+    calls = {"full_tensor": 0}
+    orig = DTensor.full_tensor
+
+    def counted(self, *a, **kw):
+        calls["full_tensor"] += 1
+        return orig(self, *a, **kw)
+
+    DTensor.full_tensor = counted
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=A)
+        m = _model(7)
+        for layer in m.model.layers:
+            fully_shard(layer)
+        fully_shard(m)
+        engine = CheckpointEngineRegistry.new("fastsync", is_master=rank == 0, bucket_size=1 << 20,
+                                              control_host="127.0.0.1", timeout_s=30, trainer_shards=mode)
+        fake = types.SimpleNamespace(  # stand-in for FSDPEngine: what get_per_tensor_param reads
+            module=m, _uses_fsdp2_cpu_offload_policy=False, _is_offload_param=False, _qat_enabled=False,
+            model_config=types.SimpleNamespace(lora={}, hf_config=types.SimpleNamespace(model_type="llama")))
+        for k in (1, 2):
+            _step(m, k)
+            conn.send(engine.prepare())
+            kw = conn.recv()
+            engine.init_process_group(**kw)
+            weights, _ = FSDPEngine.get_per_tensor_param(fake)
+            metrics = asyncio.run(engine.send_weights(weights, global_steps=k))
+            engine.finalize()
+            conn.send({"metrics": metrics, "full_tensor": calls["full_tensor"],
+                       "iterated": getattr(weights, "iterated", None), "type": type(weights).__name__})
+        engine.close()
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001
+        conn.send({"error": f"{type(e).__name__}: {e}"})
