@@ -224,10 +224,13 @@ def test_custom_backend_module_registers_in_a_fresh_process() -> None:
     assert out.stdout.split()[-2:] == ["fastsync_verl.checkpoint_engine", "5"]
 
 
-def test_bench_runs_and_reports_the_split() -> None:
+@pytest.mark.slow
+def test_bench_three_paths_verified_and_inplace_never_gathers() -> None:
     from fastsync_verl.bench import run
 
-    res = run(2, 1, 1 << 20, 2, "all")
-    assert sum(res["sent_bytes_per_trainer"]) == res["model_bytes"] and min(res["sent_bytes_per_trainer"]) > 0
-    base = run(2, 1, 1 << 20, 2, "rank0")
-    assert base["sent_bytes_per_trainer"] == [base["model_bytes"], 0]
+    res = run(2, 2 << 20, 2)
+    assert set(res["paths"]) == {"fulltensor", "inplace", "rank0"}
+    assert all(p["verified"] for p in res["paths"].values()), res
+    assert res["inplace"]["trainer_full_tensor_calls"] == 0
+    assert res["paths"]["fulltensor"]["trainer_full_tensor_calls"] > 0  # the counter does count
+    assert res["inplace"]["engine_stall_seconds"] > 0

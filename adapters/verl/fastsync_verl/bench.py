@@ -1,13 +1,19 @@
-"""Time the verl backend on this host: N trainer ranks -> R rollout ranks, in one process
-(threads standing in for verl's actors; real NIXL agents and a TCPStore control plane).
+"""Time verl's weight sync through the ``fastsync`` backend on this host, three ways, on real
+processes: T trainer processes holding an FSDP2-sharded model (gloo) -> 1 rollout rank.
 
-    python -m fastsync_verl.bench --trainers 2 --rollouts 1 --size-mb 256 --syncs 4
-    python -m fastsync_verl.bench --senders rank0 ...    # only trainer rank 0 sends (as verl's nccl/nixl)
-    ... --json                                             # one JSON object instead of the table
+    python -m fastsync_verl.bench --trainers 2 --size-mb 64 --syncs 4 [--json]
 
-The first sync plans and registers; the table reports the later (replayed) syncs. Figures, not
-assertions: on one CPU host the WRITE is a memcpy charged to the sender, so splitting it over
-trainer ranks is what the comparison shows.
+* ``fulltensor``: verl's interface path: every trainer rank gathers every parameter
+  (``full_tensor()``, as verl's ``get_per_tensor_param`` does for FSDP2) and sends its 1/T share.
+* ``inplace``: every trainer rank sends from its own FSDP2 shard (``fastsync_verl.shards``):
+  no ``full_tensor()`` anywhere.
+* ``rank0``: every rank gathers, only trainer rank 0 sends (verl's built-in nccl/nixl backends).
+
+Per path: median seconds per sync over the replayed syncs (the first plans and registers), from
+the trainers' start until the rollout rank holds every tensor; ``verified``: every received tensor
+equals the trainer model's, bit for bit, every sync; ``engine_stall_seconds``: the rollout rank's
+time in ``receive_weights`` per sync (verl pauses generation around it). Figures, not assertions:
+on one CPU host the WRITE is a memcpy.
 """
 
 from __future__ import annotations
@@ -15,104 +21,120 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing as mp
+import socket
 import statistics
-import threading
 import time
 
 import torch
 
 from fastsync import SyncError
+from fastsync_verl.bench_trainer import bench_model, train_step, trainer
 from fastsync_verl.checkpoint_engine import FastSyncCheckpointEngine
 
-
-def _weights(size_bytes: int, version: int) -> list[tuple[str, torch.Tensor]]:
-    """Qwen-like tensors in bf16: 4096-wide matrices of mixed heights, norms in fp32."""
-    g = torch.Generator().manual_seed(version)
-    out, total, i = [], 0, 0
-    while total < size_bytes:
-        rows = (1024, 4096, 512, 2048)[i % 4]
-        t = torch.randn(rows, 4096, generator=g).bfloat16()
-        out.append((f"model.layers.{i // 4}.w{i % 4}.weight", t))
-        out.append((f"model.layers.{i // 4}.norm{i % 4}.weight", torch.randn(4096, generator=g)))
-        total += t.nbytes + 4096 * 4
-        i += 1
-    return out
+PATHS = ("fulltensor", "inplace", "rank0")
 
 
-def run(trainers: int, rollouts: int, size_bytes: int, syncs: int, senders: str) -> dict:
-    active = trainers if senders == "all" else 1
-    kw = {"control_host": "127.0.0.1", "timeout_s": 120}
-    actors = [FastSyncCheckpointEngine(bucket_size=512 << 20, is_master=(r == 0), **kw) for r in range(active)]
-    rolls = [FastSyncCheckpointEngine(bucket_size=512 << 20, **kw) for _ in range(rollouts)]
-    times, sent = [], {}
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _recv(conn, what: str, timeout_s: float) -> dict:
+    if not conn.poll(timeout_s):
+        raise SyncError(f"bench: {what} did not answer within {timeout_s:.0f} s")
+    msg = conn.recv()
+    if "error" in msg:
+        raise SyncError(f"bench: {msg['error']}")
+    return msg
+
+
+def run_path(path: str, trainers: int, size_bytes: int, syncs: int, timeout_s: float = 300) -> dict:
+    ctx = mp.get_context("spawn")
+    port = _port()
+    pipes = [ctx.Pipe() for _ in range(trainers)]
+    procs = [ctx.Process(target=trainer, args=(r, trainers, port, pipes[r][1], path, size_bytes, syncs), daemon=True)
+             for r in range(trainers)]
+    for p in procs:
+        p.start()
+    senders = trainers if path != "rank0" else 1
+    rollout = FastSyncCheckpointEngine(bucket_size=512 << 20, control_host="127.0.0.1", timeout_s=120)
+    want = bench_model(size_bytes, 1)
+    seconds, stalls, full_calls, verified = [], [], [], True
     try:
-        for version in range(1, syncs + 1):
-            weights = _weights(size_bytes, version)
-            meta = [e.prepare() for e in actors + rolls]
-            akw, rkw = FastSyncCheckpointEngine.build_topology(active, rollouts, meta)
-            for i, e in enumerate(actors):
-                e.init_process_group(**{k: v[i] for k, v in akw.items()})
-            for i, e in enumerate(rolls):
-                e.init_process_group(**{k: v[i] for k, v in rkw.items()})
-            errors: list[BaseException] = []
+        for k in range(1, syncs + 1):
+            train_step(want, k)
+            meta = [_recv(pipes[r][0], f"trainer rank {r} (prepare)", timeout_s) for r in range(senders)]
+            a_kw, r_kw = FastSyncCheckpointEngine.build_topology(senders, 1, meta + [rollout.prepare()])
+            for r in range(senders):
+                pipes[r][0].send({key: v[r] for key, v in a_kw.items()})
+            rollout.init_process_group(**{key: v[0] for key, v in r_kw.items()})
+            sd = want.state_dict()
 
-            def send(r: int) -> None:
-                try:
-                    sent[r] = asyncio.run(actors[r].send_weights(iter(weights)))[f"fastsync/trainer{r}/sent_bytes"]
-                except BaseException as e:
-                    errors.append(e)
+            async def receive() -> tuple[bool, float, float]:
+                ok = True
+                t0 = time.perf_counter()
+                async for n, t in rollout.receive_weights():
+                    ok = ok and torch.equal(t, sd[n])
+                return ok, t0, time.perf_counter()
 
-            def recv(e: FastSyncCheckpointEngine) -> None:
-                async def go() -> None:
-                    async for _ in e.receive_weights():
-                        pass
-                try:
-                    asyncio.run(go())
-                except BaseException as err:
-                    errors.append(err)
-
-            threads = [threading.Thread(target=send, args=(r,)) for r in range(active)]
-            threads += [threading.Thread(target=recv, args=(e,)) for e in rolls]
-            t0 = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(300)
-            dt = time.perf_counter() - t0
-            if errors or any(t.is_alive() for t in threads):
-                raise SyncError(f"sync {version} failed: {errors[:1] or 'timed out'}")
-            for e in actors + rolls:
-                e.finalize()
-            times.append(dt)
+            ok, t0, t1 = asyncio.run(receive())
+            rollout.finalize()
+            reports = [_recv(pipes[r][0], f"trainer rank {r} (sync {k})", timeout_s) for r in range(trainers)]
+            verified = verified and ok
+            seconds.append(max(r["seconds"] for r in reports))
+            stalls.append(t1 - t0)
+            full_calls.append(sum(r["full_tensor"] for r in reports))
     finally:
-        for e in actors + rolls:
-            e.close()
-    steady = times[1:] or times
-    nbytes = sum(t.nbytes for _, t in _weights(size_bytes, 0)) * rollouts
-    return {"trainers": trainers, "rollouts": rollouts, "senders": senders, "model_bytes": nbytes // rollouts,
-            "first_sync_s": round(times[0], 4), "sync_s_median": round(statistics.median(steady), 4),
-            "sync_s_best": round(min(steady), 4), "GBps_best": round(nbytes / min(steady) / 1e9, 3),
-            "sent_bytes_per_trainer": [int(sent.get(r, 0)) for r in range(trainers)], "threads": torch.get_num_threads()}
+        rollout.close()
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    steady = seconds[1:] or seconds
+    return {"seconds_median": round(statistics.median(steady), 4), "seconds_first": round(seconds[0], 4),
+            "verified": verified, "trainer_full_tensor_calls": full_calls[-1],
+            "engine_stall_seconds": round(statistics.median(stalls[1:] or stalls), 4)}
+
+
+def run(trainers: int, size_bytes: int, syncs: int, paths: tuple[str, ...] = PATHS) -> dict:
+    model_bytes = sum(p.nbytes for p in bench_model(size_bytes, 1).parameters())
+    res = {path: run_path(path, trainers, size_bytes, syncs) for path in paths}
+    out: dict = {"trainers": trainers, "rollouts": 1, "model_bytes": model_bytes, "syncs": syncs,
+                 "paths": res}
+    if "inplace" in res:
+        out["inplace"] = {k: res["inplace"][k] for k in ("trainer_full_tensor_calls", "engine_stall_seconds")}
+        if "fulltensor" in res:
+            out["speedup_inplace_vs_fulltensor"] = round(res["fulltensor"]["seconds_median"]
+                                                         / res["inplace"]["seconds_median"], 2)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fastsync_verl.bench", description=__doc__.splitlines()[0])
     ap.add_argument("--trainers", type=int, default=2)
-    ap.add_argument("--rollouts", type=int, default=1)
-    ap.add_argument("--size-mb", type=int, default=256)
+    ap.add_argument("--size-mb", type=int, default=64)
     ap.add_argument("--syncs", type=int, default=4)
-    ap.add_argument("--senders", choices=("all", "rank0"), default="all")
+    ap.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {PATHS}")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    res = run(a.trainers, a.rollouts, a.size_mb << 20, max(2, a.syncs), a.senders)
+    paths = tuple(p for p in a.paths.split(",") if p)
+    bad = [p for p in paths if p not in PATHS]
+    if bad:
+        ap.error(f"--paths: unknown {bad}; known {PATHS}")
+    res = run(a.trainers, a.size_mb << 20, max(2, a.syncs), paths)
     if a.json:
         print(json.dumps(res))
         return 0
-    print(f"verl backend 'fastsync': {a.trainers} trainer -> {a.rollouts} rollout ranks, "
-          f"{res['model_bytes'] / 2**20:.0f} MiB, senders={a.senders}")
-    for key in ("first_sync_s", "sync_s_median", "sync_s_best", "GBps_best"):
-        print(f"{key:<24}{res[key]:>12}")
-    print(f"{'sent MiB per trainer':<24}{' '.join(f'{b / 2**20:.1f}' for b in res['sent_bytes_per_trainer']):>12}")
+    print(f"verl backend 'fastsync': {a.trainers} FSDP2 trainer processes -> 1 rollout rank, "
+          f"{res['model_bytes'] / 2**20:.0f} MiB fp32, {res['syncs']} syncs")
+    print(f"{'path':<12}{'s/sync':>10}{'first s':>10}{'stall s':>10}{'full_tensor':>13}{'verified':>10}")
+    for p, r in res["paths"].items():
+        print(f"{p:<12}{r['seconds_median']:>10}{r['seconds_first']:>10}{r['engine_stall_seconds']:>10}"
+              f"{r['trainer_full_tensor_calls']:>13}{str(r['verified']).lower():>10}")
+    if "speedup_inplace_vs_fulltensor" in res:
+        print(f"inplace vs fulltensor: {res['speedup_inplace_vs_fulltensor']}x")
     return 0
 
 
