@@ -22,8 +22,10 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import socket
 import statistics
+import sys
 import time
 
 import torch
@@ -123,10 +125,19 @@ def main(argv: list[str] | None = None) -> int:
     bad = [p for p in paths if p not in PATHS]
     if bad:
         ap.error(f"--paths: unknown {bad}; known {PATHS}")
-    res = run(a.trainers, a.size_mb << 20, max(2, a.syncs), paths)
-    if a.json:
+    if a.json:  # NIXL's C++ logs go to fd 1, in this process and the trainers': keep stdout for the JSON
+        sys.stdout.flush()
+        saved = os.dup(1)
+        os.dup2(2, 1)
+        try:
+            res = run(a.trainers, a.size_mb << 20, max(2, a.syncs), paths)
+        finally:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
         print(json.dumps(res))
         return 0
+    res = run(a.trainers, a.size_mb << 20, max(2, a.syncs), paths)
     print(f"verl backend 'fastsync': {a.trainers} FSDP2 trainer processes -> 1 rollout rank, "
           f"{res['model_bytes'] / 2**20:.0f} MiB fp32, {res['syncs']} syncs")
     print(f"{'path':<12}{'s/sync':>10}{'first s':>10}{'stall s':>10}{'full_tensor':>13}{'verified':>10}")
