@@ -19,6 +19,7 @@ torch.distributed, NIXL, vLLM) are imported lazily, on first use of a name that 
   ``box_slices``).
 * Tensors: ``alloc_touched``, ``dtype_name``, ``torch_dtype``.
 * MoE: ``patch_moe`` (swap HF v5 MoE blocks), ``RoutingReplay``.
+* Engines: ``FastSyncWorkerExtension`` (vLLM's ``worker_extension_cls``, to subclass or compose).
 * Plugins: ``hookimpl``, ``register_plugin``, ``unregister_plugin``; errors: ``FastSyncError``
   and its subclasses.
 """
@@ -60,6 +61,8 @@ _LAZY: dict[str, tuple[str, str]] = {
     "SECRET_ENV": ("fastsync.security", "SECRET_ENV"),
     # planning
     "build_plan": ("fastsync.plan.planner", "build_plan"),
+    # engines
+    "FastSyncWorkerExtension": ("fastsync.engines.vllm.extension", "FastSyncWorkerExtension"),
     "Plan": ("fastsync.plan.types", "Plan"),
     "Transfer": ("fastsync.plan.types", "Transfer"),
     "simulate": ("fastsync.plan.simulate", "simulate"),

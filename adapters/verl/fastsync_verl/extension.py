@@ -32,7 +32,7 @@ except ImportError as e:  # verl moved its extension: name it and the versions t
     raise ConfigError(f"fastsync_verl.extension: cannot import verl's {VERL_EXTENSION_PATH} ({e}); "
                       "supported verl versions: 0.9.x") from e
 
-from fastsync.engines.vllm.extension import FastSyncWorkerExtension  # noqa: E402
+from fastsync import FastSyncWorkerExtension  # noqa: E402
 
 
 class FastSyncVerlWorkerExtension(FastSyncWorkerExtension, vLLMColocateWorkerExtension):
