@@ -6,15 +6,12 @@ vLLM itself runs), and a wrong ``worker_extension_cls`` is refused naming the ke
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from verl_vllm_shim import vllm_dist_shim  # noqa: E402
-
 pytest.importorskip("vllm", reason="vLLM not installed")
+pytest.importorskip("verl", reason="verl not installed")
+
+from fastsync_verl.cpu import vllm_dist_shim  # noqa: E402
 
 
 @pytest.fixture(scope="module")

