@@ -37,4 +37,5 @@ def fastsync_register_transports(register: Callable[..., None]) -> None:
 
     for name, factory in (("nixl", _nixl), ("torch", _torch), ("rank0", _rank0)):
         ok, why = availability(name)
-        register(name, factory, available=ok, why=why)
+        # what plans it runs: replicas planned once (fanout), and relays between engine ranks
+        register(name, factory, available=ok, why=why, fanout=name != "rank0", relays=name == "nixl")

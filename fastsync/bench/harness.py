@@ -22,6 +22,8 @@ from fastsync.bench.trace_out import write_bench_trace
 from fastsync.bench.workers import WorkerConfig, receiver_main, trainer_main
 from fastsync.control import TCPStoreControl
 from fastsync.errors import ConfigError, SyncError
+from fastsync.layout.box import box_numel
+from fastsync.layout.types import DTYPE_BYTES
 from fastsync.trace.progress import Steps
 
 __all__ = ["Cluster", "run_bench", "summarize", "make_schedule"]
@@ -34,7 +36,8 @@ class Cluster:
         self.control = TCPStoreControl.server(port=0, timeout_s=cfg.timeout_s)
         self.cfg = replace(cfg, port=self.control.port)
         self.model = model or build_bench_model(trainers=cfg.trainers, rollouts=cfg.rollouts,
-                                                size_bytes=cfg.size_bytes, preset=cfg.preset, fp8=cfg.fp8)
+                                                size_bytes=cfg.size_bytes, preset=cfg.preset, fp8=cfg.fp8,
+                                                replicas=cfg.replicas, fanout=cfg.fanout)
         self.control.set("bench/plan", self.model.plan.dumps())
         self.ctx = mp.get_context("spawn")
         self.results = self.ctx.Queue()
@@ -186,7 +189,14 @@ def summarize(rows: list[dict], schedule: list[tuple[str, int, bool]], warmup: i
                 for k, s in r.get("stages", {}).items():
                     dst[k].append(s)
         med = statistics.median(secs) if secs else None
+        # bytes each trainer rank wrote, and engine ranks relayed, in the last complete sync (links as measured)
+        last = next((by_v[v] for v, _ in reversed(vs) if len(by_v.get(v, [])) == num_procs), [])
+        egress = [sum(r.get("bytes_per_link", {}).values()) for r in last if r["role"] == "trainer"]
+        relayed = sum(n for r in last if r["role"] == "engine"
+                      for link, n in r.get("bytes_per_link", {}).items() if link.startswith("r"))
         out[name] = {
+            "trainer_egress_bytes_max": max(egress) if egress else None,
+            "relayed_bytes": relayed if last else None,
             "seconds_median": med,
             "seconds_all": secs,
             "gbps": (nbytes / med / 1e9) if med else None,
@@ -307,6 +317,11 @@ def run_bench(cfg: WorkerConfig, transports: list[str], steps: int, warmup: int 
         "bytes_per_sync": model.plan.bytes_total,
         "num_tensors": len(model.params),
         "num_transfers": len(model.plan.transfers),
+        "replicas": cfg.replicas,
+        "fanout": model.plan.meta.get("fanout_mode", "off"),
+        "trainer_shard_bytes_max": max(
+            sum(box_numel(sh.box) * DTYPE_BYTES[model.params[n].dtype] for n, shs in model.trainer.shards.items()
+                for sh in shs if sh.rank == r) for r in range(model.trainer.world_size)),
         "trainers": cfg.trainers,
         "rollouts": cfg.rollouts,
         "steps": steps,

@@ -60,24 +60,32 @@ def scaled_dims(size_bytes: int, tp: int):
 
 
 def build_bench_model(*, trainers: int, rollouts: int, size_bytes: int | None = None,
-                      preset: str | None = None, fp8: bool = False) -> BenchModel:
-    """Inventory, layouts and plan for ``trainers`` FSDP ranks and one TP=``rollouts`` engine."""
+                      preset: str | None = None, fp8: bool = False, replicas: int = 1,
+                      fanout: str = "chain") -> BenchModel:
+    """Inventory, layouts and plan for ``trainers`` FSDP ranks and ``replicas`` identical engines of
+    TP=``rollouts // replicas`` each. With replicas, the plan is built once per replica and fanned
+    out with ``fanout`` (``chain``: each byte leaves its trainer rank once, engine ranks relay)."""
     from fastsync.plan.planner import build_plan
     from fastsync.testing.synthetic import engine_layout, fsdp_layout, small_model
 
     if trainers < 1 or rollouts < 1:
         raise ConfigError(f"need at least one trainer and one engine rank, got {trainers} and {rollouts}")
+    if replicas < 1 or rollouts % replicas:
+        raise ConfigError(f"--replicas {replicas} must be positive and divide --rollouts {rollouts}")
+    tp = rollouts // replicas
     if preset is not None:
+        if replicas != 1:
+            raise ConfigError("--replicas needs the synthetic model (--size-gb without --model)")
         return _preset_model(preset, trainers, rollouts, size_bytes)
     if size_bytes is None or size_bytes <= 0:
         raise ConfigError("give --size-gb (positive) or --model PRESET")
-    dims = scaled_dims(size_bytes, rollouts)
+    dims = scaled_dims(size_bytes, tp)
     params = small_model(dims)
     trainer = fsdp_layout(params, trainers)
-    engine = engine_layout(params, dims, tp=rollouts, expert_parallel=False, fp8=fp8)
-    plan = build_plan(params, trainer, engine)
+    engine = engine_layout(params, dims, tp=tp, replicas=replicas, expert_parallel=False, fp8=fp8)
+    plan = build_plan(params, trainer, engine, fanout=fanout if replicas > 1 else "off")
     desc = (f"synthetic Qwen3-MoE-like{' (FP8 engine)' if fp8 else ''}: {dims.layers} layers, hidden {dims.hidden}, {dims.experts} experts, "
-            f"{len(params)} tensors")
+            f"{len(params)} tensors" + (f", {replicas} engine replicas of TP{tp} ({fanout})" if replicas > 1 else ""))
     return BenchModel(params, trainer, engine, plan, desc)
 
 

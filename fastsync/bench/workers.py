@@ -47,6 +47,10 @@ class WorkerConfig:
     fp8: bool = False  # engine holds block-FP8 weights + scales (the plan then has owner gathers)
     device: str = "cpu"  # where trainer shards and engine tensors live ("cuda": VRAM on the one GPU)
     trace: bool = False  # record every phase as a span (rows then carry "spans": fastsync bench --trace)
+    replicas: int = 1  # the engine ranks form this many identical engines
+    fanout: str = "chain"  # how replicas are fed (plan/relay.py): chain (relays), auto, direct
+    # fault injection for tests: (engine rank, version) at which that engine rank exits mid-sync
+    kill_engine_at: tuple[int, int] | None = None
 
 
 def _env(cfg: WorkerConfig) -> None:
@@ -67,7 +71,7 @@ def _model(cfg: WorkerConfig, control: Any):
     from fastsync.plan.types import Plan
 
     model = build_bench_model(trainers=cfg.trainers, rollouts=cfg.rollouts, size_bytes=cfg.size_bytes,
-                              preset=cfg.preset, fp8=cfg.fp8)
+                              preset=cfg.preset, fp8=cfg.fp8, replicas=cfg.replicas, fanout=cfg.fanout)
     shared = Plan.loads(control.get("bench/plan", cfg.timeout_s, what="the benchmark parent").decode())
     if shared.plan_hash != model.plan.plan_hash:
         raise PlanError(f"this process planned {model.plan.plan_hash}, the parent {shared.plan_hash}")
@@ -215,6 +219,11 @@ def receiver_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
                 time.sleep(0.2)  # let the queue's feeder thread hand the row over
                 os._exit(17)  # an engine rank dying as the others begin the version
             row: dict[str, Any]
+            if cfg.kill_engine_at == (rank, version):
+                rx.begin(version)  # an engine rank (a relay) dying with the version open, before it forwards
+                results.close()
+                results.join_thread()  # rows already put (earlier versions) reach the parent first
+                os._exit(17)
             try:
                 rx.sync(version, timeout_s=cfg.sync_timeout_s)
                 row = {"kind": "sync", **rx.last_metrics.to_json(), "verified": bool(verify)}

@@ -19,7 +19,13 @@ MAX_PROCS = 256
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="measure weight-sync transports between real processes on this host")
     p.add_argument("--trainers", type=int_in(1, MAX_PROCS), required=True, help="trainer processes (FSDP shards)")
-    p.add_argument("--rollouts", type=int_in(1, MAX_PROCS), required=True, help="inference processes (one TP group)")
+    p.add_argument("--rollouts", type=int_in(1, MAX_PROCS), required=True, help="engine processes (all replicas together)")
+    p.add_argument("--replicas", type=int_in(1, MAX_PROCS), default=1,
+                   help="the engine processes form this many identical engines of TP rollouts/replicas (default 1)")
+    p.add_argument("--fanout", choices=("chain", "auto", "direct"), default="chain",
+                   help="with --replicas: chain (default) = each byte leaves its trainer rank once and engine ranks "
+                        "relay it to the next replica; direct = trainers write every replica; auto = the planner's "
+                        "cost model. Relays need the nixl transport")
     p.add_argument("--size-gb", type=float_in(0.0, 4096.0), help="synthetic Qwen3-MoE-like model of about this many GB (bf16)")
     p.add_argument("--model", type=nonempty, help="registered model preset (trimmed to --size-gb layers when both are given)")
     p.add_argument("--transport", default="all", help="nixl, torch, rank0, a comma list, or all (default)")
@@ -68,6 +74,24 @@ def _transports(spec: str) -> list[str]:
     return sorted(names, key=lambda n: TRANSPORT_ORDER.index(n) if n in TRANSPORT_ORDER else len(TRANSPORT_ORDER))
 
 
+def _fanout_transports(names: list[str], args: argparse.Namespace) -> list[str]:
+    """Transports that can run a plan with replicas planned once (and relays, unless direct): with
+    ``--transport all`` the others are left out with a note; named explicitly, they are refused."""
+    from fastsync import plugins
+
+    def ok(n: str) -> bool:
+        extra = plugins.transports()[n].extra
+        return bool(extra.get("fanout", False)) and (args.fanout == "direct" or bool(extra.get("relays", False)))
+
+    bad = [n for n in names if not ok(n)]
+    if bad and args.transport != "all":
+        raise ConfigError(f"--transport {','.join(bad)} cannot run --replicas {args.replicas} with --fanout "
+                          f"{args.fanout} (relays between engine ranks need nixl; rank0 runs flat plans only)")
+    if bad:
+        print(f"note: leaving out {', '.join(bad)}: cannot run --fanout {args.fanout}", file=sys.stderr)
+    return [n for n in names if ok(n)]
+
+
 def run(args: argparse.Namespace) -> int:
     from fastsync.bench.harness import run_bench
     from fastsync.bench.workers import WorkerConfig
@@ -80,15 +104,19 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--size-gb must be positive, got {args.size_gb}")
     if args.steps < 1 or args.warmup < 0:
         raise ConfigError("--steps must be >= 1 and --warmup >= 0")
+    if args.replicas < 1 or args.rollouts % args.replicas:
+        raise ConfigError(f"--replicas {args.replicas} must be positive and divide --rollouts {args.rollouts}")
     transports = _transports(args.transport)
     from fastsync.cli.plan_outputs import check_arguments
 
     check_arguments(args)
+    if args.replicas > 1:
+        transports = _fanout_transports(transports, args)
     cfg = WorkerConfig(
         trainers=args.trainers, rollouts=args.rollouts, port=0,
         size_bytes=int(args.size_gb * (1 << 30)) if args.size_gb is not None else None, preset=args.model,
         staging_bytes=args.staging_mb << 20, timeout_s=args.timeout, mode=args.mode, check_exact=args.check_exact,
-        fp8=args.fp8, trace=bool(args.trace or args.plot),
+        fp8=args.fp8, trace=bool(args.trace or args.plot), replicas=args.replicas, fanout=args.fanout,
     )
     progress = auto(json=args.json, force=None if args.progress == "auto" else args.progress == "on")
     result = run_bench(cfg, transports, steps=args.steps, warmup=args.warmup, progress=progress,

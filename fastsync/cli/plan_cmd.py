@@ -42,6 +42,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--delta-fraction", type=float_in(0.0, 1.0, lo_open=False), default=None, metavar="F",
                    help="also predict a delta sync where fraction F of engine elements changed (measure F with "
                         "fastsync delta-bench)")
+    p.add_argument("--fanout", choices=["auto", "direct", "chain", "off"], default="auto",
+                   help="identical replicas: plan one and feed the others straight from trainer ranks (direct), "
+                        "relayed by engine ranks (chain: each byte leaves its trainer rank once) or as the cost "
+                        "model picks per transfer (auto, default); off plans every engine rank")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--save", metavar="PATH", default=None, help="write the serialised plan to PATH")
     plan_outputs.add_arguments(p)
@@ -110,7 +114,8 @@ def _plan_report(args: argparse.Namespace, steps: Steps) -> dict:
     # a tied lm_head is the embedding: the engine reads it once, under the embedding's name
     tied = {"lm_head.weight"} if inv.tied_embeddings else set()
     steps.next(f"planning {len(inv.params)} parameters onto {engine.world_size} engine ranks")
-    plan = build_plan(inv.params, trainer, engine, max_transfer_bytes=max_bytes, allow_unread=tied)
+    plan = build_plan(inv.params, trainer, engine, max_transfer_bytes=max_bytes, allow_unread=tied,
+                      fanout=args.fanout)
     steps.next(f"hashing {len(plan.transfers)} transfers")
     digest = plan_hash(plan)
     t2, c2 = time.perf_counter(), time.process_time()
@@ -141,6 +146,13 @@ def _plan_report(args: argparse.Namespace, steps: Steps) -> dict:
         "model_bytes": sum(p.nbytes for p in inv.params.values()),
         "bytes_total": plan.bytes_total,
         "transfers": len(plan.transfers),
+        "fanout": args.fanout,
+        "replicas": plan.fanout.replicas if plan.fanout else 1,
+        "trainer_fed_replicas": sum(1 for p in plan.fanout.parents if p < 0) if plan.fanout else 1,
+        "relay_hops": sim.relay_hops,
+        "relayed_bytes": sim.relayed_bytes,
+        "max_relay_send_bytes": sim.max_relay_send_bytes,
+        "relay_seconds": sim.relay_seconds,
         "gathers": len(plan.gathers),
         "gather_owners": len(set(plan.gathers.values())),
         "max_send_bytes": sim.max_send_bytes,
@@ -151,6 +163,9 @@ def _plan_report(args: argparse.Namespace, steps: Steps) -> dict:
         "recv_balance": sim.recv_balance,
         "predicted_seconds": sim.predicted_seconds,
         "lower_bound_seconds": sim.lower_bound_seconds,
+        "direct_bound_seconds": sim.direct_bound_seconds,
+        "physical_bound_seconds": sim.physical_bound_seconds,
+        "max_owner_unique_bytes": max(plan.meta.get("owner_unique_bytes") or [0]),
         "bottleneck": sim.bottleneck,
         "rank0_predicted_seconds": base.predicted_seconds,
         "rank0_assumption": base.assumption,
@@ -186,20 +201,28 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(r))
         return 0
-    over = (r["predicted_seconds"] / r["lower_bound_seconds"] - 1) * 100 if r["lower_bound_seconds"] else 0.0
+    over = (r["predicted_seconds"] / r["physical_bound_seconds"] - 1) * 100 if r["physical_bound_seconds"] else 0.0
+    fan = ""
+    if r["replicas"] > 1:
+        fan = (f"; {r['replicas']} replicas planned once, {r['trainer_fed_replicas']} fed by trainers, "
+               f"{_gb(r['relayed_bytes'])} relayed ({r['relay_hops']} hops)")
     rows = [
         ("model", f"{r['model']} ({r['architecture']})"),
         ("layouts", f"trainer {r['trainer']} ({r['num_trainers']} ranks) -> rollout {r['rollout']} "
                     f"({r['num_receivers']} ranks), out {r['dtype_out']}"),
         ("tensors", f"{r['tensors']} parameters -> {r['engine_tensors']} engine tensors on all ranks"),
         ("bytes", f"{_gb(r['bytes_total'])} into receivers (model {_gb(r['model_bytes'])} as trained)"),
-        ("transfers", f"{r['transfers']} ({r['gathers']} parameters gathered on {r['gather_owners']} owners)"),
+        ("transfers", f"{r['transfers']} ({r['gathers']} parameters gathered on {r['gather_owners']} owners){fan}"),
         ("send per trainer", f"max {_gb(r['max_send_bytes'])} / mean {_gb(r['mean_send_bytes'])} "
                              f"= {r['send_balance']:.2f}"),
         ("recv per inference", f"max {_gb(r['max_recv_bytes'])} / mean {_gb(r['mean_recv_bytes'])} "
                                f"= {r['recv_balance']:.2f}"),
         ("predicted sync", f"{r['predicted_seconds']:.3f} s at {r['nic_gbps']:g} Gb/s/GPU "
-                           f"(lower bound {r['lower_bound_seconds']:.3f} s, +{over:.1f}%; {r['bottleneck']})"),
+                           f"(+{over:.1f}% over the physical bound; {r['bottleneck']})"),
+        ("physical bound", f"{r['physical_bound_seconds']:.3f} s: busiest NIC under any schedule (engine rank "
+                           f"receives {_gb(r['max_recv_bytes'])}, owner sends {_gb(r['max_owner_unique_bytes'])} "
+                           f"only it holds)"),
+        ("direct bound", f"{r['direct_bound_seconds']:.3f} s: busiest NIC if trainers write every replica"),
         ("rank-0 baseline", f"{_secs(r['rank0_predicted_seconds'])} ({baseline_ratio(r['rank0_predicted_seconds'], r['predicted_seconds'])})"),
         ("time to plan", f"{r['plan_seconds']:.2f} s (layouts {r['layout_seconds']:.2f} s, "
                          f"planner+hash {r['planner_seconds']:.2f} s; {r['plan_cpu_seconds']:.2f} s CPU)"),

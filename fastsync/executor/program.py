@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from fastsync.errors import ConfigError, PlanError
 from fastsync.layout.box import Box, box_numel, box_shape, contiguous_runs, to_local
 from fastsync.layout.types import DTYPE_BYTES, Shard
+from fastsync.plan.replicate import receiver_copies, sender_copies
 from fastsync.plan.types import Plan, Transfer
 
 __all__ = [
@@ -224,7 +226,8 @@ def compile_send(
     slot_bytes = (staging_bytes // num_slots) // ALIGN_BYTES * ALIGN_BYTES
     if slot_bytes <= 0:
         raise ConfigError(f"staging_bytes={staging_bytes} too small for {num_slots} slots")
-    mine = [(i, t) for i, t in enumerate(plan.transfers) if t.src_rank == rank]
+    # with a fanout, every copy this rank writes itself (flat indices; relayed copies are engine ranks')
+    mine = sender_copies(plan, rank)
     direct_items: list[SendItem] = []
     staged_items: list[SendItem] = []
     for index, t in mine:
@@ -299,13 +302,26 @@ class RecvItem:
 
 @dataclass(slots=True)
 class RecvProgram:
+    """``by_src``: writes trainer ranks make into this rank. ``relay`` (an
+    ``executor.relay.RelayProgram``, plans with relays only): what arrives from, and is forwarded
+    to, other engine ranks."""
+
     rank: int
     by_src: dict[int, list[RecvItem]]
     tensors: dict[str, TensorInfo]
+    relay: Any = None
 
     @property
     def bytes_total(self) -> int:
-        return sum(it.transfer.nbytes for items in self.by_src.values() for it in items)
+        own = sum(it.transfer.nbytes for items in self.by_src.values() for it in items)
+        return own + (self.relay.relayed_in_bytes if self.relay is not None else 0)
+
+    def by_origin(self) -> list[tuple[int, list[RecvItem]]]:
+        """Every item that lands here, by the trainer rank whose bytes it carries (relayed included)."""
+        out = sorted(self.by_src.items())
+        if self.relay is not None:
+            out += sorted(self.relay.incoming.items())
+        return out
 
     def tensors_from(self, src_rank: int) -> list[str]:
         return sorted({it.transfer.dst_tensor for it in self.by_src.get(src_rank, [])})
@@ -315,9 +331,7 @@ def compile_recv(plan: Plan, rank: int, tensors: dict[str, TensorInfo]) -> RecvP
     """What receiver ``rank`` must see written before it may flip, grouped by sending rank.
     Raises PlanError naming the tensor when the plan writes outside what the receiver holds."""
     by_src: dict[int, list[RecvItem]] = {}
-    for index, t in enumerate(plan.transfers):
-        if t.dst_rank != rank:
-            continue
+    for index, t in receiver_copies(plan, rank):
         info = tensors.get(t.dst_tensor)
         if info is None:
             raise PlanError(f"plan writes tensor {t.dst_tensor!r} on engine rank {rank}, which it does not hold")
@@ -332,4 +346,15 @@ def compile_recv(plan: Plan, rank: int, tensors: dict[str, TensorInfo]) -> RecvP
                 f"which holds {info.dtype}"
             )
         by_src.setdefault(t.src_rank, []).append(RecvItem(index, t, byte_runs(t.dst_box, info)))
-    return RecvProgram(rank, by_src, dict(tensors))
+    relay = None
+    if plan.has_relays:
+        from fastsync.executor.relay import compile_relay
+
+        def runs_of(t: Transfer) -> list[tuple[int, int]]:
+            info = tensors.get(t.dst_tensor)
+            if info is None:
+                raise PlanError(f"plan relays tensor {t.dst_tensor!r} through engine rank {rank}, which it does not hold")
+            return byte_runs(t.dst_box, info)
+
+        relay = compile_relay(plan, rank, byte_runs_of=runs_of)
+    return RecvProgram(rank, by_src, dict(tensors), relay)

@@ -29,7 +29,7 @@ def crc_update(crc: int, data_u8: torch.Tensor) -> int:
 def receiver_checksums(program: RecvProgram, regions: dict[str, torch.Tensor]) -> dict[int, int]:
     """Per planned transfer index, the CRC of what landed in its destination box."""
     out: dict[int, int] = {}
-    for items in program.by_src.values():
+    for _, items in program.by_origin():
         for it in items:
             region = regions[it.transfer.dst_tensor]
             crc = 0
@@ -42,7 +42,7 @@ def receiver_checksums(program: RecvProgram, regions: dict[str, torch.Tensor]) -
 def compare_checksums(program: RecvProgram, expected: dict[int, int], got: dict[int, int]) -> list[str]:
     """Human-readable mismatches (empty when every transfer matches)."""
     bad: list[str] = []
-    for src, items in sorted(program.by_src.items()):
+    for src, items in program.by_origin():
         for it in items:
             if it.index not in expected:
                 bad.append(f"transfer {it.index} ({it.transfer.dst_tensor!r} from trainer rank {src}): no sender checksum")

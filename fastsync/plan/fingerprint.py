@@ -73,10 +73,15 @@ def engine_fingerprint(layout: EngineLayout) -> str:
 
     replica = ",".join(f"{q[str(r)]}:{v}" for r, v in sorted((str(r), v) for r, v in layout.replica_of.items()))
     ranks = sorted((str(r), ts) for r, ts in layout.tensors.items())
-    tensors = ",".join(
-        q[r] + ":{" + ",".join(tensor(n, t) for n, t in sorted(ts.items(), key=lambda x: x[0])) + "}"
-        for r, ts in ranks
-    )
+    per_dict: dict[int, str] = {}  # replicas share one dict of tensors: write its text once
+
+    def rank_text(ts: dict) -> str:
+        body = per_dict.get(id(ts))
+        if body is None:
+            body = per_dict[id(ts)] = ",".join(tensor(n, t) for n, t in sorted(ts.items(), key=lambda x: x[0]))
+        return body
+
+    tensors = ",".join(q[r] + ":{" + rank_text(ts) + "}" for r, ts in ranks)
     text = (f'{{"kind":{q[layout.kind]},"replica_of":{{{replica}}},"tensors":{{{tensors}}},'
             f'"world_size":{layout.world_size}}}')
     return _digest(text)
@@ -92,7 +97,12 @@ def plan_hash(plan: Plan) -> str:
         f"{q[t.transform]},{t.nbytes},{flag[bool(t.gathered)]}]"
         for t in plan.transfers
     ])
-    text = (f'{{"engine_hash":{q[plan.engine_hash]},"gathers":{{{gathers}}},"num_receivers":{plan.num_receivers},'
+    fan = ""
+    if plan.fanout is not None:  # replicas fed by trainers or relayed: part of the plan's identity
+        f = plan.fanout
+        fan = (f'"fanout":[{f.replica_size},{f.replicas},[{",".join(map(str, f.parents))}],'
+               f'[{",".join(map(str, f.direct))}]],')
+    text = (f'{{"engine_hash":{q[plan.engine_hash]},{fan}"gathers":{{{gathers}}},"num_receivers":{plan.num_receivers},'
             f'"num_trainers":{plan.num_trainers},"trainer_hash":{q[plan.trainer_hash]},'
             f'"transfers":[{transfers}],"version":1}}')
     return _digest(text)

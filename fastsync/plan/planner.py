@@ -35,6 +35,8 @@ from fastsync.layout.box import Box, box_numel, box_shape, squeeze_shape
 from fastsync.layout.types import DTYPE_BYTES, FP8_BLOCK, EngineLayout, EngineTensor, ParamSpec, Piece, TrainerLayout
 from fastsync.plan.fingerprint import engine_fingerprint, trainer_fingerprint
 from fastsync.plan.index import ShardIndex, build_index, map_sub_box, scale_space
+from fastsync.plan.relay import FANOUT_MODES, choose_fanout
+from fastsync.plan.replicate import first_replica, replica_structure
 from fastsync.plan.types import Plan, Transfer
 
 __all__ = ["build_plan", "transform_kind", "validate_inputs"]
@@ -135,8 +137,13 @@ def validate_inputs(params: Mapping[str, ParamSpec], trainer: TrainerLayout, eng
     # Replicas (and TP ranks holding replicated tensors) repeat equal tensors: check each
     # distinct one once, on the first rank holding it, with the layout's own validate().
     distinct: dict[tuple[str, EngineTensor], int] = {}
+    seen: set[int] = set()  # replicas share one dict of tensors: look at it once
     for rank in sorted(engine.tensors):
-        for tname, t in engine.tensors[rank].items():
+        ts = engine.tensors[rank]
+        if id(ts) in seen:
+            continue
+        seen.add(id(ts))
+        for tname, t in ts.items():
             distinct.setdefault((tname, t), rank)
     reduced: dict[int, dict[str, EngineTensor]] = {}
     for (tname, t), rank in distinct.items():
@@ -257,6 +264,7 @@ def build_plan(
     min_transfer_bytes: int = 64 << 10,
     coalesce_min_parts: int = 8,
     allow_unread: bool | Collection[str] = False,
+    fanout: str = "off",
 ) -> Plan:
     """Compute the static schedule. See the module docstring for the order of work.
 
@@ -270,11 +278,23 @@ def build_plan(
     skipped) unless this is True or names it (e.g. ``{"lm_head.weight"}`` when the engine ties
     it to the embedding); unread parameters are listed in ``plan.meta["unread_params"]``.
 
+    ``fanout``: ``off`` plans every engine rank. Otherwise, when the engine is ``R`` identical
+    replicas (``plan/replicate.py``), only the first is planned and ``plan.fanout`` says how the
+    others get its transfers (``plan/relay.py``): ``direct`` (all from trainer ranks), ``auto``
+    (direct, relayed by engine ranks, or a mix, from the cost model) or ``chain`` (every byte leaves
+    its trainer rank once). Planning cost is then flat in ``R``.
+
     Raises LayoutError/PlanError before anything is planned.
     """
     if max_transfer_bytes is not None and max_transfer_bytes <= 0:
         raise PlanError(f"max_transfer_bytes must be positive, got {max_transfer_bytes}")
+    if fanout not in FANOUT_MODES:
+        raise PlanError(f"fanout must be one of {FANOUT_MODES}, got {fanout!r}")
     validate_inputs(params, trainer, engine)
+    full = engine
+    structure = replica_structure(engine) if fanout != "off" else None
+    if structure is not None:
+        engine = first_replica(engine, structure[0])
 
     # Group the engine's pieces by the parameter they read, in a fixed order.
     by_param: dict[str, list[tuple[int, str, str, object]]] = {name: [] for name in params}
@@ -353,9 +373,35 @@ def build_plan(
         "unread_params": unread,
         "gather_sources": _gather_sources(gathers, indices, params),
         "model_bytes": sum(p.nbytes for p in params.values()),
+        "owner_unique_bytes": _owner_unique_bytes(by_param, indices, params, trainer.world_size),
     }
-    return Plan(transfers, gathers, trainer_fingerprint(trainer), engine_fingerprint(engine), trainer.world_size,
-                engine.world_size, meta)
+    fan = None
+    if structure is not None:
+        fan = choose_fanout(transfers, trainer.world_size, structure[0], structure[1], fanout)
+        meta["fanout_mode"] = fanout
+    return Plan(transfers, gathers, trainer_fingerprint(trainer), engine_fingerprint(full), trainer.world_size,
+                full.world_size, meta, fan)
+
+
+def _owner_unique_bytes(by_param: Mapping[str, list], indices: dict[str, ShardIndex],
+                        params: Mapping[str, ParamSpec], world: int) -> list[int]:
+    """Bytes each trainer rank must send at least once under any schedule: the elements of
+    parameters the engine reads that only it holds, in the narrowest dtype an engine tensor takes
+    them in (an owner may cast or quantise before sending). The physical lower bound's sender side."""
+    out = [0] * world
+    per_index: dict[int, list[tuple[int, int]]] = {}  # builders share shard boxes between parameters
+    for name, idx in indices.items():
+        readers = by_param.get(name)
+        if not readers:
+            continue
+        elem = min(DTYPE_BYTES[dtype] for _, _, dtype, _ in readers)
+        owned = per_index.get(id(idx.boxes))
+        if owned is None:
+            owned = per_index[id(idx.boxes)] = [(holders[0], box_numel(box))
+                                                for box, holders in zip(idx.boxes, idx.holders) if len(holders) == 1]
+        for rank, numel in owned:
+            out[rank] += numel * elem
+    return out
 
 
 def _assign(load: list[int], choosable: list[tuple[_Pending, tuple[int, ...]]], gathered: dict[str, list[_Pending]],

@@ -20,8 +20,18 @@ The model (one fluid, pipelined all-to-all; every assumption stated):
   ``per_transfer_s`` (the first write, pipeline fill) and one ``sync_overhead_s`` (start signal +
   completion notification, default 50 us) are added once.
 
+* Relays (``Plan.fanout``, ``plan/relay.py``): an engine rank forwarding copies to the next replica
+  uses its NIC's egress (its port is max(in, out)). A relayed transfer cannot leave before it
+  arrived: each hop of the deepest chain adds the largest relayed transfer's time plus
+  ``per_transfer_s`` (store-and-forward per transfer, pipelined across transfers).
+
 ``predicted = max(busiest NIC port or posting-bound sender, owner gather->send chain,
-intra-node gather time) + per_transfer_s + sync_overhead_s``.
+intra-node gather time) + relay hops + per_transfer_s + sync_overhead_s``.
+
+Bounds, all at raw line rate: ``lower_bound`` is this plan's busiest port; ``direct_bound`` the
+busiest port when every replica is written straight from trainer ranks (the scheme without relays);
+``physical_bound`` the busiest NIC under any schedule: the most bytes an engine rank must receive,
+or an owner must send at least once (``meta['owner_unique_bytes']``: what only it holds).
 """
 
 from __future__ import annotations
@@ -60,6 +70,12 @@ class SimResult:
     send_balance: float
     recv_balance: float
     bottleneck: str
+    physical_bound_seconds: float = 0.0
+    direct_bound_seconds: float = 0.0
+    relay_seconds: float = 0.0
+    relayed_bytes: int = 0
+    max_relay_send_bytes: int = 0
+    relay_hops: int = 0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -98,10 +114,32 @@ def simulate(
     n_tr = plan.num_trainers
     posts = [0] * n_tr
     gathered_send = [0] * n_tr
-    for t in plan.transfers:
-        posts[t.src_rank] += 1
+    f = plan.fanout
+    roots = sum(1 for p in f.parents if p < 0) if f else 1
+    always = set(f.direct) if f else set()
+    reps = f.replicas if f else 1
+    relay_out = [0] * plan.num_receivers  # bytes each engine rank forwards
+    biggest_relayed = 0
+    for i, t in enumerate(plan.transfers):
+        copies = reps if i in always else roots
+        posts[t.src_rank] += copies
         if t.gathered:
-            gathered_send[t.src_rank] += t.nbytes
+            gathered_send[t.src_rank] += t.nbytes * copies
+        if copies < reps:
+            relay_out[t.dst_rank] += t.nbytes  # per child replica, spread below
+            biggest_relayed = max(biggest_relayed, t.nbytes)
+    hops = 0
+    if f is not None and biggest_relayed:
+        e = f.replica_size
+        base_out = relay_out[:e]
+        children = [0] * f.replicas
+        for k, par in enumerate(f.parents):
+            if par >= 0:
+                children[par] += 1
+        relay_out = [base_out[r % e] * children[r // e] for r in range(plan.num_receivers)]
+        hops = max(f.depth(k) for k in range(f.replicas))
+    else:
+        relay_out = [0] * plan.num_receivers
 
     out_nic = list(send)
     in_nic = [0] * n_tr
@@ -118,7 +156,8 @@ def simulate(
                 in_nic[owner] += nbytes
 
     port = [(max(out_nic[r], in_nic[r]) / bw, f"trainer rank {r} NIC") for r in range(n_tr)]
-    port += [(recv[r] / bw, f"inference rank {r} NIC in") for r in range(plan.num_receivers)]
+    port += [(max(recv[r], relay_out[r]) / bw, f"engine rank {r} NIC" + (" in" if recv[r] >= relay_out[r] else " out"))
+             for r in range(plan.num_receivers)]
     nic_s, bottleneck = max(port, key=lambda x: x[0]) if port else (0.0, "none")
     posting_s = max(posts, default=0) * per_transfer_s
     if posting_s > nic_s:
@@ -133,7 +172,8 @@ def simulate(
         bottleneck = "owner gather then send"
     elif gather_s > nic_s:
         bottleneck = "intra-node gathers"
-    predicted = max(nic_s, gather_s, chain_s) + per_transfer_s + sync_overhead_s
+    relay_s = hops * (biggest_relayed / bw + per_transfer_s)
+    predicted = max(nic_s, gather_s, chain_s) + relay_s + per_transfer_s + sync_overhead_s
     if on_event is not None:
         from fastsync.plan.timeline import emit_timeline
 
@@ -143,9 +183,15 @@ def simulate(
 
     smax, smean, sbal = _balance(send)
     rmax, rmean, rbal = _balance(recv)
-    lower = max(smax, rmax) / line
+    lower = max(smax, rmax, max(relay_out, default=0)) / line
+    direct_send = [0] * n_tr
+    for t in plan.transfers:
+        direct_send[t.src_rank] += t.nbytes * reps
+    direct = max(max(direct_send, default=0), rmax) / line
+    physical = max(max(plan.meta.get("owner_unique_bytes") or [0]), rmax) / line
+    relayed = sum(relay_out)
     return SimResult(predicted, lower, nic_s, max(gather_s, chain_s), posting_s, smax, rmax, smean, rmean, sbal, rbal,
-                     bottleneck)
+                     bottleneck, physical, direct, relay_s, relayed, max(relay_out, default=0), hops)
 
 
 @dataclass(frozen=True, slots=True)

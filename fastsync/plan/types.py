@@ -15,7 +15,7 @@ from fastsync.errors import PlanError
 from fastsync.layout.box import Box
 from fastsync.layout.types import fingerprint
 
-__all__ = ["Transfer", "Plan"]
+__all__ = ["Transfer", "Fanout", "Plan"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,9 +40,57 @@ class Transfer:
     gathered: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class Fanout:
+    """How ``replicas`` identical engines of ``replica_size`` ranks each get the transfers planned
+    for the first one (``Plan.transfers``, engine ranks ``0..replica_size-1``).
+
+    Copy ``(i, k)`` of transfer ``i`` lands on engine rank ``dst_rank + k * replica_size``. It is
+    written by the transfer's trainer rank when ``parents[k] == -1`` or ``i`` is in ``direct``;
+    otherwise engine rank ``dst_rank + parents[k] * replica_size`` relays it (a WRITE from its own
+    memory, after copy ``(i, parents[k])`` landed there). ``parents`` form a forest rooted at
+    replicas fed by trainers; see ``plan/replicate.py`` (expansion) and ``plan/relay.py`` (choice).
+    """
+
+    replica_size: int
+    replicas: int
+    parents: tuple[int, ...]
+    direct: tuple[int, ...] = ()  # sorted transfer indices sent straight to every replica
+
+    def __post_init__(self) -> None:
+        # a parent precedes its child: no cycles, so relays always start at a trainer-fed replica
+        if self.replica_size < 1 or self.replicas < 1 or len(self.parents) != self.replicas:
+            raise PlanError(f"fanout: {self.replicas} replicas of {self.replica_size} ranks with "
+                            f"{len(self.parents)} parents")
+        bad = [k for k, p in enumerate(self.parents) if not -1 <= p < k]
+        if bad:
+            raise PlanError(f"fanout: replica {bad[0]} has parent {self.parents[bad[0]]}; a parent must be -1 "
+                            "(fed by trainer ranks) or an earlier replica")
+        if any(b <= a for a, b in zip(self.direct, self.direct[1:])) or (self.direct and self.direct[0] < 0):
+            raise PlanError("fanout: direct transfer indices must be sorted, distinct and non-negative")
+
+    @property
+    def relays(self) -> bool:
+        """Some replica is fed by another (unless every transfer is in ``direct``)."""
+        return any(p >= 0 for p in self.parents)
+
+    def depth(self, k: int) -> int:
+        d = 0
+        while self.parents[k] >= 0:
+            k, d = self.parents[k], d + 1
+        return d
+
+    def to_json(self) -> list:
+        return [self.replica_size, self.replicas, list(self.parents), list(self.direct)]
+
+
 @dataclass(slots=True)
 class Plan:
-    """The whole schedule, serialisable, bound to the two layouts by their fingerprints."""
+    """The whole schedule, serialisable, bound to the two layouts by their fingerprints.
+
+    With ``fanout`` set, ``transfers`` are those of the first engine replica only and ``fanout``
+    says how every other replica gets them (straight from trainer ranks or relayed by engine
+    ranks); the views below count every copy. ``plan/replicate.py`` expands such a plan."""
 
     transfers: list[Transfer]
     gathers: dict[str, int]
@@ -51,39 +99,68 @@ class Plan:
     num_trainers: int
     num_receivers: int
     meta: dict = field(default_factory=dict)
+    fanout: Fanout | None = None
 
-    # ---- views -------------------------------------------------------------------------
+    @property
+    def has_relays(self) -> bool:
+        """Some copy is written by an engine rank rather than a trainer rank."""
+        f = self.fanout
+        return f is not None and f.relays and len(f.direct) < len(self.transfers)
+
+    # ---- views (every copy counted; relayed copies are not trainer sends) -------------------
+    def _copies(self) -> tuple[int, int, set[int]]:
+        """(replicas fed by trainers, replicas, indices sent to every replica directly)."""
+        f = self.fanout
+        if f is None:
+            return 1, 1, set()
+        return sum(1 for p in f.parents if p < 0), f.replicas, set(f.direct)
+
     def by_sender(self) -> dict[int, list[Transfer]]:
+        """Trainer sends, every direct copy included (rank-offset destinations)."""
+        from fastsync.plan.replicate import expand
+
         out: dict[int, list[Transfer]] = defaultdict(list)
-        for t in self.transfers:
+        for t in (expand(self)[0] if self.fanout else self.transfers):
             out[t.src_rank].append(t)
         return dict(out)
 
     def by_receiver(self) -> dict[int, list[Transfer]]:
+        """Writes each engine rank expects from trainer ranks (relayed copies not included)."""
+        from fastsync.plan.replicate import expand
+
         out: dict[int, list[Transfer]] = defaultdict(list)
-        for t in self.transfers:
+        for t in (expand(self)[0] if self.fanout else self.transfers):
             out[t.dst_rank].append(t)
         return dict(out)
 
     def send_bytes(self) -> list[int]:
+        """Bytes each trainer rank sends (every direct copy)."""
+        roots, reps, direct = self._copies()
         out = [0] * self.num_trainers
-        for t in self.transfers:
-            out[t.src_rank] += t.nbytes
+        for i, t in enumerate(self.transfers):
+            out[t.src_rank] += t.nbytes * (reps if i in direct else roots)
         return out
 
     def recv_bytes(self) -> list[int]:
+        """Bytes each engine rank receives, relayed or direct."""
         out = [0] * self.num_receivers
         for t in self.transfers:
             out[t.dst_rank] += t.nbytes
+        f = self.fanout
+        if f is not None:
+            e = f.replica_size
+            for k in range(1, f.replicas):
+                out[k * e:(k + 1) * e] = out[:e]
         return out
 
     @property
     def bytes_total(self) -> int:
-        return sum(t.nbytes for t in self.transfers)
+        n = sum(t.nbytes for t in self.transfers)
+        return n * (self.fanout.replicas if self.fanout else 1)
 
     # ---- identity ----------------------------------------------------------------------
     def to_json(self) -> dict:
-        return {
+        out = {
             "version": 1,
             "trainer_hash": self.trainer_hash,
             "engine_hash": self.engine_hash,
@@ -97,6 +174,9 @@ class Plan:
                 for t in self.transfers
             ],
         }
+        if self.fanout is not None:
+            out["fanout"] = self.fanout.to_json()
+        return out
 
     @property
     def plan_hash(self) -> str:
@@ -115,8 +195,12 @@ class Plan:
                 Transfer(s, r, tn, tuple(tuple(b) for b in db), sp, tuple(tuple(b) for b in sb), tf, nb, g)
                 for s, r, tn, db, sp, sb, tf, nb, g in d["transfers"]
             ]
+            fan = None
+            if d.get("fanout") is not None:
+                size, reps, parents, direct = d["fanout"]
+                fan = Fanout(int(size), int(reps), tuple(int(p) for p in parents), tuple(int(i) for i in direct))
             return cls(transfers, dict(d["gathers"]), d["trainer_hash"], d["engine_hash"],
-                       d["num_trainers"], d["num_receivers"], d.get("meta", {}))
+                       d["num_trainers"], d["num_receivers"], d.get("meta", {}), fan)
         except (KeyError, ValueError, TypeError) as e:
             raise PlanError(f"not a serialised fastsync plan: {e}") from e
 

@@ -198,6 +198,11 @@ class WeightReceiver:
         m.end = time.time()
         m.bytes_per_link = {f"t{s}->r{self.rank}": sum(i.transfer.nbytes for i in items)
                             for s, items in self.program.by_src.items()}
+        relay = self.program.relay
+        if relay is not None:  # engine -> engine links: what this rank forwarded to each child replica
+            for child, units in relay.children.items():
+                m.bytes_per_link[f"r{self.rank}->r{child}"] = sum(
+                    it.transfer.nbytes for items in units.values() for it in items)
         self.control.set(flipped_key(self.rank, version), b"ok")
         self.last_metrics = m
         plugins.hook().fastsync_after_sync(version=version, role="engine", rank=self.rank, metrics=m.to_json(), ok=True)
@@ -270,7 +275,8 @@ class WeightReceiver:
 
     def _missing_message(self, version: int) -> str:
         missing = self.transport.missing()
-        parts = [f"trainer rank {s}: {what} (tensors {self._names(s)})" for s, what in sorted(missing.items())]
+        parts = [f"trainer rank {s}: {what} (tensors {self._names(s)})" if isinstance(s, int) else f"{s}: {what}"
+                 for s, what in sorted(missing.items(), key=lambda kv: (isinstance(kv[0], str), str(kv[0])))]
         return (f"engine rank {self.rank}: version {version} incomplete, keeping version {self.version}; "
                 + ("; ".join(parts) if parts else "transport reported incomplete delivery"))
 

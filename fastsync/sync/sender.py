@@ -37,6 +37,7 @@ from fastsync.executor.program import SendProgram, TensorInfo, compile_send
 from fastsync.executor.staging import alloc_touched, dtype_name
 from fastsync.layout.limits import check_bytes, check_count, check_seconds
 from fastsync.layout.types import Shard, TrainerLayout
+from fastsync.plan.replicate import sender_copies
 from fastsync.plan.types import Plan
 from fastsync.transport.base import SenderContext, Transport, World
 
@@ -106,7 +107,7 @@ class WeightSender:
         self.min_direct_run_bytes = min_direct_run_bytes
         self.timeout_s = timeout_s
         self.world = World(plan.num_trainers, plan.num_receivers)
-        self.dsts = sorted({t.dst_rank for t in plan.transfers if t.src_rank == rank})
+        self.dsts = sorted({t.dst_rank for _, t in sender_copies(plan, rank)})  # fanout copies included
         self.program: SendProgram | None = None
         self.versions = Versions(f"trainer rank {rank}")
         self.last_metrics: SyncMetrics | None = None

@@ -17,6 +17,7 @@ from fastsync.errors import PlanError
 from fastsync.executor.transforms import apply_transform, to_torch_dtype
 from fastsync.layout.box import Box, box_numel, box_shape, box_slices
 from fastsync.layout.types import EngineLayout, Shard, TrainerLayout
+from fastsync.plan.replicate import expand
 from fastsync.plan.types import Plan
 
 __all__ = [
@@ -122,7 +123,8 @@ def execute_plan_locally(
         for sh in shards:
             shards_of.setdefault((sh.rank, name), []).append(sh)
     full = {name: gather_full(name, trainer, trainer_locals) for name in plan.gathers}
-    for t in plan.transfers:
+    direct, relays = expand(plan)
+    for t in direct:
         if t.gathered:
             if plan.gathers.get(t.src_param) != t.src_rank:
                 raise PlanError(f"transfer of {t.src_param!r} marked gathered but rank {t.src_rank} is not its owner")
@@ -138,6 +140,10 @@ def execute_plan_locally(
             raise PlanError(f"transfer {t.src_param!r}{list(t.src_box)} -> rank {t.dst_rank} {t.dst_tensor!r}: "
                             f"{val.numel()} elements produced for box {t.dst_box}")
         _write(dst, t.dst_box, val)
+    # relays after every direct write, hop by hop: a relay copies what landed on its source rank
+    for r in sorted(relays, key=lambda r: r.hop):
+        box = box_slices(r.transfer.dst_box)
+        out[r.dst_rank][r.transfer.dst_tensor][box] = out[r.src_rank][r.transfer.dst_tensor][box]
     return out
 
 
@@ -158,6 +164,7 @@ def write_counts(plan: Plan, engine: EngineLayout) -> dict[int, dict[str, torch.
         rank: {n: torch.zeros(t.shape, dtype=torch.int32) for n, t in tensors.items()}
         for rank, tensors in engine.tensors.items()
     }
-    for t in plan.transfers:
+    direct, relays = expand(plan)
+    for t in direct + [r.transfer for r in relays]:
         counts[t.dst_rank][t.dst_tensor][box_slices(t.dst_box)] += 1
     return counts

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import torch
 
 from fastsync.control import ControlPlane
-from fastsync.errors import TransportError
+from fastsync.errors import ConfigError, TransportError
 from fastsync.executor.metrics import SyncMetrics
 from fastsync.executor.pack import Packer
 from fastsync.executor.program import RecvProgram, SendProgram
@@ -81,6 +81,10 @@ class Transport(ABC):
     name: ClassVar[str] = "?"
     #: False for transports that never read the sender's staging slots (no arena is allocated).
     uses_staging: ClassVar[bool] = True
+    #: Plans whose identical replicas are planned once (``Plan.fanout``): can this transport run
+    #: them (``fanout``), and can its engine ranks relay copies to other engine ranks (``relays``)?
+    fanout: ClassVar[bool] = True
+    relays: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.sender: SenderContext | None = None
@@ -91,6 +95,7 @@ class Transport(ABC):
     def setup_sender(self, ctx: SenderContext) -> None:
         if self.sender is not None or self.receiver is not None:
             raise TransportError(f"transport {self.name!r}: already set up in this instance; make one per role")
+        self._check_plan(ctx.plan, f"trainer rank {ctx.rank}")
         self.sender = ctx
         self._setup_sender(ctx)
 
@@ -110,13 +115,14 @@ class Transport(ABC):
         self._send(version, deadline, metrics, crcs, on_chunk)
 
     def checksum_ranks(self, program: RecvProgram) -> list[int]:
-        """Trainer ranks whose published checksums cover what this receiver gets."""
-        return sorted(program.by_src)
+        """Trainer ranks whose published checksums cover what this receiver gets (relayed too)."""
+        return sorted({s for s, _ in program.by_origin()})
 
     # ---- receiver -----------------------------------------------------------------------
     def setup_receiver(self, ctx: ReceiverContext) -> None:
         if self.sender is not None or self.receiver is not None:
             raise TransportError(f"transport {self.name!r}: already set up in this instance; make one per role")
+        self._check_plan(ctx.plan, f"engine rank {ctx.rank}")
         self.receiver = ctx
         self._setup_receiver(ctx)
 
@@ -151,6 +157,16 @@ class Transport(ABC):
 
     def close(self) -> None:
         self._close()
+
+    def _check_plan(self, plan: Plan, who: str) -> None:
+        """Refuse, before any byte moves, a plan shape this transport cannot execute."""
+        if plan.fanout is not None and not self.fanout:
+            raise ConfigError(f"{who}: transport {self.name!r} cannot run a plan whose replicas are planned once "
+                              "(Plan.fanout); build the plan with fanout='off'")
+        if plan.has_relays and not self.relays:
+            raise ConfigError(f"{who}: transport {self.name!r} cannot relay between engine ranks; the plan relays "
+                              f"{plan.fanout.replicas - sum(p < 0 for p in plan.fanout.parents)} replica(s): "
+                              "use transport 'nixl' or build the plan with fanout='direct'")
 
     # ---- backend ------------------------------------------------------------------------
     @abstractmethod

@@ -43,6 +43,7 @@ from fastsync.executor.program import Chunk
 from fastsync.executor.staging import wait_device
 from fastsync.security import check_mac, derive_key, mac, net_devices
 from fastsync.transport.base import ReceiverContext, SenderContext, Transport
+from fastsync.transport.nixl_relay import NixlRelay, batches_key
 
 try:
     from nixl._api import nixl_agent, nixl_agent_config
@@ -74,6 +75,7 @@ class NixlTransport(Transport):
     """
 
     name = "nixl"
+    relays = True
 
     def __init__(self, backends: tuple[str, ...] = ("UCX",), progress_thread: bool = False,
                  poll_sleep_s: float = 0.001, overlap: bool = True, net_devices: str | None = None) -> None:
@@ -99,6 +101,7 @@ class NixlTransport(Transport):
         self._control = None
         self._senders: dict[int, dict] = {}  # receiver: src rank -> {"agent", "posts", "bytes"} from set-up
         self.refused: Counter[str] = Counter()  # receiver: notifications refused, by reason
+        self._relay: NixlRelay | None = None
 
     def _new_agent(self, role: str, rank: int, control: object) -> None:
         secret = getattr(control, "secret", None)
@@ -146,6 +149,10 @@ class NixlTransport(Transport):
             addrs[name] = [region.data_ptr(), region.numel(), mem, dev]
         ctx.control.set(f"nixl/recv/{ctx.rank}/addrs", json.dumps(addrs))
         ctx.control.set(f"nixl/recv/{ctx.rank}/meta", self.agent.get_agent_metadata())
+        if ctx.program.relay is not None:  # this engine rank forwards to, or is fed by, other engine ranks
+            self._relay = NixlRelay(self.agent, ctx, ctx.program.relay, _mem, key=self._key,
+                                    agent_name=self.agent_name, refuse=self._refuse)
+            self._relay.setup()
 
     def _begin_receive(self, version: int) -> None:
         assert self.receiver is not None
@@ -153,6 +160,9 @@ class NixlTransport(Transport):
         self._load_senders()
         self._expect = {src: (self._senders[src]["posts"] if src in self._senders else None)
                         for src in self.receiver.program.by_src}
+
+        if self._relay is not None:
+            self._relay.begin(version)
 
     def _load_senders(self) -> None:
         """What each sender of this receiver's plan published at set-up (agent name, batch and
@@ -187,6 +197,8 @@ class NixlTransport(Transport):
         for agent, msgs in notifs.items():
             for msg in msgs:
                 parts = msg.decode(errors="replace").split("|")
+                if self._relay is not None and self._relay.on_message(agent, parts, msg):
+                    continue
                 try:
                     if len(parts) != 6 or parts[0] != "fs":
                         raise ValueError
@@ -219,18 +231,27 @@ class NixlTransport(Transport):
                     continue
                 self._got[src].add(k)
         done = all(n is not None and len(self._got[s]) >= n for s, n in self._expect.items())
+        if self._relay is not None:
+            self._relay.pump(lambda src: self._got.get(src, ()))
+            done = done and self._relay.incoming_done() and self._relay.forwards_done()
         if not done and self.poll_sleep_s:
             time.sleep(self.poll_sleep_s)
         return done
 
-    def _missing(self) -> dict[int, str]:
-        out = {}
+    def _missing(self) -> dict[int | str, str]:
+        out: dict[int | str, str] = {}
         for s, n in self._expect.items():
             if n is None:
                 out[s] = "no write completed"
             elif len(self._got[s]) < n:
                 out[s] = f"{n - len(self._got[s])} of {n} write batches missing"
+        if self._relay is not None:
+            out.update(self._relay.missing())
         return out
+
+    def _end_receive(self) -> None:
+        if self._relay is not None:  # no relay may still read this rank's memory once the version closes
+            self._relay.quiesce(time.monotonic() + 5.0)
 
     # ---- sender -------------------------------------------------------------------------
     def _setup_sender(self, ctx: SenderContext) -> None:
@@ -250,6 +271,7 @@ class NixlTransport(Transport):
             except Exception as e:
                 raise TransportError(f"nixl: trainer rank {ctx.rank} cannot add inference rank {d}'s agent: {e}") from e
         counts: dict[int, int] = {}
+        batches: dict[int, list[list[int]]] = {}  # dst -> write batch k -> flat transfer indices in it
         for c in prog.chunks:
             local: dict[int, list] = {}
             remote: dict[int, list] = {}
@@ -278,12 +300,16 @@ class NixlTransport(Transport):
                     ) from e
                 entries.append((d, h, counts.get(d, 0)))
                 counts[d] = counts.get(d, 0) + 1
+                batches.setdefault(d, []).append(sorted({it.index for it in c.items if it.transfer.dst_rank == d}))
             self._handles[c.index] = entries
         self._num_posts = counts
         sent = prog.bytes_per_dst()
         for d in dsts:  # what the receivers check every notification against
             ctx.control.set(f"nixl/send/{ctx.rank}/to/{d}", json.dumps(
                 {"agent": self.agent_name, "posts": counts.get(d, 0), "bytes": sent.get(d, 0)}))
+        if ctx.plan.has_relays:  # relaying engine ranks forward batch by batch: say which transfers each holds
+            for d, rows in batches.items():
+                ctx.control.set(batches_key(ctx.rank, d), json.dumps(rows))
         for d in dsts:
             try:
                 self.agent.make_connection(self._remote[d])
@@ -353,6 +379,9 @@ class NixlTransport(Transport):
     def _close(self) -> None:
         if self.agent is None:
             return
+        if self._relay is not None:
+            self._relay.close()
+            self._relay = None
         for entries in self._handles.values():
             for _, h, _ in entries:
                 try:

@@ -51,6 +51,7 @@ class Rank0Transport(Transport):
 
     name = "rank0"
     uses_staging = False
+    fanout = False  # reads plan.transfers as every engine rank's writes
 
     def __init__(self, bucket_bytes: int = 256 << 20, backend: str = "gloo") -> None:
         super().__init__()

@@ -26,6 +26,7 @@ from fastsync.errors import LayoutError, PlanError
 from fastsync.testing.local import execute_plan_locally, reference_engine_tensors, split_full_params, write_counts
 from fastsync.layout.box import box_numel
 from fastsync.layout.types import TrainerLayout
+from fastsync.plan.fingerprint import plan_hash
 from fastsync.plan.planner import build_plan
 from fastsync.testing.synthetic import ModelDims, engine_layout, fsdp_layout, megatron_layout, small_model, zero3_layout
 from fastsync.plan.types import Plan
@@ -66,6 +67,11 @@ def scenarios(draw: st.DrawFn) -> tuple:
                            expert_parallel=ep)
     max_bytes = draw(st.sampled_from([None, None, 512, 4096, 65536]))
     return dims, params, trainer, engine, max_bytes
+
+
+@st.composite
+def fanout_scenarios(draw: st.DrawFn) -> tuple:
+    return draw(scenarios()) + (draw(st.sampled_from(["off", "direct", "auto", "chain"])),)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -128,11 +134,13 @@ def balance_allowed(plan: Plan, trainer: TrainerLayout) -> bool:
 
 
 @SETTINGS
-@given(scenarios())
+@given(fanout_scenarios())
 def test_plan_writes_every_element_once_and_reproduces_reference(scn: tuple) -> None:
-    dims, params, trainer, engine, max_bytes = scn
-    plan = build_plan(params, trainer, engine, max_transfer_bytes=max_bytes)
-    event(f"trainer {trainer.kind}, gathers: {bool(plan.gathers)}")
+    """Also with replicas planned once and fed directly, relayed (chain) or as the cost model picks:
+    relayed copies count as writes, the oracle runs relays hop by hop after the direct writes."""
+    dims, params, trainer, engine, max_bytes, fanout = scn
+    plan = build_plan(params, trainer, engine, max_transfer_bytes=max_bytes, fanout=fanout)
+    event(f"trainer {trainer.kind}, gathers: {bool(plan.gathers)}, fanout {fanout}, relays {plan.has_relays}")
 
     counts = write_counts(plan, engine)
     for rank, tensors in counts.items():
@@ -155,11 +163,12 @@ def test_plan_writes_every_element_once_and_reproduces_reference(scn: tuple) -> 
             assert a.dtype == b.dtype
             assert torch.equal(_bits(a), _bits(b)), (rank, name)
 
-    again = build_plan(params, trainer, engine, max_transfer_bytes=max_bytes)
+    again = build_plan(params, trainer, engine, max_transfer_bytes=max_bytes, fanout=fanout)
     assert again.plan_hash == plan.plan_hash
     back = Plan.loads(plan.dumps())
-    assert back.transfers == plan.transfers and back.gathers == plan.gathers
+    assert back.transfers == plan.transfers and back.gathers == plan.gathers and back.fanout == plan.fanout
     assert back.plan_hash == plan.plan_hash
+    assert plan_hash(plan) == plan.plan_hash
 
 
 @SETTINGS

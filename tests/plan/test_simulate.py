@@ -25,7 +25,7 @@ def test_lower_bound_is_busiest_port_over_line_rate() -> None:
     res = simulate(_plan(ts, 2, 2), nic_gbps=8)  # 1e9 B/s
     assert res.lower_bound_seconds == pytest.approx(4_000_000 / 1e9)  # receiver 0 gets 4 MB
     assert res.max_send_bytes == 3_000_000 and res.max_recv_bytes == 4_000_000
-    assert res.bottleneck == "inference rank 0 NIC in"
+    assert res.bottleneck == "engine rank 0 NIC in"
     expected = 4_000_000 / (1e9 * 0.95) + 2e-6 + 50e-6  # bandwidth-bound, plus first write and fence
     assert res.predicted_seconds == pytest.approx(expected)
     assert res.send_balance == pytest.approx(3_000_000 / 2_250_000)

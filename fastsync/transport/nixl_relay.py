@@ -1,0 +1,269 @@
+"""Engine-rank relays over NIXL: forward what landed to the same rank of the next replica.
+
+Used by :class:`~fastsync.transport.nixl.NixlTransport` on engine ranks whose receive program has
+a relay part (``executor/relay.py``). Units: each trainer rank publishes, per destination, which
+transfers each of its write batches carries (``nixl/send/{rank}/batches/{dst}``); every rank of a
+chain reads those of the chain's root rank and cuts its relayed transfers into the same units, one
+per (origin trainer rank, batch completing the transfer), so parent and child agree on them. Set-up
+prepares one WRITE per (child, unit) from this rank's registered landing regions to the child's,
+at the same byte offsets (replicas hold identical tensors). Per version:
+
+* the child announces it is armed (``nixl/recv/{child}/armed/{version}``) when it begins;
+* a unit is forwarded once it is complete here: every trainer batch its transfers touch arrived
+  (a trainer-fed rank), or the same unit arrived from upstream (a relayed rank). The notification
+  ``fr|version|rank|unit|n|mac`` follows the bytes, so forwarding pipelines with the trainers' writes;
+  the child counts it only from the agent its upstream rank announced on the authenticated control
+  plane, with a good MAC (job-secret key, as for trainer notifications) and the open version;
+* the child counts units from its upstream engine rank as it counts trainer batches; missing
+  units are reported as ``engine rank X (relay)``, so a dead relay fails the version by name;
+* this rank is complete when its own bytes landed and every forward it posted finished (or failed:
+  a dead child does not fail its parent; the child's own downstream ranks report it).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from fastsync.errors import TransportError
+from fastsync.security import check_mac, mac
+
+__all__ = ["NixlRelay", "armed_key", "batches_key", "relay_key"]
+
+
+def armed_key(rank: int, version: int) -> str:
+    return f"nixl/recv/{rank}/armed/{version}"
+
+
+def batches_key(trainer_rank: int, engine_rank: int) -> str:
+    return f"nixl/send/{trainer_rank}/batches/{engine_rank}"
+
+
+def relay_key(engine_rank: int, child: int) -> str:
+    return f"nixl/relay/{engine_rank}/to/{child}"
+
+
+class NixlRelay:
+    """Relay state of one engine rank; ``agent`` is the rank's NIXL agent (already registered)."""
+
+    def __init__(self, agent: Any, ctx: Any, prog: Any, mem_of: Callable[[Any], tuple[str, int]], *,
+                 key: bytes, agent_name: str, refuse: Callable[[str, str, bytes], None]) -> None:
+        self.agent, self.ctx, self.prog = agent, ctx, prog
+        self._mem_of = mem_of
+        self._key, self._agent_name, self._refuse = key, agent_name, refuse
+        self._upstream: dict | None = None  # what the upstream relay announced at set-up (agent, units)
+        # units: (origin trainer rank, trainer batches the unit waits for, {base transfer index})
+        self.units: list[tuple[int, frozenset[int], set[int]]] = []
+        self._handles: dict[tuple[int, int], Any] = {}  # (child, unit) -> prepared WRITE
+        self._remote: dict[int, str] = {}
+        self._version: int | None = None
+        self._got: set[int] = set()
+        self._expect: int | None = None
+        self._posted: dict[tuple[int, int], Any] = {}
+        self._armed: set[int] = set()
+        self.failed: dict[int, str] = {}
+        self.forwarded_bytes = 0
+
+    def _cut_units(self) -> None:
+        """Units of this chain, from the root rank's trainer batches (same on every rank of it)."""
+        ctx, prog = self.ctx, self.prog
+        n = prog.num_transfers
+        relayed: dict[int, set[int]] = {}
+        for items in [prog.incoming] + list(prog.children.values()):
+            for origin, its in items.items():
+                relayed.setdefault(origin, set()).update(it.index % n for it in its)
+        for origin in sorted(relayed):
+            raw = ctx.control.get(batches_key(origin, prog.root_rank), ctx.timeout_s,
+                                  what=f"trainer rank {origin} (write batches into engine rank {prog.root_rank})")
+            where: dict[int, list[int]] = {}
+            for k, flat in enumerate(json.loads(raw)):
+                for x in flat:
+                    where.setdefault(x % n, []).append(k)
+            by_last: dict[int, tuple[set[int], set[int]]] = {}
+            for i in sorted(relayed[origin]):
+                ks = where.get(i)
+                if not ks:
+                    raise TransportError(f"nixl: trainer rank {origin} writes no batch carrying transfer {i} into "
+                                         f"engine rank {prog.root_rank}, which engine rank {ctx.rank}'s chain relays")
+                deps, members = by_last.setdefault(max(ks), (set(), set()))
+                deps.update(ks)
+                members.add(i)
+            for _, (deps, members) in sorted(by_last.items()):
+                self.units.append((origin, frozenset(deps), members))
+
+    def setup(self) -> None:
+        ctx, regions = self.ctx, self.ctx.landing.regions
+        self._cut_units()
+        n = self.prog.num_transfers
+        for child, by_origin in sorted(self.prog.children.items()):
+            what = f"engine rank {child} (relay target of engine rank {ctx.rank})"
+            meta = ctx.control.get(f"nixl/recv/{child}/meta", ctx.timeout_s, what=what)
+            addrs = json.loads(ctx.control.get(f"nixl/recv/{child}/addrs", ctx.timeout_s, what=what))
+            # what the child checks every relay notification against (as receivers do for trainer ranks)
+            ctx.control.set(relay_key(ctx.rank, child), json.dumps({"agent": self._agent_name, "units": len(self.units)}))
+            try:
+                self._remote[child] = self.agent.add_remote_agent(meta)
+            except Exception as e:
+                raise TransportError(f"nixl: engine rank {ctx.rank} cannot add engine rank {child}'s agent: {e}") from e
+            for u, (origin, _, members) in enumerate(self.units):
+                local, remote = [], []
+                lmem = rmem = "DRAM"
+                for it in by_origin.get(origin, []):
+                    if it.index % n not in members:
+                        continue
+                    name = it.transfer.dst_tensor
+                    region = regions[name]
+                    lmem, ldev = self._mem_of(region)
+                    if name not in addrs:
+                        raise TransportError(f"nixl: engine rank {child} has no tensor {name!r} that engine rank "
+                                             f"{ctx.rank} must relay: replicas differ")
+                    base, size, rmem, rdev = addrs[name]
+                    for off, nb in it.dst_runs:
+                        if off + nb > size or off + nb > region.numel():
+                            raise TransportError(f"nixl: relay of {name!r} from engine rank {ctx.rank} to {child} "
+                                                 f"writes up to byte {off + nb}, the tensors hold {size}")
+                        local.append((region.data_ptr() + off, nb, ldev))
+                        remote.append((base + off, nb, rdev))
+                    self.forwarded_bytes += it.transfer.nbytes
+                if not local:
+                    raise TransportError(f"nixl: relay unit {u} of engine rank {ctx.rank} to {child} is empty")
+                ldesc = self.agent.get_xfer_descs(np.array(local, dtype=np.uint64), lmem)
+                rdesc = self.agent.get_xfer_descs(np.array(remote, dtype=np.uint64), rmem)
+                try:
+                    self._handles[(child, u)] = self.agent.initialize_xfer(
+                        "WRITE", ldesc, rdesc, self._remote[child], b"")
+                except Exception as e:
+                    raise TransportError(f"nixl: engine rank {ctx.rank} cannot prepare relays to engine rank "
+                                         f"{child}: {e}") from e
+
+    # ---- one version ----------------------------------------------------------------------
+    def begin(self, version: int) -> None:
+        self._version, self._got, self._expect = version, set(), None
+        self._posted, self._armed, self.failed = {}, set(), {}
+        self.ctx.control.set(armed_key(self.ctx.rank, version), b"1")
+
+    def on_message(self, agent: str, parts: list[str], raw: bytes) -> bool:
+        """Take a ``fr|version|src|unit|n|mac`` notification; True when it was a relay one (counted
+        only from the upstream rank's agent, with a good MAC, for the open version)."""
+        if not parts or parts[0] != "fr":
+            return False
+        try:
+            if len(parts) != 6:
+                raise ValueError
+            v, src, unit, n = (int(x) for x in parts[1:5])
+            tag = bytes.fromhex(parts[5])
+        except ValueError:
+            self._refuse("malformed relay notification", agent, raw)
+            return True
+        up = self.prog.upstream
+        if src != up:
+            self._refuse(f"engine rank {src} does not relay into this rank", agent, raw)
+            return True
+        if self._upstream is None or agent != self._upstream["agent"]:
+            got = self.ctx.control.try_get(relay_key(up, self.ctx.rank))
+            self._upstream = json.loads(got) if got is not None else None
+        if self._upstream is None or agent != self._upstream["agent"]:
+            self._refuse(f"not engine rank {up}'s agent", agent, raw)
+            return True
+        if not check_mac(self._key, tag, "fr", agent, str(self.ctx.rank), str(v), str(src), str(unit), str(n)):
+            self._refuse("bad MAC", agent, raw)
+            return True
+        if v != self._version:
+            self._refuse("relay notification of another version", agent, raw)
+            return True
+        if n != len(self.units) or n != int(self._upstream["units"]) or not 0 <= unit < n:
+            self._refuse(f"relay unit {unit} of {n}, this chain has {len(self.units)}", agent, raw)
+            return True
+        self._got.add(unit)
+        self._expect = n
+        return True
+
+    def pump(self, batches_landed: Callable[[int], Any]) -> None:
+        """Post every forward whose unit is complete here and whose child is armed.
+        ``batches_landed(origin)``: the write batches of that trainer rank that arrived here."""
+        v = self._version
+        total = len(self.units)
+        for (child, u), h in self._handles.items():
+            if (child, u) in self._posted or child in self.failed:
+                continue
+            if child not in self._armed:
+                if self.ctx.control.try_get(armed_key(child, v)) is None:
+                    continue
+                self._armed.add(child)
+            origin, deps, _ = self.units[u]
+            ready = u in self._got if self.prog.upstream is not None else deps <= set(batches_landed(origin))
+            if not ready:
+                continue
+            try:
+                tag = mac(self._key, "fr", self._agent_name, str(child), str(v), str(self.ctx.rank), str(u),
+                          str(total)).hex()
+                state = self.agent.transfer(h, f"fr|{v}|{self.ctx.rank}|{u}|{total}|{tag}".encode())
+            except Exception as e:  # e.g. the child's agent disconnected (a dead engine rank)
+                state, why = "ERR", f": {e}"
+            else:
+                why = ""
+            if state == "ERR":
+                self.failed[child] = f"posting relay unit {u} (trainer rank {origin}'s bytes) failed{why}"
+                continue
+            self._posted[(child, u)] = h
+
+    def incoming_done(self) -> bool:
+        return self.prog.upstream is None or (self._expect is not None and len(self._got) >= self._expect)
+
+    def forwards_done(self) -> bool:
+        """Every forward posted and finished (a failed one counts as finished, recorded in ``failed``)."""
+        for (child, u), h in self._posted.items():
+            if child in self.failed:
+                continue
+            try:
+                state = self.agent.check_xfer_state(h)
+            except Exception:
+                state = "ERR"
+            if state == "ERR":
+                self.failed[child] = f"relay unit {u} (trainer rank {self.units[u][0]}'s bytes) failed"
+            elif state != "DONE":
+                return False
+        want = {k for k in self._handles if k[0] not in self.failed}
+        return want <= set(self._posted)
+
+    def missing(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        up = self.prog.upstream
+        if up is not None and not self.incoming_done():
+            left = [u for u in range(len(self.units)) if u not in self._got]
+            origins = sorted({self.units[u][0] for u in left})
+            out[f"engine rank {up} (relay)"] = (f"{len(left)} of {len(self.units)} relayed units missing "
+                                                f"(bytes of trainer ranks {origins})")
+        for child in sorted(self.prog.children):
+            left = [u for (c, u) in self._handles if c == child and (c, u) not in self._posted]
+            if left and child not in self.failed:
+                out[f"relay to engine rank {child}"] = f"{len(left)} unit(s) not forwarded yet"
+        return out
+
+    def quiesce(self, deadline: float) -> None:
+        for h in self._posted.values():
+            while time.monotonic() < deadline:
+                try:
+                    if self.agent.check_xfer_state(h) != "PROC":
+                        break
+                except Exception:
+                    break
+                time.sleep(0.0005)
+
+    def close(self) -> None:
+        for h in self._handles.values():
+            try:
+                self.agent.release_xfer_handle(h)
+            except Exception:
+                pass
+        self._handles.clear()
+        for name in self._remote.values():
+            try:
+                self.agent.remove_remote_agent(name)
+            except Exception:
+                pass
+        self._remote.clear()
