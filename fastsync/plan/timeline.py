@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from fastsync.plan.replicate import expand
 from fastsync.plan.types import Plan
 
 __all__ = ["emit_timeline", "SimEventCallback"]
@@ -60,10 +61,13 @@ def emit_timeline(on_event: SimEventCallback, plan: Plan, *, bw: float, intra: f
     sends: list[list[tuple[str, int]]] = [[] for _ in range(plan.num_trainers)]
     gathered: list[list[tuple[str, int]]] = [[] for _ in range(plan.num_trainers)]
     recvs: list[list[tuple[str, int]]] = [[] for _ in range(plan.num_receivers)]
-    for t in plan.transfers:
+    direct, relays = expand(plan)  # every copy of a fan-out plan (replicas planned once)
+    for t in direct:
         label = f"{t.src_param} -> r{t.dst_rank}"
         (gathered if t.gathered else sends)[t.src_rank].append((label, t.nbytes))
         recvs[t.dst_rank].append((f"{t.dst_tensor} <- t{t.src_rank}", t.nbytes))
+    for r in relays:  # relayed copies arrive on the engine rank's NIC like direct ones
+        recvs[r.dst_rank].append((f"{r.transfer.dst_tensor} <- r{r.src_rank} (relay)", r.transfer.nbytes))
     for name, sources in plan.meta.get("gather_sources", {}).items():
         owner = plan.gathers[name]
         for src, nbytes in sources:

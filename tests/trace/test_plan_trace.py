@@ -25,7 +25,7 @@ CASES = {
                 "--nic-gbps", "3200"],
 }
 
-BOTTLENECK = {"bf16": "inference rank", "fp8-gathers": "inference rank", "gather-chain": "owner gather then send",
+BOTTLENECK = {"bf16": "engine rank", "fp8-gathers": "engine rank", "gather-chain": "owner gather then send",
               "posting": "posting on trainer rank"}
 
 
