@@ -87,6 +87,9 @@ def test_architecture_and_engine_name_map_come_from_hooks():
         inv = inventory_from_config({"model_type": "toy", "vocab_size": 51, "torch_dtype": "bfloat16"})
         assert inv.architecture == "ToyForCausalLM" and inv.params["embed.weight"].shape == (51, 37)
         assert plugins.architectures()["ToyForCausalLM"].plugin == "toy_arch"
+        from fastsync.cli.plugins_cmd import collect
+
+        assert collect()["registered"]["architectures"]["ToyForCausalLM"] == {"plugin": "toy_arch"}
         nm = get_name_map("ToyForCausalLM", inv.config, engine="toyengine")
         assert (nm.architecture, nm.engine) == ("ToyForCausalLM", "toyengine")
         with pytest.raises(LayoutError, match="'ToyForCausalLM' on engine 'vllm'"):

@@ -215,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
         ("transfers", f"{r['transfers']} ({r['gathers']} parameters gathered on {r['gather_owners']} owners){fan}"),
         ("send per trainer", f"max {_gb(r['max_send_bytes'])} / mean {_gb(r['mean_send_bytes'])} "
                              f"= {r['send_balance']:.2f}"),
-        ("recv per inference", f"max {_gb(r['max_recv_bytes'])} / mean {_gb(r['mean_recv_bytes'])} "
+        ("recv per engine rank", f"max {_gb(r['max_recv_bytes'])} / mean {_gb(r['mean_recv_bytes'])} "
                                f"= {r['recv_balance']:.2f}"),
         ("predicted sync", f"{r['predicted_seconds']:.3f} s at {r['nic_gbps']:g} Gb/s/GPU "
                            f"(+{over:.1f}% over the physical bound; {r['bottleneck']})"),
@@ -232,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
         d = r["delta"]
         rows.append(("delta sync", f"{d['predicted_seconds']:.3f} s at {100 * d['fraction']:g}% changed: "
                                    f"{_gb(d['bytes_total'])} ({d['bytes_total'] / r['bytes_total']:.3f} of dense), "
-                                   f"max {_gb(d['max_recv_bytes'])} per inference rank; {d['bottleneck']}"))
+                                   f"max {_gb(d['max_recv_bytes'])} per engine rank; {d['bottleneck']}"))
     if r["unread_params"]:
         rows.append(("not sent (tied)", ", ".join(r["unread_params"])))
     if r["saved_to"]:

@@ -20,6 +20,7 @@ def collect() -> dict:
                        for n, r in plugins.transports().items()},
         "layouts": {n: {"plugin": r.plugin, "side": r.extra.get("side")} for n, r in plugins.layout_kinds().items()},
         "models": {n: {"plugin": r.plugin} for n, r in plugins.model_presets().items()},
+        "architectures": {n: {"plugin": r.plugin} for n, r in plugins.architectures().items()},
         "transforms": {n: {"plugin": r.plugin} for n, r in plugins.transforms().items()},
     }
     from fastsync.engines.vllm.names import BUILDERS

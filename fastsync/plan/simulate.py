@@ -221,7 +221,7 @@ def rank0_baseline(
     hop_latency_s: float = 20e-6,
     overlap: bool = True,
 ) -> Rank0Result:
-    """The "gather on trainer rank 0, broadcast to every inference rank" design, modelled on
+    """The "gather on trainer rank 0, broadcast to every engine rank" design, modelled on
     verl's NCCL checkpoint engine (``verl/checkpoint_engine/nccl_checkpoint_engine.py``):
 
     * tensors are all-gathered (``full_tensor()``) in the trainer dtype and packed into buckets of

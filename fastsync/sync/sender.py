@@ -221,7 +221,7 @@ class WeightSender:
     def _waits_for(self) -> list[int]:
         """Receivers that must have begun before this rank moves bytes: the ones it writes to
         (every receiver when the transport's collective reaches them all, as rank0's does)."""
-        if self.transport.name == "rank0" and self.rank == 0:
+        if self.transport.rank0_reaches_all and self.rank == 0:
             return list(range(self.plan.num_receivers))
         return self.dsts
 

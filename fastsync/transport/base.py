@@ -85,6 +85,9 @@ class Transport(ABC):
     #: them (``fanout``), and can its engine ranks relay copies to other engine ranks (``relays``)?
     fanout: ClassVar[bool] = True
     relays: ClassVar[bool] = False
+    #: True when trainer rank 0's send is a collective over every engine rank (a broadcast), so it
+    #: must wait until every engine rank has begun the version, not only the ones it writes to.
+    rank0_reaches_all: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.sender: SenderContext | None = None

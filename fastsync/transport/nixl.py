@@ -142,7 +142,7 @@ class NixlTransport(Transport):
         self._new_agent("recv", ctx.rank, ctx.control)
         self._control = ctx.control
         self._senders = {}
-        self._register(ctx.landing.buffers(), f"inference rank {ctx.rank}")
+        self._register(ctx.landing.buffers(), f"engine rank {ctx.rank}")
         addrs = {}
         for name, region in ctx.landing.regions.items():
             mem, dev = _mem(region)
@@ -179,7 +179,7 @@ class NixlTransport(Transport):
             want = sum(it.transfer.nbytes for it in items)
             if int(info["bytes"]) != want or int(info["posts"]) <= 0:
                 raise TransportError(f"nixl: trainer rank {src} announced {info['bytes']} bytes in {info['posts']} "
-                                     f"batch(es) for inference rank {me}, whose plan expects {want} bytes from it")
+                                     f"batch(es) for engine rank {me}, whose plan expects {want} bytes from it")
             self._senders[src] = {"agent": str(info["agent"]), "posts": int(info["posts"])}
             if self._receiving is not None:
                 self._expect[src] = self._senders[src]["posts"]
@@ -187,7 +187,7 @@ class NixlTransport(Transport):
     def _refuse(self, reason: str, agent: str, msg: bytes) -> None:
         self.refused[reason] += 1
         if self.refused[reason] <= 5:
-            log.warning("nixl: inference rank %s refused a notification from agent %r (%s): %r",
+            log.warning("nixl: engine rank %s refused a notification from agent %r (%s): %r",
                         self.receiver.rank if self.receiver else "?", agent, reason, msg[:80])
 
     def _poll_receive(self) -> bool:
@@ -264,12 +264,12 @@ class NixlTransport(Transport):
         dsts = sorted({d for c in prog.chunks for d in c.dst_ranks()})
         addrs: dict[int, dict] = {}
         for d in dsts:
-            meta = ctx.control.get(f"nixl/recv/{d}/meta", ctx.timeout_s, what=f"inference rank {d}")
-            addrs[d] = json.loads(ctx.control.get(f"nixl/recv/{d}/addrs", ctx.timeout_s, what=f"inference rank {d}"))
+            meta = ctx.control.get(f"nixl/recv/{d}/meta", ctx.timeout_s, what=f"engine rank {d}")
+            addrs[d] = json.loads(ctx.control.get(f"nixl/recv/{d}/addrs", ctx.timeout_s, what=f"engine rank {d}"))
             try:
                 self._remote[d] = self.agent.add_remote_agent(meta)
             except Exception as e:
-                raise TransportError(f"nixl: trainer rank {ctx.rank} cannot add inference rank {d}'s agent: {e}") from e
+                raise TransportError(f"nixl: trainer rank {ctx.rank} cannot add engine rank {d}'s agent: {e}") from e
         counts: dict[int, int] = {}
         batches: dict[int, list[list[int]]] = {}  # dst -> write batch k -> flat transfer indices in it
         for c in prog.chunks:
@@ -283,7 +283,7 @@ class NixlTransport(Transport):
                     n = view.numel()
                     if off + n > size:
                         raise TransportError(
-                            f"nixl: inference rank {d} registered {size} bytes for {name!r}, plan writes up to {off + n}"
+                            f"nixl: engine rank {d} registered {size} bytes for {name!r}, plan writes up to {off + n}"
                         )
                     lmem, ldev = _mem(view)
                     local.setdefault(d, []).append((view.data_ptr(), n, ldev))
@@ -296,7 +296,7 @@ class NixlTransport(Transport):
                     h = self.agent.initialize_xfer("WRITE", ldesc, rdesc, self._remote[d], b"")
                 except Exception as e:
                     raise TransportError(
-                        f"nixl: trainer rank {ctx.rank} cannot prepare writes to inference rank {d}: {e}"
+                        f"nixl: trainer rank {ctx.rank} cannot prepare writes to engine rank {d}: {e}"
                     ) from e
                 entries.append((d, h, counts.get(d, 0)))
                 counts[d] = counts.get(d, 0) + 1
@@ -334,7 +334,7 @@ class NixlTransport(Transport):
                 state = self.agent.transfer(h, msg)
                 if state == "ERR":
                     raise TransportError(
-                        f"nixl: trainer rank {rank} failed to post writes to inference rank {d} "
+                        f"nixl: trainer rank {rank} failed to post writes to engine rank {d} "
                         f"({_tensors(c, d)})"
                     )
 
@@ -346,11 +346,11 @@ class NixlTransport(Transport):
                         break
                     if state == "ERR":
                         raise TransportError(
-                            f"nixl: writes from trainer rank {rank} to inference rank {d} failed ({_tensors(c, d)})"
+                            f"nixl: writes from trainer rank {rank} to engine rank {d} failed ({_tensors(c, d)})"
                         )
                     if time.monotonic() >= dl:
                         raise SyncError(
-                            f"nixl: writes from trainer rank {rank} to inference rank {d} not done by the deadline "
+                            f"nixl: writes from trainer rank {rank} to engine rank {d} not done by the deadline "
                             f"({_tensors(c, d)})"
                         )
                     time.sleep(0.0002)

@@ -2,7 +2,7 @@
 
 As verl's NCCL checkpoint backend and OpenRLHF's broadcast path do it: trainer ranks send their
 shards of each bucket of parameters to trainer rank 0, which assembles the full tensors in a
-bucket buffer and broadcasts the bucket to every inference rank; each inference rank then cuts
+bucket buffer and broadcasts the bucket to every engine rank; each engine rank then cuts
 its own pieces (TP slices, fused qkv / w13) out of the full tensors. Buckets are double-buffered
 on both sides (the broadcast of bucket ``b`` overlaps the gather of ``b+1`` on rank 0 and the
 unpacking of ``b-1`` on the receivers), ``bucket_bytes`` each (default 256 MiB, so 512 MiB in
@@ -52,6 +52,7 @@ class Rank0Transport(Transport):
     name = "rank0"
     uses_staging = False
     fanout = False  # reads plan.transfers as every engine rank's writes
+    rank0_reaches_all = True  # rank 0 broadcasts each bucket to every engine rank
 
     def __init__(self, bucket_bytes: int = 256 << 20, backend: str = "gloo") -> None:
         super().__init__()

@@ -75,7 +75,7 @@ class TorchP2PTransport(Transport):
 
         def drain(c: Chunk, dl: float) -> None:
             for d, w in self._pending.pop(c.index, []):
-                wait_work(w, dl, f"torch: send from trainer rank {ctx.rank} to inference rank {d - ctx.world.num_trainers}")
+                wait_work(w, dl, f"torch: send from trainer rank {ctx.rank} to engine rank {d - ctx.world.num_trainers}")
 
         run_pipelined(ctx.program.chunks, pack=pack, post=post, drain=drain, deadline=deadline,
                       metrics=metrics, overlap=self.overlap, on_chunk=on_chunk)
@@ -96,7 +96,7 @@ class TorchP2PTransport(Transport):
                 total += n
             want = sum(it.transfer.nbytes for it in items)
             if total != want:
-                raise TransportError(f"torch: trainer rank {s} sends {total} bytes to inference rank {ctx.rank}, "
+                raise TransportError(f"torch: trainer rank {s} sends {total} bytes to engine rank {ctx.rank}, "
                                      f"the plan says {want}")
             self._recv[s] = views
 
@@ -110,7 +110,7 @@ class TorchP2PTransport(Transport):
         works = [(s, dist.irecv(v, src=world.trainer(s))) for s, views in self._recv.items() for v in views]
         rank = self.receiver.rank
         self._waiter = WorkWaiter(works, time.monotonic() + self.receiver.timeout_s,
-                                  lambda s: f"torch: receive on inference rank {rank} from trainer rank {s}")
+                                  lambda s: f"torch: receive on engine rank {rank} from trainer rank {s}")
 
     def _poll_receive(self) -> bool:
         assert self._waiter is not None

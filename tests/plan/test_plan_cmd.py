@@ -44,7 +44,7 @@ def test_human_table_from_a_config_directory(capsys: pytest.CaptureFixture[str],
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert main(["plan", "--model", str(tmp_path), "--trainer", "hsdp:2x2", "--rollout", "vllm:tp2,replicas2"]) == 0
     text = capsys.readouterr().out
-    for row in ("tensors", "bytes", "transfers", "send per trainer", "recv per inference", "predicted sync",
+    for row in ("tensors", "bytes", "transfers", "send per trainer", "recv per engine rank", "predicted sync",
                 "rank-0 baseline", "time to plan", "plan hash"):
         assert row in text
 
