@@ -24,7 +24,16 @@ def main(rank: int, world: int, port: int, model_dir: str) -> None:
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
     ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+    # stage3_allgather_sequential: DeepSpeed 0.19.6's coalesced gather (partition_parameters.py,
+    # _allgather_params_coalesced) launches one async all_gather per parameter and waits only the LAST
+    # handle, which is enough on one NCCL stream but not on gloo (ProcessGroupGloo runs async ops on a
+    # pool of threads, out of order). A module with two direct parameters (the HF experts module:
+    # gate_up_proj, down_proj) then comes out of GatheredParameters with gate_up_proj's buffer still
+    # being written: transformers' zero3 loader writes the checkpoint into it on rank 0, the late
+    # all_gather overwrites it with zero.Init's stale shards and modifier_rank=0 broadcasts that, so the
+    # model is corrupt BEFORE the swap, intermittently. The sequential gather waits every parameter.
+    config = {"train_micro_batch_size_per_gpu": 2,
+              "zero_optimization": {"stage": 3, "stage3_allgather_sequential": True},
               "zero_allow_untested_optimizer": True}
     dschf = HfDeepSpeedConfig(config)  # noqa: F841 - kept alive: from_pretrained builds under zero.Init
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -37,7 +46,12 @@ def main(rank: int, world: int, port: int, model_dir: str) -> None:
     partitioned_after = all(hasattr(p, "ds_tensor") for p in params.values())
     ref_params = dict(ref.named_parameters())
     with deepspeed.zero.GatheredParameters(list(params.values())):
-        same_values = all(torch.equal(params[n].data, ref_params[n].data) for n in ref_params if n in params)
+        differing = {  # name: max abs diff (or the two shapes), for the test's failure message
+            n: float((params[n].data - r.data).abs().max()) if params[n].shape == r.shape
+            else f"shape {tuple(params[n].shape)} vs {tuple(r.shape)}"
+            for n, r in ref_params.items() if n in params and not torch.equal(params[n].data, r.data)
+        }
+        same_values = not differing
         ids = torch.tensor([[5, 6, 7, 8, 100, 200, 300, 11]])
         with torch.no_grad():
             diff = (engine.module(input_ids=ids).logits - ref(input_ids=ids).logits).abs().max().item()
@@ -48,7 +62,7 @@ def main(rank: int, world: int, port: int, model_dir: str) -> None:
     print("RESULT " + json.dumps({
         "rank": rank, "partitioned_before": partitioned_before, "swapped": swapped, "blocks": blocks,
         "partitioned_after": partitioned_after, "names_equal": sorted(params) == sorted(ref_params),
-        "same_values": same_values, "max_logit_diff": diff, "loss": loss.item(),
+        "same_values": same_values, "differing": differing, "max_logit_diff": diff, "loss": loss.item(),
     }), flush=True)
 
 

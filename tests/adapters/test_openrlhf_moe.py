@@ -40,7 +40,8 @@ def test_moe_swap_under_zero3_keeps_names_values_and_trains(tmp_path, run_worker
         assert sorted(r["swapped"]) == ["model.layers.0.mlp", "model.layers.1.mlp"]
         assert r["blocks"] == 2
         assert r["partitioned_after"], "DeepSpeed did not partition the swapped blocks' parameters"
-        assert r["names_equal"] and r["same_values"]
+        assert r["names_equal"], f"rank {r['rank']}: parameter names differ from the HF model's"
+        assert r["same_values"], f"rank {r['rank']}: values differ from the HF model's (max abs diff): {r['differing']}"
         assert r["max_logit_diff"] < 1e-4
         assert math.isfinite(r["loss"])
 
