@@ -121,7 +121,11 @@ class TrainerRank:
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         opt = torch.optim.AdamW(model.parameters(), lr=0.02)
         config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-                  "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True}
+                  # sequential gathers: DeepSpeed 0.19.6's coalesced all_gather waits only on the last
+                  # async handle, and gloo can finish them out of order (a gathered parameter read
+                  # before its bytes landed; see tests/adapters/openrlhf_moe_job.py). NCCL is unaffected.
+                  "zero_optimization": {"stage": 3, "stage3_allgather_sequential": True},
+                  "zero_allow_untested_optimizer": True}
         self.engine, self.opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
         self.trainer: Any = None
         self.holder: Any = None
