@@ -52,9 +52,10 @@ from typing import Any
 import torch
 
 from fastsync.errors import ConfigError, LayoutError, SyncError
-from fastsync.executor.staging import Landing, as_bytes
+from fastsync.executor.staging import Landing
 from fastsync.engines.vllm import ENGINE
 from fastsync.engines.vllm.host import error_reply
+from fastsync.engines.vllm.reload import ReloadWorkerMixin, ensure_staging
 from fastsync.engines.vllm.layout import (
     LiveParam,
     check_against,
@@ -146,6 +147,8 @@ class _State:
         self.undo: list[_ModuleState] = []
         self.postprocess_s = 0.0
         self.postprocess_ns = 0  # when the last post-processing (repack) began, for a trace
+        self.plain = False  # staging tensors hold the served version's bytes (a holder for peer reload)
+        self.arenas: list[torch.Tensor] = []  # the staging arena(s), one NIXL registration each
 
 
 class _ModuleState:
@@ -189,7 +192,7 @@ def _config_dict(hf_config: Any) -> dict:
     return cfg
 
 
-class FastSyncWorkerExtension:
+class FastSyncWorkerExtension(ReloadWorkerMixin):
     """Mixed into every vLLM worker by ``worker_extension_cls``; methods are ``collective_rpc``
     targets. All names start with ``fastsync_`` so they never clash with the worker's own."""
 
@@ -235,6 +238,7 @@ class FastSyncWorkerExtension:
         old = getattr(self, "_fastsync", None)
         if old is not None:  # describing again keeps the served version and the live receiver
             st.version, st.receiver, st.staging = old.version, old.receiver, old.staging
+            st.plain, st.arenas = old.plain, old.arenas
         self._fastsync = st
         staged = {n: f"{lp.kind}: {lp.why}" for n, lp in live.items() if lp.kind in ("linear_repack", "moe_repack")}
         if staged:
@@ -263,7 +267,7 @@ class FastSyncWorkerExtension:
         ``timeout_s``, ``verify``."""
         return _result(lambda: self._fastsync_connect(plan_json, dict(options)))
 
-    def _fastsync_connect(self, plan_json: str, options: dict) -> dict:
+    def _fastsync_connect(self, plan_json: str, options: dict, initial_version: int | None = None) -> dict:
         from fastsync.control import DEFAULT_HOST, TCPStoreControl
         from fastsync.sync.receiver import WeightReceiver
         from fastsync.plan.types import Plan
@@ -279,22 +283,20 @@ class FastSyncWorkerExtension:
             from fastsync.trace import enable
 
             enable()
-        last_attempted = st.version
+        last_attempted = st.version if initial_version is None else initial_version
         if st.receiver is not None:
             old, st.receiver = st.receiver, None  # never left pointing at a closed receiver
-            last_attempted = max(last_attempted, old.versions.attempted)  # a failed version stays spent
+            if initial_version is None:
+                last_attempted = max(last_attempted, old.versions.attempted)  # a failed version stays spent
             old.close()
         plan = Plan.loads(plan_json)
         t0 = time.perf_counter()
         dest: dict[str, torch.Tensor] = {}
         backup: list[str] = []
+        ensure_staging(st)  # one touched arena for every prepacked parameter
         for name, t in st.expected.items():
             lp = st.live[name]
             if lp.kind in ("linear_repack", "moe_repack"):
-                if name not in st.staging:
-                    buf = torch.empty(lp.shape, dtype=lp.live.dtype)
-                    as_bytes(buf).zero_()  # fault the pages in once, at setup
-                    st.staging[name] = buf
                 dest[name] = st.staging[name]
             else:
                 dest[name] = lp.live
@@ -307,7 +309,7 @@ class FastSyncWorkerExtension:
             rank=st.rank, plan=plan, tensors=dest, control=control,
             transport=options.get("transport", "nixl"), transport_options=options.get("transport_options"),
             timeout_s=float(options.get("timeout_s", 60.0)), verify=bool(options.get("verify", False)),
-            initial_version=st.version, landing=landing,
+            initial_version=st.version if initial_version is None else initial_version, landing=landing,
         )
         rx.versions.attempted = last_attempted
         try:
@@ -369,7 +371,7 @@ class FastSyncWorkerExtension:
             rx.abort(f"{type(e).__name__}: {e}")  # no-op when finish() already rolled back
             raise
         st.undo = []  # the flip is final: the previous packed weights can go
-        st.version, st.open = version, None
+        st.version, st.open, st.plain = version, None, True
         total = time.perf_counter() - t0
         st.last = {"rank": st.rank, "version": version, "wait_s": t_wait,
                    "finish_s": total - t_wait - st.postprocess_s, "postprocess_s": st.postprocess_s, "total_s": total}

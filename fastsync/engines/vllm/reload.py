@@ -1,0 +1,227 @@
+"""Worker side of peer reload, mixed into :class:`FastSyncWorkerExtension`.
+
+An engine started with ``load_format="dummy"`` (reads no checkpoint) and the fastsync worker
+extension can be filled by a live holder of the current version, or become one:
+
+* ``fastsync_reload_state()``: the version this worker serves and whether it holds a *plain*
+  copy of every engine tensor (the CPU kernels read prepacked copies; the plain bytes are the
+  staging tensors fastsync fills, so an engine holds them once fastsync filled it: a sync, a
+  reload, or ``fastsync_load_checkpoint``).
+* ``fastsync_reload_send(plan_json, options)`` on a holder: a :class:`WeightSender` whose
+  sources are this worker's engine tensors (see ``fastsync.reload.source``) writes the plan's
+  share into the joining engine. Refused when the worker serves another version than asked
+  (never mixed) or holds no plain copy.
+* ``fastsync_reload_receive(plan_json, options)`` on the joining engine: connect a receiver
+  over the live memory (its own control-plane namespace per attempt), wait, post-process, flip,
+  then serve ``weight_version``.
+* ``fastsync_load_checkpoint(model_dir, weight_version)``: the same engine reads the safetensors
+  checkpoint with vLLM's own iterator and ``model.load_weights`` into the same buffers, then the
+  same post-processing: the fallback when no holder is left, and the bench's baseline.
+* ``fastsync_digest()``: a SHA-256 per engine tensor of the plain bytes (bit-identity checks).
+
+Staged (prepacked) parameters share one arena (:func:`ensure_staging`): the whole engine's
+weights register with NIXL as the arena plus the in-place tensors (embedding, norms).
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import time
+from typing import Any
+
+import torch
+
+from fastsync.errors import ConfigError, SyncError
+from fastsync.executor.staging import as_bytes
+
+__all__ = ["ReloadWorkerMixin", "ensure_staging", "plain_tensors"]
+
+_STAGED = ("linear_repack", "moe_repack")
+_ALIGN = 64
+
+
+def ensure_staging(st: Any) -> None:
+    """Give every prepacked parameter its staging tensor, all views of one touched arena
+    (one NIXL registration instead of one per layer)."""
+    need = [(n, lp) for n, lp in st.live.items() if lp.kind in _STAGED and n in st.expected and n not in st.staging]
+    if not need:
+        return
+    sizes = []
+    for _, lp in need:
+        nbytes = int(torch.Size(lp.shape).numel()) * torch.empty(0, dtype=lp.live.dtype).element_size()
+        sizes.append(-(-nbytes // _ALIGN) * _ALIGN)
+    arena = torch.empty(max(sum(sizes), 1), dtype=torch.uint8)
+    arena.zero_()  # fault the pages in once, at setup
+    off = 0
+    for (name, lp), size in zip(need, sizes):
+        n = int(torch.Size(lp.shape).numel()) * torch.empty(0, dtype=lp.live.dtype).element_size()
+        st.staging[name] = arena[off: off + n].view(lp.live.dtype).view(lp.shape)
+        off += size
+    st.arenas = getattr(st, "arenas", []) + [arena]
+
+
+def plain_tensors(st: Any) -> dict[str, torch.Tensor]:
+    """Every engine tensor's plain (unpacked) bytes: staging for prepacked parameters, the live
+    parameter otherwise."""
+    return {n: (st.staging[n] if st.live[n].kind in _STAGED else st.live[n].live) for n in st.expected}
+
+
+class ReloadWorkerMixin:
+    """``collective_rpc`` targets of peer reload (see the module docstring)."""
+
+    def fastsync_reload_state(self) -> dict:
+        from fastsync.engines.vllm.extension import _result
+
+        def run() -> dict:
+            st = self._fastsync_state()  # type: ignore[attr-defined]
+            return {"rank": st.rank, "version": st.version, "plain": bool(getattr(st, "plain", False))}
+
+        return _result(run)
+
+    def fastsync_reload_send(self, plan_json: str, options: dict) -> dict:
+        from fastsync.engines.vllm.extension import _result
+
+        return _result(lambda: self._fastsync_reload_send(plan_json, dict(options)))
+
+    def _fastsync_reload_send(self, plan_json: str, options: dict) -> dict:
+        from fastsync.control import DEFAULT_HOST, TCPStoreControl
+        from fastsync.plan.types import Plan
+        from fastsync.reload.source import local_shards
+        from fastsync.sync.sender import WeightSender
+
+        st = self._fastsync_state()  # type: ignore[attr-defined]
+        _check_options("fastsync_reload_send", options, {"control_port", "control_host", "control_prefix", "rank_offset",
+                                                         "handshake_version", "weight_version", "timeout_s"})
+        want = int(options["weight_version"])
+        if st.version != want:
+            raise SyncError(f"holder engine rank {st.rank} serves version {st.version}, the joining engine asked for "
+                            f"{want}: refused (versions are never mixed)")
+        if not getattr(st, "plain", False):
+            raise SyncError(f"holder engine rank {st.rank} holds no plain copy of its prepacked weights (it was loaded "
+                            "by vLLM's own loader); fill it through fastsync once (a sync, a reload or "
+                            "fastsync_load_checkpoint) to make it a holder")
+        rank = int(options.get("rank_offset", 0)) + st.tp_rank
+        plain = plain_tensors(st)
+        shards, buffer_of = local_shards(st.expected, rank)
+        sources = {p: plain[t] for p, t in buffer_of.items()}
+        control = TCPStoreControl.client(int(options["control_port"]), host=options.get("control_host", DEFAULT_HOST),
+                                         prefix=options["control_prefix"])
+        timeout = float(options.get("timeout_s", 60.0))
+        t0 = time.perf_counter()
+        tx = WeightSender(rank=rank, plan=Plan.loads(plan_json), sources=sources, shards=shards, control=control,
+                          transport="nixl", timeout_s=timeout)
+        try:
+            tx.setup()
+            setup_s = time.perf_counter() - t0
+            m = tx.sync(int(options["handshake_version"]), timeout_s=timeout)
+            if st.version != want:  # cannot happen inside one collective_rpc; kept as the invariant
+                raise SyncError(f"holder engine rank {st.rank} changed version during the reload")
+            reg = getattr(tx.transport, "registration", {})
+        finally:
+            tx.close()
+        return {"rank": rank, "setup_s": setup_s, "send_s": m.end - m.start, "registration": reg,
+                "bytes": sum(m.bytes_per_link.values())}
+
+    def fastsync_reload_receive(self, plan_json: str, options: dict) -> dict:
+        from fastsync.engines.vllm.extension import _result
+
+        return _result(lambda: self._fastsync_reload_receive(plan_json, dict(options)))
+
+    def _fastsync_reload_receive(self, plan_json: str, options: dict) -> dict:
+        st = self._fastsync_state()  # type: ignore[attr-defined]
+        _check_options("fastsync_reload_receive", options, {"control_port", "control_host", "control_prefix",
+                                                            "handshake_version", "weight_version", "timeout_s"})
+        want, hv = int(options["weight_version"]), int(options["handshake_version"])
+        timeout = float(options.get("timeout_s", 60.0))
+        t0 = time.perf_counter()
+        conn = {k: options[k] for k in ("control_port", "control_host", "control_prefix") if k in options}
+        conn.update(transport="nixl", timeout_s=timeout)
+        got = self._fastsync_connect(plan_json, conn, initial_version=0)  # type: ignore[attr-defined]
+        connect_s = time.perf_counter() - t0
+        reg = getattr(st.receiver.transport, "registration", {})
+        try:
+            self._fastsync_begin(hv)  # type: ignore[attr-defined]
+            fin = self._fastsync_finish(hv, timeout)  # type: ignore[attr-defined]
+        finally:
+            rx, st.receiver = st.receiver, None  # the trainers' next setup connects again
+            if rx is not None:
+                rx.close()
+        st.version, st.plain = want, True
+        return {"rank": st.rank, "version": want, "connect_s": connect_s, "registration": reg,
+                "wait_s": fin["wait_s"], "postprocess_s": fin["postprocess_s"], "total_s": time.perf_counter() - t0,
+                "staged_bytes": got["staged_bytes"], "inplace_bytes": got["inplace_bytes"]}
+
+    def fastsync_load_checkpoint(self, model_dir: str, weight_version: int = 0) -> dict:
+        from fastsync.engines.vllm.extension import _result
+
+        return _result(lambda: self._fastsync_load_checkpoint(str(model_dir), int(weight_version)))
+
+    def _fastsync_load_checkpoint(self, model_dir: str, weight_version: int) -> dict:
+        from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+
+        st = self._fastsync_state()  # type: ignore[attr-defined]
+        if st.open is not None or st.receiver is not None and st.receiver._open is not None:
+            raise SyncError(f"engine rank {st.rank}: a version is open; cannot load the checkpoint now")
+        files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+        if not files:
+            raise ConfigError(f"fastsync_load_checkpoint: no *.safetensors files in {model_dir!r}")
+        ensure_staging(st)
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        t0 = time.perf_counter()
+        # point every prepacked parameter at its staging tensor so vLLM's weight loaders fill it
+        for name, lp in st.live.items():
+            if lp.kind == "linear_repack":
+                lp.module.weight = _loading_param(lp.module, st.staging[name])
+            elif lp.kind == "moe_repack":
+                getattr(lp.module, lp.attr).data = st.staging[name]
+        model.load_weights(safetensors_weights_iterator(files, use_tqdm_on_load=False))
+        read_s = time.perf_counter() - t0
+        st.undo = []
+        self._fastsync_postprocess(st)  # type: ignore[attr-defined]
+        st.undo = []
+        st.version, st.plain = weight_version, True
+        return {"rank": st.rank, "read_load_s": read_s, "postprocess_s": st.postprocess_s,
+                "total_s": time.perf_counter() - t0, "bytes": sum(os.path.getsize(f) for f in files)}
+
+    def fastsync_digest(self) -> dict:
+        from fastsync.engines.vllm.extension import _result
+
+        def run() -> dict:
+            st = self._fastsync_state()  # type: ignore[attr-defined]
+            if not getattr(st, "plain", False):
+                raise SyncError(f"engine rank {st.rank} holds no plain copy to digest")
+            out = {n: hashlib.sha256(as_bytes(t.contiguous()).numpy().tobytes()).hexdigest()[:16]
+                   for n, t in sorted(plain_tensors(st).items())}
+            return {"rank": st.rank, "version": st.version, "tensors": out}
+
+        return _result(run)
+
+
+def _loading_param(module: Any, data: torch.Tensor) -> Any:
+    """A loader-ready parameter over ``data`` for a prepacked linear layer: after packing, vLLM
+    replaces the layer's weight by an empty plain Parameter that lost its loader, so rebuild the
+    ``ModelWeightParameter`` its ``UnquantizedLinearMethod.create_weights`` made, with the loader
+    vLLM picks for it (``weight_loader_v2`` where the quant method supports it)."""
+    from vllm.model_executor.layers.linear import WEIGHT_LOADER_V2_SUPPORTED
+    from vllm.model_executor.parameter import ModelWeightParameter
+
+    qm = type(getattr(module, "quant_method", None)).__name__
+    loader = getattr(module, "weight_loader_v2", None) if qm in WEIGHT_LOADER_V2_SUPPORTED else None
+    if loader is None:
+        loader = getattr(module, "weight_loader", None)
+    if loader is None:
+        raise SyncError(f"{type(module).__name__} has no vLLM weight loader; cannot load a checkpoint into it")
+    return ModelWeightParameter(data=data, input_dim=1, output_dim=0, weight_loader=loader)
+
+
+def _check_options(what: str, options: dict, known: set[str]) -> None:
+    unknown = set(options) - known
+    if unknown:
+        raise ConfigError(f"{what}: unknown option(s) {sorted(unknown)}")
+    for k in ("control_port", "weight_version") + (("handshake_version",) if "handshake_version" in known else ()):
+        if k not in options:
+            raise ConfigError(f"{what}: options need {k!r}")
+    if "control_prefix" not in options:
+        raise ConfigError(f"{what}: options need 'control_prefix' (one namespace per reload attempt)")
