@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("executor",),  # data-plane primitives: programs, packing, staging, transforms, pipeline
     ("transport",),  # NIXL / torch.distributed / rank-0 byte movers
     ("sync",),  # the lifecycle: WeightSync, sender, receiver, gather, handshake
+    ("reload", "route"),  # peer reload (holders as sources, plan cache); rolling updates, version routing
     ("engines",),  # one package per inference engine (vllm/)
     ("_builtin", "testing"),  # built-in plugin registrations; test oracles
     ("bench", "demo"),  # benchmark harnesses; the demo

@@ -102,6 +102,7 @@ class NixlTransport(Transport):
         self._senders: dict[int, dict] = {}  # receiver: src rank -> {"agent", "posts", "bytes"} from set-up
         self.refused: Counter[str] = Counter()  # receiver: notifications refused, by reason
         self._relay: NixlRelay | None = None
+        self.registration: dict = {}
 
     def _new_agent(self, role: str, rank: int, control: object) -> None:
         secret = getattr(control, "secret", None)
@@ -132,10 +133,14 @@ class NixlTransport(Transport):
                 seen[st.data_ptr()] = (st.data_ptr(), st.nbytes(), _mem(t)[1], "")
         if not seen:  # a rank whose plan gives it nothing to send or receive registers nothing
             return
+        t0 = time.perf_counter()
         try:
             self._reg = self.agent.register_memory(list(seen.values()), mem)
         except Exception as e:
             raise TransportError(f"nixl: {who}: registering {len(seen)} buffer(s) failed: {e}") from e
+        # reported by peer reload: how many regions one engine's weights took, and how long
+        self.registration = {"regions": len(seen), "bytes": sum(v[1] for v in seen.values()),
+                             "seconds": time.perf_counter() - t0}
 
     # ---- receiver -----------------------------------------------------------------------
     def _setup_receiver(self, ctx: ReceiverContext) -> None:
