@@ -150,6 +150,8 @@ def test_peer_killed_mid_reload_switches_holder_then_checkpoint(rig):
     from fastsync.engines.vllm.reload_host import engine_pids
 
     e, coord = rig["engines"], rig["coord"]
+    if e["H2"].version() != 2:  # run alone: H2 becomes a holder first
+        coord.reload(e["H2"], [e["H1"]], 2)
     killed = []
 
     def kill_h2(attempt, chosen):
