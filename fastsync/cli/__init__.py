@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "plugins": "plugins_cmd",
     "trace": "trace_cmd",
     "delta-bench": "delta_cmd",
+    "reload-bench": "reload_cmd",
 }
 
 

@@ -19,7 +19,8 @@ by calling :meth:`PeerReload.reload` with its handle and the candidate holders. 
 
 Handles (duck-typed; :class:`fastsync.engines.vllm.reload_host.VllmReloadEngine` is one):
 ``name``, ``reload_describe()``, ``reload_send(plan_json, options)``,
-``reload_receive(plan_json, options)``, ``load_checkpoint(model_dir, version)``.
+``reload_receive(plan_json, options)``, ``load_checkpoint(model_dir, version)``, and optionally
+``alive()`` (False once the holder's process is gone: watched while the joining engine waits).
 """
 
 from __future__ import annotations
@@ -163,24 +164,37 @@ class PeerReload:
         if on_attempt is not None:
             on_attempt(attempt, [h for h, _ in chosen])
         threads = []
+        holder_fail: dict[str, Callable[[BaseException], None]] = {}
         offset = 0
         for h, hr in chosen:
             ranks = list(range(offset, offset + len(hr.tensors)))
 
             def fail(e: BaseException, h=h, ranks=ranks) -> None:
-                failed.add(h.name)
                 for r in ranks:  # the joining engine stops waiting for this holder at once
                     ctl.set(sender_done_key(r, _HANDSHAKE_VERSION), f"err:holder {h.name} failed: {type(e).__name__}: {e}")
 
+            holder_fail[h.name] = fail
             opts = {**base, "rank_offset": offset}
             th = threading.Thread(target=run, args=(h.name, lambda h=h, opts=opts: h.reload_send(plan_json, opts), fail),
                                   daemon=True)
             th.start()
             threads.append(th)
             offset += len(hr.tensors)
+        # watchdog: a holder whose process died is failed at once (its RPC may never return), so
+        # the joining engine stops waiting for it instead of running into its deadline
         deadline = time.monotonic() + self.timeout_s + 30
-        for th in threads + [jt]:
-            th.join(max(0.0, deadline - time.monotonic()))
+        dead: set[str] = set()
+        while jt.is_alive() and time.monotonic() < deadline:
+            jt.join(0.2)
+            for (h, _), th in zip(chosen, threads):
+                alive = getattr(h, "alive", None)
+                if th.is_alive() and h.name not in dead and alive is not None and not alive():
+                    dead.add(h.name)
+                    failed.add(h.name)
+                    results.setdefault(h.name, SyncError(f"holder {h.name}: engine process died"))
+                    holder_fail[h.name](results[h.name])
+        for th in threads:
+            th.join(max(0.0, min(5.0, deadline - time.monotonic())))
         if jt.is_alive():
             raise SyncError(f"peer reload of {joiner.name}: the joining engine did not answer within "
                             f"{self.timeout_s + 30:.0f} s")
@@ -190,12 +204,18 @@ class PeerReload:
                  "seconds": time.perf_counter() - t0, "transfers": len(plan.transfers)}
         if not ok:
             entry["error"] = f"{type(got).__name__}: {got}"
-        for h, _ in chosen:
+        for (h, _), th in zip(chosen, threads):
+            if th.is_alive() and h.name not in results:
+                results[h.name] = SyncError(f"holder {h.name} did not answer")
             r = results.get(h.name)
             if isinstance(r, BaseException):
-                failed.add(h.name)
                 entry.setdefault("holder_errors", {})[h.name] = f"{type(r).__name__}: {r}"
-                report.refused[h.name] = f"failed during attempt {attempt}: {type(r).__name__}: {r}"
+                alive = getattr(h, "alive", None)
+                # a live holder that failed only because the joining engine gave up on this attempt
+                # (another holder died) stays a candidate; a dead one, or one that cannot tell, does not
+                if h.name in dead or alive is None or not alive():
+                    failed.add(h.name)
+                    report.refused[h.name] = f"failed during attempt {attempt}: {type(r).__name__}: {r}"
         if ok:
             entry["workers"] = got
             report.registration = {

@@ -36,7 +36,7 @@ class RouterFront:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner = None
         self._thread: threading.Thread | None = None
-        self.answered: list[tuple[str, int]] = []  # (replica, version) of every forwarded answer
+        self.answered: list[tuple[str, int, int]] = []  # (replica, version, lowest allowed) per answer
 
     def app(self):  # type: ignore[no-untyped-def]
         from aiohttp import web
@@ -83,7 +83,7 @@ class RouterFront:
                                           headers={"content-type": request.headers.get("content-type",
                                                                                        "application/json")}) as resp:
                 data = await resp.read()
-                self.answered.append((r.name, r.version))
+                self.answered.append((r.name, r.version, r.floor))
                 return web.Response(body=data, status=resp.status, content_type="application/json",
                                     headers={"x-fastsync-replica": r.name, "x-fastsync-version": str(r.version)})
         except Exception as e:  # a replica that died mid-request: 502 naming it

@@ -2,7 +2,8 @@
 
 ``stop-the-world`` (the default, what on-policy rollouts need) updates every replica at once,
 with the router taking them all out of rotation; ``rolling`` updates ``ceil(fraction * n)``
-replicas per wave (at least one, and never all while more than one exists), so the rest keep
+replicas per wave (at least one, and never all while more than one exists); each wave is first
+drained (no new requests, in-flight ones finish on their version), so the rest keep
 answering requests on the previous version, which the router serves only within its staleness.
 
 Each replica is a callable ``update(name, version)`` (e.g. ``VllmEngine.update`` or an HTTP
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Callable
 
 from fastsync.errors import ConfigError, SyncError
@@ -27,7 +29,7 @@ class RollingUpdate:
     """``run(version)`` updates every replica in ``names`` by ``update(name, version)``."""
 
     def __init__(self, router: VersionRouter, names: list[str], update: Callable[[str, int], object], *,
-                 mode: str = "stop-the-world", fraction: float = 0.5) -> None:
+                 mode: str = "stop-the-world", fraction: float = 0.5, drain_timeout_s: float = 60.0) -> None:
         if mode not in MODES:
             raise ConfigError(f"RollingUpdate mode must be one of {MODES}, got {mode!r}")
         if not 0 < fraction <= 1:
@@ -35,6 +37,7 @@ class RollingUpdate:
         if not names:
             raise ConfigError("RollingUpdate needs at least one replica name")
         self.router, self.names, self.update, self.mode, self.fraction = router, list(names), update, mode, fraction
+        self.drain_timeout_s = drain_timeout_s
 
     def waves(self) -> list[list[str]]:
         n = len(self.names)
@@ -54,6 +57,13 @@ class RollingUpdate:
             for name in wave:
                 self.router.set_state(name, state="updating")
             errors: dict[str, BaseException] = {}
+            # drain: requests already routed to the wave finish on the version they started with
+            deadline = time.monotonic() + self.drain_timeout_s
+            while any(s["inflight"] for s in self.router.states() if s["name"] in wave):
+                if time.monotonic() > deadline:
+                    raise SyncError(f"rolling update to version {version}: replicas {wave} still have requests in "
+                                    f"flight after {self.drain_timeout_s:.0f} s")
+                time.sleep(0.01)
 
             def go(name: str) -> None:
                 try:

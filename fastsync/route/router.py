@@ -94,7 +94,7 @@ class VersionRouter:
             best = min(ok, key=lambda r: (r.inflight, self.routed.get(r.name, 0)))
             best.inflight += 1
             self.routed[best.name] = self.routed.get(best.name, 0) + 1
-            return ReplicaState(best.name, best.version, best.state, best.inflight)
+            return ReplicaState(best.name, best.version, best.state, best.inflight, floor)
 
     def done(self, name: str) -> None:
         with self._lock:

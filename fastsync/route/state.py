@@ -21,6 +21,7 @@ class ReplicaState:
     version: int
     state: str = "serving"
     inflight: int = 0
+    floor: int = 0  # set by VersionRouter.pick: the lowest version allowed when it was picked
 
     def __post_init__(self) -> None:
         if self.state not in STATES:

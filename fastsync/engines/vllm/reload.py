@@ -185,6 +185,23 @@ class ReloadWorkerMixin:
         return {"rank": st.rank, "read_load_s": read_s, "postprocess_s": st.postprocess_s,
                 "total_s": time.perf_counter() - t0, "bytes": sum(os.path.getsize(f) for f in files)}
 
+    def fastsync_json(self, call: str) -> Any:
+        """String-only entry for ``vllm serve``'s ``POST /collective_rpc`` (dev mode passes only
+        strings): ``call`` is ``{"method": "fastsync_...", "args": [...]}`` as JSON; the result
+        is the method's (errors as ``{"error": [cls, msg]}``, as for every fastsync call)."""
+        import json
+
+        from fastsync.engines.vllm.extension import _result
+
+        def run() -> Any:
+            body = json.loads(call)
+            method = str(body.get("method", ""))
+            if not method.startswith("fastsync_") or method == "fastsync_json" or not hasattr(self, method):
+                raise ConfigError(f"fastsync_json: unknown fastsync method {method!r}")
+            return getattr(self, method)(*body.get("args", []))
+
+        return _result(run)
+
     def fastsync_digest(self) -> dict:
         from fastsync.engines.vllm.extension import _result
 

@@ -43,6 +43,18 @@ class VllmReloadEngine(VllmEngine):
         with self._fenced(what):
             return self._rpc("fastsync_load_checkpoint", model_dir, version, what=what)
 
+    def alive(self) -> bool:
+        """False once any of this engine's engine-core processes is gone (killed, crashed)."""
+        import psutil  # a vLLM dependency
+
+        for pid in engine_pids(self.llm):
+            try:
+                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                    return False
+            except psutil.NoSuchProcess:
+                return False
+        return True
+
     def digest(self) -> list[dict]:
         with self._fenced(f"{self.name}: digest"):
             return self._rpc("fastsync_digest", what=f"{self.name}: digest")

@@ -1,0 +1,42 @@
+"""``fastsync reload-bench``: a new vLLM engine filled from a live peer vs the same engine
+loading the same safetensors checkpoint (cold and warm page cache), and time to ready."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("reload-bench", help="peer reload vs checkpoint load of a real vLLM CPU engine (weights, ready)")
+    p.add_argument("--model", required=True, help="preset (qwen3-400m, qwen3-tiny) or a local HF dir with safetensors")
+    p.add_argument("--repeats", type=int, default=3, help="peer reloads and cold/warm checkpoint loads (median)")
+    p.add_argument("--workdir", default=None, help="where presets are written (default ~/.cache/fastsync/reload-bench)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds allowed per reload")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from fastsync.bench.reload import run_reload_bench
+
+    r = run_reload_bench(args.model, repeats=args.repeats, workdir=args.workdir, timeout_s=args.timeout)
+    if args.json:
+        print(json.dumps(r, indent=2))
+        return 0 if r["verified"] else 1
+    w, rd = r["weights_seconds"], r["ready_seconds"]
+    d, rdd = w["detail"], rd["detail"]
+    print(f"reload-bench {r['model']}: {r['checkpoint_bytes'] / 1e6:.0f} MB checkpoint, {r['engine']}")
+    print(f"{'':28s}{'peer':>10s}{'ckpt cold':>11s}{'ckpt warm':>11s}")
+    print(f"{'weights (s, median)':28s}{w['peer']:10.3f}{d['checkpoint_cold']:11.3f}{d['checkpoint_warm']:11.3f}")
+    print(f"{'ready (s)':28s}{rd['peer']:10.2f}{rd['checkpoint']:11.2f}")
+    print(f"speed-up weights {r['speedup_weights']:.1f}x cold, {r['speedup_weights_warm']:.1f}x warm; "
+          f"ready {r['speedup_ready']:.2f}x")
+    pw = d["peer_worker"]
+    print(f"peer in the worker: connect+register {pw['connect_s']:.3f} s, wait {pw['wait_s']:.3f} s, "
+          f"repack {pw['postprocess_s']:.3f} s; NIXL registration {r['registration_seconds']:.4f} s")
+    print(f"ready breakdown: engine start without weights {rdd['engine_start_dummy']:.1f} s, first request "
+          f"{rdd['first_request_peer']:.2f} s; engine start with checkpoint {rdd['engine_start_with_checkpoint_cold']:.1f} s")
+    print(f"page cache (resident fraction): {r['page_cache']}")
+    print(f"verified: {r['verified']} ({r['verified_detail']['how']})")
+    return 0 if r["verified"] else 1

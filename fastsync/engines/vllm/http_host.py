@@ -1,0 +1,74 @@
+"""Host-side handle of a ``vllm serve`` replica (an OpenAI-compatible server process) started
+with ``--worker-extension-cls fastsync.engines.vllm.FastSyncWorkerExtension`` and
+``VLLM_SERVER_DEV_MODE=1`` (which exposes ``POST /collective_rpc``).
+
+The same calls as :class:`~fastsync.engines.vllm.reload_host.VllmReloadEngine`, over HTTP:
+peer reload, checkpoint loads, versions, and what a rolling update needs. Every call has a
+deadline; errors come back as the workers' fastsync error classes.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+from fastsync.engines.vllm.host import raise_worker_errors
+from fastsync.errors import SyncError
+
+__all__ = ["HttpVllmEngine"]
+
+
+class HttpVllmEngine:
+    """``HttpVllmEngine("http://127.0.0.1:8001", name="r0")``."""
+
+    def __init__(self, base_url: str, *, name: str, timeout_s: float = 600.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.name = name
+        self.timeout_s = timeout_s
+
+    def call(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
+        """``method`` on every worker; the list of their results."""
+        t = self.timeout_s if timeout_s is None else timeout_s
+        body = {"method": "fastsync_json", "args": [json.dumps({"method": method, "args": list(args)})], "timeout": t}
+        req = urllib.request.Request(self.base_url + "/collective_rpc", data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=t + 10) as r:
+                got = json.loads(r.read())["results"]
+        except (urllib.error.URLError, OSError, ValueError, KeyError) as e:
+            raise SyncError(f"replica {self.name} ({self.base_url}): {method} failed: {type(e).__name__}: {e}") from e
+        return raise_worker_errors(got, f"replica {self.name}: {method}")
+
+    def describe(self, options: dict | None = None) -> list[dict]:
+        return self.call("fastsync_describe", options or {})
+
+    def version(self) -> int:
+        got = {int(v) for v in self.call("fastsync_version")}
+        if len(got) != 1:
+            raise SyncError(f"replica {self.name}: workers serve different versions {sorted(got)}")
+        return got.pop()
+
+    def reload_describe(self) -> list[dict]:
+        desc = self.describe()
+        return [{**d, **s} for d, s in zip(desc, self.call("fastsync_reload_state"))]
+
+    def reload_send(self, plan_json: str, options: dict) -> list[dict]:
+        return self.call("fastsync_reload_send", plan_json, options)
+
+    def reload_receive(self, plan_json: str, options: dict) -> list[dict]:
+        return self.call("fastsync_reload_receive", plan_json, options)
+
+    def load_checkpoint(self, model_dir: str, version: int = 0) -> list[dict]:
+        if not getattr(self, "_described", False):
+            self.describe()
+            self._described = True
+        return self.call("fastsync_load_checkpoint", model_dir, version)
+
+    def alive(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.base_url + "/health", timeout=5) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
