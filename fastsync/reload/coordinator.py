@@ -7,6 +7,8 @@ by calling :meth:`PeerReload.reload` with its handle and the candidate holders. 
 2. each candidate holder is asked its version and whether it holds plain copies; a holder on
    another version, or without plain copies, or that does not answer, is refused (named in
    ``report.refused``): versions are never mixed;
+   Trainer ranks hold versions too (:class:`fastsync.reload.holders.TrainerHolder`): their
+   layout is the source as it is;
 3. up to ``max_holders`` of the rest are chosen, least used first (each reload spreads over the
    holders that served the fewest so far; the planner then spreads bytes over their ranks);
 4. the plan comes from the :class:`PlanCache` (per source and target layout hash);
@@ -35,7 +37,8 @@ from typing import Any
 from fastsync.errors import ConfigError, SyncError
 from fastsync.layout.wire import engine_tensors_from_json
 from fastsync.reload.plans import PlanCache
-from fastsync.reload.source import HolderRanks, engine_source_layout, params_of, target_layout
+from fastsync.layout.types import TrainerLayout
+from fastsync.reload.source import HolderRanks, engine_source_layout, merge_sources, params_of, target_layout
 from fastsync.sync.handshake import sender_done_key
 
 __all__ = ["PeerReload", "ReloadReport"]
@@ -93,8 +96,14 @@ class PeerReload:
         target = target_layout([engine_tensors_from_json(w["tensors"]) for w in joiner.reload_describe()],
                                description=f"joining engine {joiner.name}")
         params = params_of(target.tensors)
-        live: list[tuple[Any, HolderRanks]] = []
+        live: list[tuple[Any, HolderRanks | TrainerLayout]] = []
         for h in holders:
+            if hasattr(h, "source_layout"):  # trainer ranks (fastsync.reload.holders.TrainerHolder)
+                if h.version != version:
+                    report.refused[h.name] = f"holds version {h.version}, not {version}"
+                else:
+                    live.append((h, h.source_layout()))
+                continue
             try:
                 got = h.reload_describe()
             except Exception as e:
@@ -133,11 +142,12 @@ class PeerReload:
         report.weights_s = time.perf_counter() - t0
         return report
 
-    def _attempt(self, seq: int, attempt: int, joiner: Any, chosen: list[tuple[Any, HolderRanks]], params: dict,
+    def _attempt(self, seq: int, attempt: int, joiner: Any, chosen: list[tuple[Any, HolderRanks | TrainerLayout]], params: dict,
                  target: Any, version: int, report: ReloadReport,
                  on_attempt: Callable[[int, list[Any]], None] | None) -> tuple[bool, set[str]]:
         hit_before = self.cache.hits
-        source = engine_source_layout([hr for _, hr in chosen], params)
+        source = merge_sources([hr if isinstance(hr, TrainerLayout) else engine_source_layout([hr], params)
+                                for _, hr in chosen], params)
         plan = self.cache.get(params, source, target)
         report.plan_cached = self.cache.hits > hit_before
         report.plan_s += self.cache.last_plan_s
@@ -167,7 +177,8 @@ class PeerReload:
         holder_fail: dict[str, Callable[[BaseException], None]] = {}
         offset = 0
         for h, hr in chosen:
-            ranks = list(range(offset, offset + len(hr.tensors)))
+            width = hr.world_size if isinstance(hr, TrainerLayout) else len(hr.tensors)
+            ranks = list(range(offset, offset + width))
 
             def fail(e: BaseException, h=h, ranks=ranks) -> None:
                 for r in ranks:  # the joining engine stops waiting for this holder at once
@@ -179,7 +190,7 @@ class PeerReload:
                                   daemon=True)
             th.start()
             threads.append(th)
-            offset += len(hr.tensors)
+            offset += width
         # watchdog: a holder whose process died is failed at once (its RPC may never return), so
         # the joining engine stops waiting for it instead of running into its deadline
         deadline = time.monotonic() + self.timeout_s + 30

@@ -23,7 +23,7 @@ from fastsync.errors import LayoutError
 from fastsync.layout.box import Box, box_numel, box_shape
 from fastsync.layout.types import EngineLayout, EngineTensor, ParamSpec, Shard, TrainerLayout
 
-__all__ = ["HolderRanks", "engine_source_layout", "local_shards", "source_tensor_of", "params_of", "target_layout"]
+__all__ = ["HolderRanks", "engine_source_layout", "local_shards", "merge_sources", "source_tensor_of", "params_of", "target_layout"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,3 +162,26 @@ def target_layout(tensors: list[dict[str, EngineTensor]], description: str = "jo
     """The joining engine's workers as one EngineLayout (ranks 0..n-1, one replica)."""
     return EngineLayout(len(tensors), {i: t for i, t in enumerate(tensors)}, {i: 0 for i in range(len(tensors))},
                         kind="vllm", description=description)
+
+
+def merge_sources(layouts: list[TrainerLayout], params: dict[str, ParamSpec]) -> TrainerLayout:
+    """Several holders' source layouts (engine holders from :func:`engine_source_layout`,
+    trainer jobs as they are) end to end: holder h's rank r becomes ``offset_h + r``. Only
+    ``params`` (what the joining engine reads) are kept."""
+    shards: dict[str, list[Shard]] = {}
+    offset = 0
+    for lay in layouts:
+        for n, ss in lay.shards.items():
+            if n in params:
+                if lay.params[n].shape != params[n].shape:
+                    raise LayoutError(f"holder layout {lay.description!r}: parameter {n!r} has shape "
+                                      f"{lay.params[n].shape}, the joining engine reads {params[n].shape}")
+                shards.setdefault(n, []).extend(Shard(s.rank + offset, s.box, s.local_offset) for s in ss)
+        offset += lay.world_size
+    missing = sorted(set(params) - set(shards))
+    if missing:
+        raise LayoutError(f"the holders hold no part of parameter(s) {missing[:5]} the joining engine needs")
+    out = TrainerLayout(offset, dict(params), {n: tuple(s) for n, s in shards.items()}, kind="reload",
+                        description=" + ".join(lay.description for lay in layouts))
+    out.validate()
+    return out

@@ -111,7 +111,11 @@ def rig(tmp_path_factory):
             w.close()
         v2 = tmp / "v2"
         hf.save_pretrained(v2)  # the checkpoint of the current version (the fallback)
-        yield {"engines": engines, "control": control, "ckpt_v2": str(v2), "coord": PeerReload(control, timeout_s=TIMEOUT_S)}
+        from fastsync.reload.holders import TrainerHolder
+
+        trainer = TrainerHolder("trainer", layout, sources, version=2)
+        yield {"engines": engines, "control": control, "ckpt_v2": str(v2), "trainer": trainer,
+               "coord": PeerReload(control, timeout_s=TIMEOUT_S)}
     finally:
         for e in engines.values():
             _stop(e.llm)
@@ -171,3 +175,10 @@ def test_peer_killed_mid_reload_switches_holder_then_checkpoint(rig):
     assert rep.source == "checkpoint" and "H2" in rep.refused, rep.to_json()
     assert _digest(e["J"]) == _digest(e["H1"])
     assert e["J"].generate(PROMPTS, 6) == e["H1"].generate(PROMPTS, 6)
+
+
+def test_trainer_ranks_as_holders(rig):
+    e, coord = rig["engines"], rig["coord"]
+    rep = coord.reload(e["J"], [rig["trainer"]], 2)
+    assert rep.source == "peer" and rep.holders == ["trainer"], rep.to_json()
+    assert _digest(e["J"]) == _digest(e["H1"])  # the trainer's shards, as the synced holder holds them

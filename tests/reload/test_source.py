@@ -12,7 +12,14 @@ from fastsync.layout.spec import engine_layout_from_spec
 from fastsync.layout.types import EngineTensor, Piece
 from fastsync.models.inventory import inventory_from_config
 from fastsync.reload.plans import PlanCache
-from fastsync.reload.source import HolderRanks, engine_source_layout, local_shards, params_of, target_layout
+from fastsync.reload.source import (
+    HolderRanks,
+    engine_source_layout,
+    local_shards,
+    merge_sources,
+    params_of,
+    target_layout,
+)
 from fastsync.testing.local import execute_plan_locally, reference_engine_tensors
 
 
@@ -76,3 +83,31 @@ def test_parameter_in_two_buffers_is_refused():
     b = EngineTensor("b", (2, 4), "bfloat16", (Piece(((0, 2), (0, 4)), "p", ((2, 4), (0, 4))),))
     with pytest.raises(LayoutError, match="two engine tensors"):
         local_shards({"a": a, "b": b}, 0)
+
+
+def test_trainer_and_engine_holders_merge():
+    from fastsync.testing.synthetic import fsdp_layout
+    from fastsync.testing.local import split_full_params
+
+    inv = _inventory("tiny-qwen3", hidden_size=192, intermediate_size=200, vocab_size=515)
+    src = engine_layout_from_spec("vllm:tp2", inv)
+    dst = engine_layout_from_spec("vllm:tp1", inv)
+    g = torch.Generator().manual_seed(5)
+    full = {n: torch.randn(p.shape, generator=g).to(torch.bfloat16) for n, p in inv.params.items()}
+    target = target_layout(_replicas(dst, 1))
+    params = params_of(target.tensors)
+    trainer = fsdp_layout({n: inv.params[n] for n in params}, 3)
+    engine = engine_source_layout([HolderRanks("E", tuple(_replicas(src, 2)))], params)
+    merged = merge_sources([trainer, engine], params)
+    assert merged.world_size == 5
+    plan = PlanCache().get(params, merged, target)
+    held = reference_engine_tensors(full, src)
+    locals_ = split_full_params({n: full[n] for n in params}, trainer)
+    for i in range(2):
+        _, buffer_of = local_shards(src.tensors[i], 3 + i)
+        locals_[3 + i] = {p: held[i][t] for p, t in buffer_of.items()}
+    got = execute_plan_locally(plan, locals_, target, merged)
+    want = reference_engine_tensors(full, dst)
+    for n, t in want[0].items():
+        assert torch.equal(got[0][n], t), n
+    assert {t.src_rank for t in plan.transfers} & {0, 1, 2} and {t.src_rank for t in plan.transfers} & {3, 4}
