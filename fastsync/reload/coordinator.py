@@ -156,6 +156,9 @@ class PeerReload:
         ctl = self.control.with_prefix(prefix)
         base = {"control_port": self.control.port, "control_prefix": prefix, "handshake_version": _HANDSHAKE_VERSION,
                 "weight_version": version, "timeout_s": self.timeout_s}
+        secret = getattr(self.control, "secret", None)
+        if secret:  # the job secret: the workers' store clients and NIXL notifications need it
+            base["control_secret"] = secret.hex()
         results: dict[str, Any] = {}
         failed: set[str] = set()
 

@@ -55,7 +55,7 @@ class TrainerHolder:
         def send(r: int) -> None:
             control = TCPStoreControl.client(int(options["control_port"]),
                                              host=options.get("control_host", DEFAULT_HOST),
-                                             prefix=options["control_prefix"])
+                                             prefix=options["control_prefix"], secret=options.get("control_secret"))
             shards = {n: [type(s)(s.rank + offset, s.box, s.local_offset) for s in ss]
                       for n, ss in self.layout.shards_on(r).items()}
             tx = WeightSender(rank=offset + r, plan=plan, sources=self.sources[r], shards=shards, control=control,

@@ -92,8 +92,9 @@ class ReloadWorkerMixin:
         from fastsync.sync.sender import WeightSender
 
         st = self._fastsync_state()  # type: ignore[attr-defined]
-        _check_options("fastsync_reload_send", options, {"control_port", "control_host", "control_prefix", "rank_offset",
-                                                         "handshake_version", "weight_version", "timeout_s"})
+        _check_options("fastsync_reload_send", options, {"control_port", "control_host", "control_prefix", "control_secret",
+                                                         "rank_offset", "handshake_version", "weight_version",
+                                                         "timeout_s"})
         want = int(options["weight_version"])
         if st.version != want:
             raise SyncError(f"holder engine rank {st.rank} serves version {st.version}, the joining engine asked for "
@@ -107,7 +108,7 @@ class ReloadWorkerMixin:
         shards, buffer_of = local_shards(st.expected, rank)
         sources = {p: plain[t] for p, t in buffer_of.items()}
         control = TCPStoreControl.client(int(options["control_port"]), host=options.get("control_host", DEFAULT_HOST),
-                                         prefix=options["control_prefix"])
+                                         prefix=options["control_prefix"], secret=options.get("control_secret"))
         timeout = float(options.get("timeout_s", 60.0))
         t0 = time.perf_counter()
         tx = WeightSender(rank=rank, plan=Plan.loads(plan_json), sources=sources, shards=shards, control=control,
@@ -132,11 +133,13 @@ class ReloadWorkerMixin:
     def _fastsync_reload_receive(self, plan_json: str, options: dict) -> dict:
         st = self._fastsync_state()  # type: ignore[attr-defined]
         _check_options("fastsync_reload_receive", options, {"control_port", "control_host", "control_prefix",
-                                                            "handshake_version", "weight_version", "timeout_s"})
+                                                            "control_secret", "handshake_version", "weight_version",
+                                                            "timeout_s"})
         want, hv = int(options["weight_version"]), int(options["handshake_version"])
         timeout = float(options.get("timeout_s", 60.0))
         t0 = time.perf_counter()
-        conn = {k: options[k] for k in ("control_port", "control_host", "control_prefix") if k in options}
+        conn = {k: options[k] for k in ("control_port", "control_host", "control_prefix", "control_secret")
+                if k in options}
         conn.update(transport="nixl", timeout_s=timeout)
         got = self._fastsync_connect(plan_json, conn, initial_version=0)  # type: ignore[attr-defined]
         connect_s = time.perf_counter() - t0
