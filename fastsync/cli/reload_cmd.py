@@ -18,6 +18,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
+
+    if args.json:  # vLLM logs to stdout by default (engine processes inherit this): keep stdout the JSON
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     from fastsync.bench.reload import run_reload_bench
 
     r = run_reload_bench(args.model, repeats=args.repeats, workdir=args.workdir, timeout_s=args.timeout)

@@ -1,8 +1,9 @@
 """Version-aware routing and rolling updates through the real aiohttp front.
 
 The replicas here are small aiohttp servers answering ``/v1/completions`` with the version their
-weights are at: STAND-INS for ``vllm serve`` (the two-real-engine version of this test is not
-written yet; see the README's known limits). Requests flow on a thread during a rolling update;
+weights are at: STAND-INS for ``vllm serve``, fast enough to run many requests per wave (the
+same rolling update with two real ``vllm serve`` replicas is ``test_router_vllm_serve.py``).
+Requests flow on a thread during a rolling update;
 every answer's replica and version is counted.
 """
 
