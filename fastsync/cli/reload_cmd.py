@@ -37,8 +37,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"speed-up weights {r['speedup_weights']:.1f}x cold, {r['speedup_weights_warm']:.1f}x warm; "
           f"ready {r['speedup_ready']:.2f}x")
     pw = d["peer_worker"]
-    print(f"peer in the worker: connect+register {pw['connect_s']:.3f} s, wait {pw['wait_s']:.3f} s, "
-          f"repack {pw['postprocess_s']:.3f} s; NIXL registration {r['registration_seconds']:.4f} s")
+    print(f"peer in the worker: connect+register {pw['connect_s']:.3f} s, begin {pw['begin_s']:.3f} s, wait "
+          f"{pw['wait_s']:.3f} s, repack {pw['postprocess_s']:.3f} s, close {pw['close_s']:.3f} s; NIXL registration "
+          f"{r['registration_seconds']:.4f} s")
     print(f"ready breakdown: engine start without weights {rdd['engine_start_dummy']:.1f} s, first request "
           f"{rdd['first_request_peer']:.2f} s; engine start with checkpoint {rdd['engine_start_with_checkpoint_cold']:.1f} s")
     print(f"page cache (resident fraction): {r['page_cache']}")

@@ -267,7 +267,8 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
         ``timeout_s``, ``verify``."""
         return _result(lambda: self._fastsync_connect(plan_json, dict(options)))
 
-    def _fastsync_connect(self, plan_json: str, options: dict, initial_version: int | None = None) -> dict:
+    def _fastsync_connect(self, plan_json: str, options: dict, initial_version: int | None = None,
+                          snapshot: bool = True) -> dict:
         from fastsync.control import DEFAULT_HOST, TCPStoreControl
         from fastsync.sync.receiver import WeightReceiver
         from fastsync.plan.types import Plan
@@ -301,7 +302,7 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
             else:
                 dest[name] = lp.live
                 backup.append(name)
-        landing = EngineLanding(dest, backup, on_apply=lambda: self._fastsync_postprocess(self._fastsync_state()))
+        landing = EngineLanding(dest, backup if snapshot else [], on_apply=lambda: self._fastsync_postprocess(self._fastsync_state()))
         control = TCPStoreControl.client(int(options["control_port"]), host=options.get("control_host", DEFAULT_HOST),
                                          prefix=options.get("control_prefix", "fs"),
                                          secret=options.get("control_secret"))

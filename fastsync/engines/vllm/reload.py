@@ -141,18 +141,24 @@ class ReloadWorkerMixin:
         conn = {k: options[k] for k in ("control_port", "control_host", "control_prefix", "control_secret")
                 if k in options}
         conn.update(transport="nixl", timeout_s=timeout)
-        got = self._fastsync_connect(plan_json, conn, initial_version=0)  # type: ignore[attr-defined]
+        # an engine holding only dummy weights has nothing worth restoring: no in-place snapshot
+        got = self._fastsync_connect(plan_json, conn, initial_version=0,  # type: ignore[attr-defined]
+                                     snapshot=bool(getattr(st, "plain", False)))
         connect_s = time.perf_counter() - t0
         reg = getattr(st.receiver.transport, "registration", {})
         try:
+            t_begin = time.perf_counter()
             self._fastsync_begin(hv)  # type: ignore[attr-defined]
+            begin_s = time.perf_counter() - t_begin
             fin = self._fastsync_finish(hv, timeout)  # type: ignore[attr-defined]
         finally:
+            t_close = time.perf_counter()
             rx, st.receiver = st.receiver, None  # the trainers' next setup connects again
             if rx is not None:
                 rx.close()
         st.version, st.plain = want, True
         return {"rank": st.rank, "version": want, "connect_s": connect_s, "registration": reg,
+                "begin_s": begin_s, "close_s": time.perf_counter() - t_close,
                 "wait_s": fin["wait_s"], "postprocess_s": fin["postprocess_s"], "total_s": time.perf_counter() - t0,
                 "staged_bytes": got["staged_bytes"], "inplace_bytes": got["inplace_bytes"]}
 
