@@ -22,9 +22,15 @@ def run(args: argparse.Namespace) -> int:
 
     if args.json:  # vLLM logs to stdout by default (engine processes inherit this): keep stdout the JSON
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    import contextlib
+    import sys
+
     from fastsync.bench.reload import run_reload_bench
 
-    r = run_reload_bench(args.model, repeats=args.repeats, workdir=args.workdir, timeout_s=args.timeout)
+    # with --json, stdout carries only the report: libraries' log lines (NIXL logs to stdout) go to stderr
+    quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
+    with quiet:
+        r = run_reload_bench(args.model, repeats=args.repeats, workdir=args.workdir, timeout_s=args.timeout)
     if args.json:
         print(json.dumps(r, indent=2))
         return 0 if r["verified"] else 1
