@@ -80,13 +80,28 @@ class VllmEngine:
     def _fenced(self, what: str) -> Iterator[None]:
         """Hold the fence for ``what``; SyncError if another call (e.g. an update whose
         ``wait_update`` timed out, still running on its thread) keeps it past ``lock_timeout_s``."""
-        if not self._lock.acquire(timeout=self.lock_timeout_s):
-            raise SyncError(f"{what}: the vLLM engine (rank offset {self.rank_offset}) is still busy with another "
-                            f"request (an update or generate) after {self.lock_timeout_s:.0f} s")
+        deadline = time.monotonic() + self.lock_timeout_s
+        while not self._lock.acquire(timeout=max(0.0, min(0.5, deadline - time.monotonic()))):
+            dead = self._dead_engine_pids()
+            if dead:  # the call holding the fence waits on a dead engine: do not wait out its deadline
+                raise SyncError(f"{what}: the vLLM engine (rank offset {self.rank_offset}) is dead: its engine-core "
+                                f"process(es) {dead} exited while another request held the fence")
+            if time.monotonic() >= deadline:
+                raise SyncError(f"{what}: the vLLM engine (rank offset {self.rank_offset}) is still busy with another "
+                                f"request (an update or generate) after {self.lock_timeout_s:.0f} s")
         try:
             yield
         finally:
             self._lock.release()
+
+    def _dead_engine_pids(self) -> list[int]:
+        """PIDs of this engine's engine-core processes that have exited ([] when vLLM does not say
+        which processes it runs, e.g. an in-process engine core)."""
+        try:
+            procs = list(getattr(self.llm.llm_engine.engine_core.resources.engine_manager, "processes", []))
+        except AttributeError:
+            return []
+        return [p.pid for p in procs if p.exitcode is not None]
 
     def _rpc(self, method: str, *args: Any, what: str = "") -> list[Any]:
         """Call the extension on every worker, waiting at most ``lock_timeout_s`` for the answers."""

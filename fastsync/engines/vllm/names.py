@@ -71,7 +71,13 @@ def _finish(arch: str, config: dict, out: list[EngineParam], unused: dict[str, s
     ``is_layer_skipped`` does (exact module names; a fused module is skipped when all its parts
     are) and wrap up the map."""
     qc = config.get("quantization_config") or {}
-    ignored = set(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or ())
+    if not isinstance(qc, dict):
+        raise ConfigError(f"{arch}: config.json 'quantization_config' must be an object, got {type(qc).__name__}")
+    ignored = qc.get("ignored_layers") or qc.get("modules_to_not_convert") or ()
+    if not isinstance(ignored, (list, tuple)) or not all(isinstance(m, str) for m in ignored):
+        raise ConfigError(f"{arch}: config.json 'quantization_config' ignored_layers / modules_to_not_convert "
+                          f"must be a list of module names, got {ignored!r}"[:300])
+    ignored = set(ignored)
     if ignored:
         for i, p in enumerate(out):
             if not p.quantizable:
