@@ -44,6 +44,7 @@ from fastsync.executor.staging import wait_device
 from fastsync.security import check_mac, derive_key, mac, net_devices
 from fastsync.transport.base import ReceiverContext, SenderContext, Transport
 from fastsync.transport.nixl_relay import NixlRelay, batches_key
+from fastsync.transport.nixl_teardown import quiesce, release
 
 try:
     from nixl._api import nixl_agent, nixl_agent_config
@@ -371,15 +372,7 @@ class NixlTransport(Transport):
             raise
 
     def _quiesce(self, deadline: float) -> None:
-        for entries in self._handles.values():
-            for _, h, _ in entries:
-                while time.monotonic() < deadline:
-                    try:
-                        if self.agent.check_xfer_state(h) != "PROC":
-                            break
-                    except Exception:  # a handle never posted, or already failed: nothing in flight
-                        break
-                    time.sleep(0.0005)
+        quiesce(self.agent, (h for entries in self._handles.values() for _, h, _ in entries), deadline)
 
     def _close(self) -> None:
         if self.agent is None:
@@ -387,24 +380,10 @@ class NixlTransport(Transport):
         if self._relay is not None:
             self._relay.close()
             self._relay = None
-        for entries in self._handles.values():
-            for _, h, _ in entries:
-                try:
-                    self.agent.release_xfer_handle(h)
-                except Exception:
-                    pass
+        release(self.agent, (h for entries in self._handles.values() for _, h, _ in entries),
+                self._reg, self._remote.values())
         self._handles.clear()
-        if self._reg is not None:
-            try:
-                self.agent.deregister_memory(self._reg)
-            except Exception:
-                pass
-            self._reg = None
-        for name in self._remote.values():
-            try:
-                self.agent.remove_remote_agent(name)
-            except Exception:
-                pass
+        self._reg = None
         self._remote.clear()
         self.agent = None
 

@@ -29,6 +29,7 @@ import torch
 from fastsync.control import ControlPlane
 from fastsync.errors import ConfigError, SyncError, TransportError
 from fastsync.security import check_mac, mac
+from fastsync.transport.nixl_teardown import quiesce, release
 
 __all__ = ["DeltaOutbox", "DeltaInbox", "inbox_key", "page_bytes"]
 
@@ -124,31 +125,14 @@ class DeltaOutbox:
                                         "not done by the deadline")
                     time.sleep(0.0002)
         except BaseException:
-            end = min(deadline, time.monotonic() + 5.0)
-            for _, h in posted:  # let posted writes finish before the failure is reported
-                while time.monotonic() < end:
-                    try:
-                        if self.agent.check_xfer_state(h) != "PROC":
-                            break
-                    except Exception:
-                        break
-                    time.sleep(0.0005)
+            # let posted writes finish before the failure is reported
+            quiesce(self.agent, (h for _, h in posted), min(deadline, time.monotonic() + 5.0))
             raise
 
     def close(self) -> None:
-        for hs in self._handles.values():
-            for h in hs:
-                try:
-                    self.agent.release_xfer_handle(h)
-                except Exception:
-                    pass
+        release(self.agent, (h for hs in self._handles.values() for h in hs), self._reg)
         self._handles.clear()
-        if self._reg is not None:
-            try:
-                self.agent.deregister_memory(self._reg)
-            except Exception:
-                pass
-            self._reg = None
+        self._reg = None
 
 
 class DeltaInbox:

@@ -23,7 +23,6 @@ at the same byte offsets (replicas hold identical tensors). Per version:
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +30,7 @@ import numpy as np
 
 from fastsync.errors import TransportError
 from fastsync.security import check_mac, mac
+from fastsync.transport.nixl_teardown import quiesce, release
 
 __all__ = ["NixlRelay", "armed_key", "batches_key", "relay_key"]
 
@@ -245,25 +245,9 @@ class NixlRelay:
         return out
 
     def quiesce(self, deadline: float) -> None:
-        for h in self._posted.values():
-            while time.monotonic() < deadline:
-                try:
-                    if self.agent.check_xfer_state(h) != "PROC":
-                        break
-                except Exception:
-                    break
-                time.sleep(0.0005)
+        quiesce(self.agent, self._posted.values(), deadline)
 
     def close(self) -> None:
-        for h in self._handles.values():
-            try:
-                self.agent.release_xfer_handle(h)
-            except Exception:
-                pass
+        release(self.agent, self._handles.values(), remotes=self._remote.values())
         self._handles.clear()
-        for name in self._remote.values():
-            try:
-                self.agent.remove_remote_agent(name)
-            except Exception:
-                pass
         self._remote.clear()
