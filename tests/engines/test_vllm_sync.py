@@ -27,6 +27,7 @@ from fastsync.layout.box import box_slices  # noqa: E402
 from fastsync.layout.trainer import fsdp_layout  # noqa: E402
 from fastsync.layout.types import ParamSpec, TrainerLayout  # noqa: E402
 from fastsync.sync import WeightSync  # noqa: E402
+from fastsync.testing.threads import run_ranks as _run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -102,24 +103,7 @@ class Rig:
 
 def run_ranks(fns: list, timeout_s: float = TIMEOUT_S * 2) -> list:
     """Run each trainer rank's call on its own thread; re-raise the first failure."""
-    out: list = [None] * len(fns)
-
-    def go(i: int) -> None:
-        try:
-            out[i] = fns[i]()
-        except BaseException as e:
-            out[i] = e
-
-    threads = [threading.Thread(target=go, args=(i,), daemon=True) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout_s)
-        assert not t.is_alive(), "a trainer rank did not return before its deadline"
-    for r in out:
-        if isinstance(r, BaseException):
-            raise r
-    return out
+    return _run_ranks(fns, timeout_s)
 
 
 @pytest.fixture(scope="module", params=[("tiny-qwen3", 2), ("tiny-qwen3-moe", 1)], ids=["dense-tp2", "moe-tp1"])

@@ -28,6 +28,7 @@ from fastsync.layout.trainer import fsdp_layout  # noqa: E402
 from fastsync.layout.types import ParamSpec  # noqa: E402
 from fastsync.reload.coordinator import PeerReload  # noqa: E402
 from fastsync.sync import WeightSync  # noqa: E402
+from fastsync.testing.threads import run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -53,26 +54,7 @@ def _stop(llm) -> None:
 
 def _run(fns):
     """Each trainer rank's call on its own thread; the first failure re-raised."""
-    import threading
-
-    out: list = [None] * len(fns)
-
-    def go(i: int) -> None:
-        try:
-            out[i] = fns[i]()
-        except BaseException as e:
-            out[i] = e
-
-    threads = [threading.Thread(target=go, args=(i,), daemon=True) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-        assert not t.is_alive(), "a trainer rank did not return before its deadline"
-    for r in out:
-        if isinstance(r, BaseException):
-            raise r
-    return out
+    return run_ranks(fns, 120)
 
 
 @pytest.fixture(scope="module")
