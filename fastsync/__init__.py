@@ -19,7 +19,9 @@ torch.distributed, NIXL, vLLM) are imported lazily, on first use of a name that 
   ``box_slices``).
 * Tensors: ``alloc_touched``, ``dtype_name``, ``torch_dtype``.
 * MoE: ``patch_moe`` (swap HF v5 MoE blocks), ``RoutingReplay``.
-* Engines: ``FastSyncWorkerExtension`` (vLLM's ``worker_extension_cls``, to subclass or compose).
+* Engines: ``FastSyncWorkerExtension`` (vLLM's ``worker_extension_cls``, to subclass or compose);
+  ``RemoteEngine`` / ``serve_engine`` (an engine handle answered over the control plane by a host
+  that drives the engine, e.g. verl's rollout server), ``raise_worker_errors`` / ``worker_error_reply``.
 * Plugins: ``hookimpl``, ``register_plugin``, ``unregister_plugin``; errors: ``FastSyncError``
   and its subclasses.
 """
@@ -63,6 +65,10 @@ _LAZY: dict[str, tuple[str, str]] = {
     "build_plan": ("fastsync.plan.planner", "build_plan"),
     # engines
     "FastSyncWorkerExtension": ("fastsync.engines.vllm.extension", "FastSyncWorkerExtension"),
+    "RemoteEngine": ("fastsync.engines.vllm.host", "RemoteEngine"),
+    "serve_engine": ("fastsync.engines.vllm.host", "serve"),
+    "raise_worker_errors": ("fastsync.engines.vllm.host", "raise_worker_errors"),
+    "worker_error_reply": ("fastsync.engines.vllm.host", "error_reply"),
     "Plan": ("fastsync.plan.types", "Plan"),
     "Transfer": ("fastsync.plan.types", "Transfer"),
     "simulate": ("fastsync.plan.simulate", "simulate"),

