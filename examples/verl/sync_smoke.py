@@ -1,182 +1,291 @@
-"""CPU smoke: verl's FSDP2 export -> fastsync in-place writes -> a live vLLM CPU engine running
-fastsync's worker extension composed with verl's.
+"""CPU smoke: verl's FSDP2 shards -> fastsync in-place writes -> the live weights of verl's own
+vLLM server (``vLLMHttpServer`` / AsyncLLM on the real vLLM CPU engine), driven by verl's
+``CheckpointEngineManager.update_weights`` with ``checkpoint_engine.backend=fastsync``.
 
-    python examples/verl/sync_smoke.py [--trainers 2] [--preset tiny-qwen3] [--json]
+    python examples/verl/sync_smoke.py [--preset tiny-qwen3] [--syncs 2] [--json]
 
-What is verl's here and what is not (honestly):
-* trainer side: 2 processes hold the model sharded with FSDP2 (gloo), take one optimizer step,
-  and run verl's own ``FSDPEngine.get_per_tensor_param`` (wrapped by ``fastsync_verl.shards``) on
-  it; the object passed as verl's engine is a stand-in with only the attributes that method reads
-  (verl's full engine needs its worker bootstrap). The module it hands over is what fastsync syncs
-  from: each rank writes its own shards, ``full_tensor()`` is counted and must stay 0.
-* rollout side: a real vLLM CPU engine (``vllm.LLM``) with
-  ``worker_extension_cls=fastsync_verl.extension.FastSyncVerlWorkerExtension`` (verl's
-  ``vLLMColocateWorkerExtension`` + fastsync's), writes landing in its live tensors, fenced and
-  flipped by fastsync (the engine serves the new version only when every write landed). It is
-  NOT verl's ``vLLMHttpServer`` and the sync is not driven by verl's ``CheckpointEngineManager``:
-  that wiring is not done yet (see adapters/verl/README.md).
+What is verl's here and what is a stand-in (honestly):
+* rollout: verl's ``vLLMHttpServer`` as a named Ray actor (created as verl's ``vLLMReplica``
+  does) running ``vllm serve`` in-process (AsyncLLM, uvicorn) with
+  ``engine_kwargs.vllm.worker_extension_cls=fastsync_verl.extension.FastSyncVerlWorkerExtension``;
+  verl's ``CheckpointEngineWorker`` beside it builds verl's own vLLM ``ServerAdapter``.
+  Stand-in: the replica object the manager holds (verl's ``vLLMReplica`` needs GPU worker
+  groups); its ``abort_all_requests`` / KV-cache calls are no-ops because verl 0.9.1's
+  ``abort_all_requests`` raises on vLLM 0.32 (``pause_generation`` lost
+  ``wait_for_inflight_requests``): fastsync's update pauses AsyncLLM itself
+  (``fastsync_verl/server.py``).
+* trainer: 2 Ray actors hold the model sharded with FSDP2 (gloo), take AdamW steps and run
+  verl's own ``FSDPEngine.get_per_tensor_param`` (wrapped by ``fastsync_verl.shards``); the
+  object passed as verl's engine is a stand-in with only the attributes that method reads
+  (verl's full actor worker needs its GPU bootstrap). ``full_tensor()`` is counted while
+  ``send_weights`` runs and must stay 0. The trainer worker group is a stand-in dispatching
+  what the manager calls (``execute_checkpoint_engine``, ``update_weights``).
 
-Prints ``match`` (the engine's greedy tokens after the sync equal the trainer model's own),
-``inplace`` (writes went into the engine's live tensors), ``trainer_full_tensor_calls`` (0) and
-the sync time. verl's CPU gaps are bridged by ``fastsync_verl.cpu`` (dist-info shim, CPU platform).
+Prints ``match`` (after every sync the server's greedy tokens equal the trainer model's own),
+``inplace`` (the session took the in-place path: the writes landed in the live engine tensors),
+``trainer_full_tensor_calls`` (0), the version verl's server records, and the generation stall.
+verl's CPU gaps are bridged by ``fastsync_verl.cpu`` (dist-info shim, CPU platform, tokenizer).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import time
-import types
 
 
-def trainer(rank: int, world: int, port: int, secret: str, gloo_port: int, model_dir: str, opts: dict, out) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    report: dict = {"rank": rank}
-    engine = None
-    try:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Trainer:
+    """One FSDP2 trainer rank with the fastsync backend, as verl's actor worker holds it."""
+
+    def __init__(self, rank: int, world: int, gloo_port: int, model_dir: str, timeout_s: float) -> None:
+        import types
+
         import torch
         import torch.distributed as dist
         import transformers
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor import DTensor
+        from verl.checkpoint_engine import CheckpointEngineRegistry
+        from verl.utils.import_utils import import_external_libs
 
         from fastsync_verl.cpu import use_cpu_platform
 
         use_cpu_platform()
         from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
 
-        import fastsync_verl.shards as shards
-        from fastsync import TCPStoreControl, WeightSync
-        from fastsync.demo.run import _full_state, _reference, _train_step
-        from fastsync.engines.vllm.host import RemoteEngine
-
-        shards.install()
         torch.set_num_threads(1)
-        calls = {"n": 0}
+        import_external_libs("fastsync_verl")  # what checkpoint_engine.custom_backend_module does
+        self.calls = {"n": 0}
         orig = DTensor.full_tensor
 
-        def counted(self, *a, **kw):
-            calls["n"] += 1
-            return orig(self, *a, **kw)
+        def counted(t, *a, **kw):
+            self.calls["n"] += 1
+            return orig(t, *a, **kw)
 
         DTensor.full_tensor = counted
-        control = TCPStoreControl.client(port, secret=bytes.fromhex(secret))
-        engine = RemoteEngine(control) if rank == 0 else None
+        self.rank, self.model_dir, self.FSDPEngine = rank, model_dir, FSDPEngine
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank, world_size=world)
-        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         mesh = init_device_mesh("cpu", (world,))
-        for layer in model.model.layers:
+        for layer in self.model.model.layers:
             fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        opt = torch.optim.Adam(model.parameters(), lr=0.02)
-        _train_step(model, opt, model.config.vocab_size, seed=1)
+        fully_shard(self.model, mesh=mesh)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=0.02)
+        self.engine = CheckpointEngineRegistry.new("fastsync", is_master=rank == 0, bucket_size=1 << 20,
+                                                   control_host="127.0.0.1", timeout_s=timeout_s,
+                                                   trainer_shards="on", inplace="on")
+        self.fake = types.SimpleNamespace(  # stand-in for verl's FSDPEngine: what get_per_tensor_param reads
+            module=self.model, _uses_fsdp2_cpu_offload_policy=False, _is_offload_param=False, _qat_enabled=False,
+            model_config=types.SimpleNamespace(lora={}, hf_config=self.model.config))
+        self.full_tensor_calls = 0
+        self.iterated = False
 
-        fake = types.SimpleNamespace(  # stand-in for verl's FSDPEngine: what get_per_tensor_param reads
-            module=model, _uses_fsdp2_cpu_offload_policy=False, _is_offload_param=False, _qat_enabled=False,
-            model_config=types.SimpleNamespace(lora={}, hf_config=model.config))
-        before = calls["n"]
-        weights, _ = FSDPEngine.get_per_tensor_param(fake)  # verl's own export, lazy
-        if not isinstance(weights, shards.ShardedWeights) or weights.refusal():
-            raise RuntimeError(f"verl export not servable from shards: {type(weights).__name__} "
-                               f"{getattr(weights, 'refusal', lambda: '')()}")
-        ws = WeightSync(weights.module, rank=rank, world_size=world, control=control,
-                        engines=[engine] if engine else [], transport="nixl", timeout_s=opts["timeout_s"])
-        ws.setup()
-        dist.barrier()
-        t0 = time.perf_counter()
-        res = ws.sync(1, timeout_s=opts["timeout_s"])
-        report["sync_s"] = time.perf_counter() - t0
-        report["full_tensor_calls"] = calls["n"] - before
-        report["iterated"] = weights.iterated
-        ws.close()
-        full = _full_state(model)  # the reference below needs full tensors (not part of the sync)
-        if rank == 0:
-            report["engine_side"] = res.engines[0]
-            report["after_engine"] = engine.generate(opts["prompts"], opts["max_tokens"])
-            report["after_trainer"] = _reference(model_dir, full, opts["prompts"], opts["max_tokens"], "float32")
-            report["version"] = engine.version()
-        dist.barrier()
-        report["ok"] = True
-    except BaseException as e:  # noqa: BLE001
-        report["ok"] = False
-        report["error"] = f"{type(e).__name__}: {e}"
-    finally:
-        if engine is not None:
-            try:
-                engine.stop()
-            except Exception:  # noqa: BLE001
-                pass
-        out.put(report)
+    def execute_checkpoint_engine(self, method: str, *args, **kwargs):
+        return getattr(self.engine, method)(*args, **kwargs)
+
+    def train_step(self, seed: int) -> float:
+        from fastsync.demo.run import _train_step
+
+        return _train_step(self.model, self.opt, self.model.config.vocab_size, seed=seed)
+
+    def send(self, global_steps: int) -> dict:
+        import asyncio
+
+        before = self.calls["n"]
+        weights, _ = self.FSDPEngine.get_per_tensor_param(self.fake)  # verl's own export, lazy
+        metrics = asyncio.run(self.engine.send_weights(weights, global_steps=global_steps))
+        self.full_tensor_calls += self.calls["n"] - before
+        self.iterated = self.iterated or bool(getattr(weights, "iterated", True))
+        return metrics
+
+    def reference(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]] | None:
+        from fastsync.demo.run import _full_state, _reference
+
+        full = _full_state(self.model)  # a collective: every rank calls it (not part of the sync)
+        return _reference(self.model_dir, full, prompts, max_tokens, "float32") if self.rank == 0 else None
+
+    def counts(self) -> dict:
+        return {"full_tensor_calls": self.full_tensor_calls, "iterated": self.iterated,
+                "engine": self.engine.describe()}
+
+
+class TrainerGroup:
+    """Stand-in for verl's actor RayWorkerGroup: DP_COMPUTE dispatch of what the manager calls."""
+
+    def __init__(self, actors: list) -> None:
+        self.actors, self.world_size = actors, len(actors)
+
+    def execute_checkpoint_engine(self, method: list[str], **kwargs: list) -> list:
+        return [a.execute_checkpoint_engine.remote(method[i], **{k: v[i] for k, v in kwargs.items()})
+                for i, a in enumerate(self.actors)]
+
+    def update_weights(self, global_steps: int | None = None, mode: str = "") -> list:
+        return [a.send.remote(global_steps) for a in self.actors]
+
+
+def rollout_worker_cls():
+    from verl.checkpoint_engine.base import CheckpointEngineWorker
+
+    class RolloutWorker(CheckpointEngineWorker):
+        """verl's CheckpointEngineWorker with verl's own vLLM ServerAdapter (server_adapter=None)."""
+
+        def __init__(self, rollout_config, model_config, port: int) -> None:
+            import torch
+
+            torch.set_num_threads(1)
+            # what verl's RayWorkerGroup sets for a one-rank rollout group on one node
+            os.environ.update(WORLD_SIZE="1", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                              RAY_LOCAL_WORLD_SIZE="1", LOCAL_RANK="0")
+            super().__init__(rollout_config, model_config, None, replica_rank=0)
+
+        def state(self) -> dict:
+            e = self.checkpoint_engine
+            return {**e.describe(), "path": e.last_path, "stall_s": e.last_stall_s,
+                    "adapter": f"{type(self.server_adapter).__module__}.{type(self.server_adapter).__name__}"}
+
+    return RolloutWorker
+
+
+class Replica:
+    """Stand-in for verl's vLLMReplica (module doc): its workers, no-op pause/KV calls."""
+
+    def __init__(self, worker) -> None:
+        self.workers = [worker]
+
+    async def abort_all_requests(self, reject_request: bool = False) -> None: ...
+    async def release_kv_cache(self) -> None: ...
+    async def resume_kv_cache(self) -> None: ...
+    async def resume_generation(self) -> None: ...
+
+
+def generate(server, prompts: list[list[int]], max_tokens: int, tag: str) -> list[list[int]]:
+    import ray
+
+    refs = [server.generate.remote(prompt_ids=list(p), request_id=f"{tag}-{i}",
+                                   sampling_params={"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True})
+            for i, p in enumerate(prompts)]
+    return [list(r.token_ids) for r in ray.get(refs, timeout=300)]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trainers", type=int, default=2)
     ap.add_argument("--preset", default="tiny-qwen3")
-    ap.add_argument("--timeout-s", type=float, default=300.0)
+    ap.add_argument("--syncs", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--timeout-s", type=float, default=120.0)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
+    trainers_n = 2
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # else Ray writes a token into the home folder
     work = tempfile.mkdtemp(prefix="fsverl-smoke-")
-    from fastsync_verl.cpu import vllm_dist_shim
+    import logging
+
+    logging.disable(logging.WARNING)  # --json: stdout carries only the report
+    from fastsync_verl.cpu import vllm_dist_shim, write_word_tokenizer
 
     vllm_dist_shim(os.path.join(work, "dist"))  # before anything imports verl's vLLM modules
-    from fastsync import TCPStoreControl
+    import ray
+    import transformers
+
     from fastsync.demo.checkpoints import build_tiny_checkpoint
-    from fastsync.demo.run import DEFAULT_PROMPTS, engine_kwargs
+    from fastsync.demo.run import DEFAULT_PROMPTS
     from fastsync_verl.extension import EXTENSION_PATH
 
     model_dir = str(build_tiny_checkpoint(a.preset, os.path.join(work, a.preset), dtype="float32"))
-    control = TCPStoreControl.server(port=0)
-    opts = {"prompts": DEFAULT_PROMPTS, "max_tokens": 8, "timeout_s": a.timeout_s}
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        gloo_port = s.getsockname()[1]
-    procs = [ctx.Process(target=trainer, args=(r, a.trainers, control.port, control.secret.hex(), gloo_port, model_dir,
-                                               opts, q), daemon=True) for r in range(a.trainers)]
-    for p in procs:
-        p.start()
+    write_word_tokenizer(model_dir, transformers.AutoConfig.from_pretrained(model_dir).vocab_size)
+    env = {"OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled", "VERL_PLATFORM": "cpu", "GLOO_SOCKET_IFNAME": "lo",
+           "PYTHONPATH": os.environ.get("PYTHONPATH", ""), "TOKENIZERS_PARALLELISM": "false"}
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=not a.json,
+             _temp_dir=os.path.join(work, "ray"),
+             runtime_env={"env_vars": env, "worker_process_setup_hook": "fastsync_verl.cpu.use_cpu_platform"})
+    result: dict = {}
     try:
-        from vllm import LLM
-
-        from fastsync.engines.vllm.host import VllmEngine, serve
-
-        kw = engine_kwargs(model_dir, 1, "float32")
-        kw["worker_extension_cls"] = EXTENSION_PATH  # verl's extension + fastsync's
-        llm = LLM(**kw)
-        before = llm.generate([{"prompt_token_ids": p} for p in DEFAULT_PROMPTS],
-                              __import__("vllm").SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
-        before_tokens = [list(o.outputs[0].token_ids) for o in before]
-        serve(VllmEngine(llm), control, idle_timeout_s=a.timeout_s * 2)
-        reports = [q.get(timeout=a.timeout_s) for _ in procs]
+        result = run(a, model_dir, DEFAULT_PROMPTS, EXTENSION_PATH, trainers_n)
+    except Exception as e:  # noqa: BLE001 - reported as JSON
+        result = {"ok": False, "error": f"{type(e).__name__}: {str(e)[-2000:]}"}
     finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+        ray.shutdown()
         shutil.rmtree(work, ignore_errors=True)
-    bad = [r for r in reports if not r.get("ok")]
-    if bad:
-        print(json.dumps({"ok": False, "errors": [f"trainer rank {r['rank']}: {r['error']}" for r in bad]}))
-        return 1
-    r0 = next(r for r in reports if r["rank"] == 0)
-    res = {"match": r0["after_engine"] == r0["after_trainer"], "changed": r0["after_engine"] != before_tokens,
-           "inplace": True, "trainer_full_tensor_calls": sum(r["full_tensor_calls"] for r in reports),
-           "verl_generator_iterated": any(r["iterated"] for r in reports), "engine_version": r0["version"],
-           "sync_s": round(max(r["sync_s"] for r in reports), 4), "extension": EXTENSION_PATH,
-           "trainers": a.trainers, "preset": a.preset}
-    print(json.dumps(res) if a.json else "\n".join(f"{k}: {v}" for k, v in res.items()))
-    return 0 if res["match"] and res["changed"] and res["trainer_full_tensor_calls"] == 0 else 1
+    print(json.dumps(result) if a.json else "\n".join(f"{k}: {v}" for k, v in result.items()))
+    ok = result.get("match") and result.get("changed") and result.get("inplace") \
+        and result.get("trainer_full_tensor_calls") == 0
+    return 0 if ok else 1
+
+
+def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n: int) -> dict:
+    import ray
+    from verl.checkpoint_engine import CheckpointEngineManager
+    from verl.workers.config import CheckpointEngineConfig, HFModelConfig, RolloutConfig
+    from verl.workers.rollout.replica import RolloutMode
+    from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer
+
+    ce = CheckpointEngineConfig(backend="fastsync", custom_backend_module="fastsync_verl",
+                                update_weights_bucket_megabytes=1,
+                                engine_kwargs={"fastsync": {"control_host": "127.0.0.1", "timeout_s": a.timeout_s,
+                                                            "inplace": "on"}})
+    rollout = RolloutConfig(name="vllm", mode="async", tensor_model_parallel_size=1, dtype="float32",
+                            enforce_eager=True, max_model_len=256, load_format="auto", free_cache_engine=False,
+                            enable_sleep_mode=False, max_num_batched_tokens=256, max_num_seqs=8,
+                            skip_tokenizer_init=False, enable_prefix_caching=False, checkpoint_engine=ce,
+                            engine_kwargs={"vllm": {"worker_extension_cls": extension,
+                                                    "kv_cache_memory_bytes": 64 << 20}})
+    model = HFModelConfig(path=model_dir)
+    t0 = time.perf_counter()
+    # verl's own server class, created as vLLMReplica.launch_servers does (named vllm_server_{replica}_{node})
+    server = ray.remote(vLLMHttpServer).options(name="vllm_server_0_0", num_cpus=0).remote(
+        config=rollout, model_config=model, rollout_mode=RolloutMode.STANDALONE, workers=[], replica_rank=0,
+        node_rank=0, gpus_per_node=1, nnodes=1, cuda_visible_devices="0")
+    launched = server.launch_server.remote()
+    gloo = _free_port()
+    trainer_cls = ray.remote(num_cpus=0)(Trainer)
+    trainers = [trainer_cls.remote(r, trainers_n, gloo, model_dir, a.timeout_s) for r in range(trainers_n)]
+    ray.get(launched, timeout=600)
+    worker = ray.remote(num_cpus=0)(rollout_worker_cls()).remote(rollout, model, _free_port())
+    before = generate(server, prompts, a.max_tokens, "before")
+    manager = CheckpointEngineManager(config=ce, actor_wg=TrainerGroup(trainers), replicas=[Replica(worker)])
+    start_s = time.perf_counter() - t0
+    syncs = []
+    for step in range(1, a.syncs + 1):
+        ray.get([t.train_step.remote(step) for t in trainers], timeout=300)
+        s0 = time.perf_counter()
+        manager.update_weights(global_steps=step)  # verl's own flow: build group, send/receive, finalize
+        sync_s = time.perf_counter() - s0
+        after = generate(server, prompts, a.max_tokens, f"after{step}")
+        want = ray.get([t.reference.remote(prompts, a.max_tokens) for t in trainers], timeout=300)[0]
+        state = ray.get(worker.state.remote(), timeout=60)
+        steps = ray.get(server.__ray_call__.remote(lambda self: self.global_steps), timeout=60)
+        syncs.append({"step": step, "match": after == want, "changed": after != before, "sync_s": round(sync_s, 3),
+                      "path": state["path"], "stall_s": round(state["stall_s"], 4), "server_global_steps": steps,
+                      "rollout_setups": state["setups"]})
+        before = after
+    counts = ray.get([t.counts.remote() for t in trainers], timeout=60)
+    adapter = ray.get(worker.state.remote(), timeout=60)["adapter"]
+    for h in trainers + [worker]:
+        try:
+            ray.get(h.execute_checkpoint_engine.remote("close"), timeout=30)
+        except Exception:  # noqa: BLE001
+            pass
+    return {"match": all(s["match"] for s in syncs), "changed": all(s["changed"] for s in syncs),
+            "inplace": all(s["path"] == "inplace" for s in syncs),
+            "trainer_full_tensor_calls": sum(c["full_tensor_calls"] for c in counts),
+            "verl_generator_iterated": any(c["iterated"] for c in counts),
+            "server_global_steps": syncs[-1]["server_global_steps"], "syncs": syncs,
+            "rollout_setups": syncs[-1]["rollout_setups"], "trainer_setups": [c["engine"]["setups"] for c in counts],
+            "server": "verl.workers.rollout.vllm_rollout.vllm_async_server.vLLMHttpServer", "server_adapter": adapter,
+            "extension": extension, "trainers": trainers_n, "preset": a.preset, "start_s": round(start_s, 1)}
 
 
 if __name__ == "__main__":

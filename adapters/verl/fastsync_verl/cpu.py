@@ -112,3 +112,15 @@ def vllm_dist_shim(folder: str) -> str:
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), folder) if p)
     md.distributions.cache_clear() if hasattr(md.distributions, "cache_clear") else None
     return folder
+
+
+def write_word_tokenizer(model_dir: str, vocab_size: int) -> None:
+    """Save a word-level tokenizer (tokens ``t0`` .. ``t{n-1}``) beside a tiny test checkpoint:
+    verl's ``HFModelConfig`` and ``vLLMHttpServer`` load a tokenizer from the model folder, and
+    fastsync's tiny checkpoints have none. Prompts are token ids, so its words never matter."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t1", pad_token="t2").save_pretrained(model_dir)
