@@ -153,6 +153,7 @@ def rollout_worker_cls():
         def state(self) -> dict:
             e = self.checkpoint_engine
             return {**e.describe(), "path": e.last_path, "stall_s": e.last_stall_s,
+                    "paused_by_fastsync": e.last_paused_here,
                     "adapter": f"{type(self.server_adapter).__module__}.{type(self.server_adapter).__name__}"}
 
     return RolloutWorker
@@ -237,8 +238,8 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
                                 engine_kwargs={"fastsync": {"control_host": "127.0.0.1", "timeout_s": a.timeout_s,
                                                             "inplace": "on"}})
     rollout = RolloutConfig(name="vllm", mode="async", tensor_model_parallel_size=1, dtype="float32",
-                            enforce_eager=True, max_model_len=256, load_format="auto", free_cache_engine=False,
-                            enable_sleep_mode=False, max_num_batched_tokens=256, max_num_seqs=8,
+                            enforce_eager=True, max_model_len=512, load_format="auto", free_cache_engine=False,
+                            enable_sleep_mode=False, max_num_batched_tokens=512, max_num_seqs=8,
                             skip_tokenizer_init=False, enable_prefix_caching=False, checkpoint_engine=ce,
                             engine_kwargs={"vllm": {"worker_extension_cls": extension,
                                                     "kv_cache_memory_bytes": 64 << 20}})
@@ -260,6 +261,12 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
     syncs = []
     for step in range(1, a.syncs + 1):
         ray.get([t.train_step.remote(step) for t in trainers], timeout=300)
+        inflight = None
+        if step == a.syncs:  # a long request in flight when the update starts: the fence must abort it
+            inflight = server.generate.remote(prompt_ids=[9, 10, 11], request_id="inflight",
+                                              sampling_params={"temperature": 0.0, "max_tokens": 500,
+                                                               "ignore_eos": True})
+            time.sleep(0.05)
         s0 = time.perf_counter()
         manager.update_weights(global_steps=step)  # verl's own flow: build group, send/receive, finalize
         sync_s = time.perf_counter() - s0
@@ -269,7 +276,10 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
         steps = ray.get(server.__ray_call__.remote(lambda self: self.global_steps), timeout=60)
         syncs.append({"step": step, "match": after == want, "changed": after != before, "sync_s": round(sync_s, 3),
                       "path": state["path"], "stall_s": round(state["stall_s"], 4), "server_global_steps": steps,
-                      "rollout_setups": state["setups"]})
+                      "rollout_setups": state["setups"], "paused_by_fastsync": state["paused_by_fastsync"]})
+        if inflight is not None:
+            got = ray.get(inflight, timeout=300)
+            syncs[-1]["inflight"] = {"stop_reason": got.stop_reason, "tokens": len(got.token_ids)}
         before = after
     counts = ray.get([t.counts.remote() for t in trainers], timeout=60)
     adapter = ray.get(worker.state.remote(), timeout=60)["adapter"]
@@ -282,7 +292,9 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
             "inplace": all(s["path"] == "inplace" for s in syncs),
             "trainer_full_tensor_calls": sum(c["full_tensor_calls"] for c in counts),
             "verl_generator_iterated": any(c["iterated"] for c in counts),
-            "server_global_steps": syncs[-1]["server_global_steps"], "syncs": syncs,
+            "server_global_steps": syncs[-1]["server_global_steps"],
+            "inflight_aborted": syncs[-1].get("inflight", {}).get("stop_reason") == "aborted",
+            "engine_stall_s": max(s["stall_s"] for s in syncs[1:] or syncs), "syncs": syncs,
             "rollout_setups": syncs[-1]["rollout_setups"], "trainer_setups": [c["engine"]["setups"] for c in counts],
             "server": "verl.workers.rollout.vllm_rollout.vllm_async_server.vLLMHttpServer", "server_adapter": adapter,
             "extension": extension, "trainers": trainers_n, "preset": a.preset, "start_s": round(start_s, 1)}

@@ -1,6 +1,9 @@
-"""``examples/verl/sync_smoke.py --json`` end to end: verl's FSDP2 export on two real trainer
-processes -> fastsync in-place writes -> a real vLLM CPU engine running the composed extension
-(verl's + fastsync's). What in it is verl's and what is a stand-in is listed in the script."""
+"""``examples/verl/sync_smoke.py --json`` end to end: verl's own vLLM server (``vLLMHttpServer``,
+AsyncLLM on the real vLLM CPU engine) running the composed extension, driven by verl's real
+``CheckpointEngineManager.update_weights`` with ``backend=fastsync``; two real FSDP2 trainer ranks
+(Ray actors, gloo) export through verl's ``FSDPEngine.get_per_tensor_param``. What in it is verl's
+and what is a stand-in is listed in the script. One engine, two syncs (the second replays the plan
+with a long request in flight)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import sys
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM not installed")
+pytest.importorskip("ray", reason="Ray not installed")
 pytest.importorskip("verl.workers.engine.fsdp.transformer_impl", reason="verl's FSDP engine does not import")
 pytest.importorskip("nixl._api", reason="NIXL not installed")
 
@@ -19,14 +23,22 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "verl",
 
 
 @pytest.mark.slow
-def test_smoke_matches_in_place_without_full_tensor(tmp_path) -> None:
-    out = subprocess.run([sys.executable, SCRIPT, "--json"], capture_output=True, text=True, timeout=900,
-                         cwd=tmp_path, env={**os.environ, "TMPDIR": str(tmp_path)})
+def test_smoke_writes_in_place_into_verls_vllm_server(tmp_path) -> None:
+    out = subprocess.run([sys.executable, SCRIPT, "--json", "--syncs", "2"], capture_output=True, text=True,
+                         timeout=900, cwd=tmp_path, env={**os.environ, "TMPDIR": str(tmp_path)})
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     assert lines, out.stderr[-3000:]
     res = json.loads(lines[-1])
     assert out.returncode == 0, res
-    assert res["match"] is True and res["changed"] is True  # greedy tokens after the sync = the trainer's
-    assert res["inplace"] is True and res["engine_version"] == 1
+    # greedy tokens of verl's server after each sync = the trainer model's own, and they changed
+    assert res["match"] is True and res["changed"] is True
+    assert res["inplace"] is True  # both syncs took the in-place path (writes into the live engine tensors)
     assert res["trainer_full_tensor_calls"] == 0 and res["verl_generator_iterated"] is False
+    assert res["server_global_steps"] == 2  # the version verl's server records
+    assert res["rollout_setups"] == 1 and res["trainer_setups"] == [1, 1]  # planned once, replayed
+    first, second = res["syncs"]
+    assert first["paused_by_fastsync"] is True and second["paused_by_fastsync"] is True  # AsyncLLM paused by fastsync
+    assert res["inflight_aborted"] is True, second  # the request in flight at the update was aborted, not continued
+    assert res["server"].endswith("vllm_async_server.vLLMHttpServer")
+    assert res["server_adapter"] == "verl.workers.rollout.vllm_rollout.vllm_rollout.ServerAdapter"
     assert res["extension"] == "fastsync_verl.extension.FastSyncVerlWorkerExtension"

@@ -71,6 +71,13 @@ from fastsync_verl.session import CONTROL_KEY, ID_KEY, JOINED_KEY, MASTER_KEY, M
 __all__ = ["FastSyncCheckpointEngine"]
 
 _ROLES = ("trainer", "rollout")
+_MEGATRON = "verl.workers.engine.megatron.transformer_impl"
+#: why a Megatron actor takes the full-tensor path (logged at the session's set-up; ConfigError under
+#: trainer_shards='on' or inplace='on')
+MEGATRON_NOTICE = ("Megatron actor: verl 0.9.1 hands checkpoint engines full (TP/PP-gathered) tensors from "
+                   "MegatronEngine.get_per_tensor_param and exposes the mcore TP/PP/EP shard layout only to its "
+                   "delta_sharded backend (get_per_tensor_param_shard); fastsync does not plan from it yet, so "
+                   "Megatron actors use the full-tensor path")
 _SHARD_MODES = ("auto", "on", "off")
 log = logging.getLogger("fastsync_verl")
 
@@ -150,6 +157,7 @@ class FastSyncCheckpointEngine(CheckpointEngine):
         self._inplace: InplaceTrainer | None = None  # trainer, in place
         self._next_request = 1  # rollout leader, in place: the next request number of this session
         self.last_stall_s = 0.0  # rollout leader, in place: generation paused for the last sync
+        self.last_paused_here = False  # rollout leader, in place: fastsync paused AsyncLLM (verl had not)
         self.last_path = ""  # "inplace" or "fulltensor": the path the last sync took
 
     # ---- topology --------------------------------------------------------------------------
@@ -349,7 +357,9 @@ class FastSyncCheckpointEngine(CheckpointEngine):
         are used (logged)."""
         if self.trainer_shards == "off":
             return None, "engine_kwargs.fastsync.trainer_shards='off'"
-        if not isinstance(weights, ShardedWeights):
+        if not isinstance(weights, ShardedWeights) and _MEGATRON in sys.modules:
+            why = MEGATRON_NOTICE
+        elif not isinstance(weights, ShardedWeights):
             why = (f"verl handed {type(weights).__name__}, not fastsync_verl.shards.ShardedWeights "
                    "(not an FSDP engine, or the hook is not installed in this process)")
         else:
@@ -496,6 +506,7 @@ class FastSyncCheckpointEngine(CheckpointEngine):
             raise
         self._next_request = last + 2
         self.last_stall_s = engine.last_stall_s
+        self.last_paused_here = engine.last_paused_here
         if engine.last_version != version:
             raise SyncError(f"fastsync rollout rank {rank}: version {version} was not flipped in verl's server "
                             f"(it serves {engine.last_version}); the trainer ranks' error says why")

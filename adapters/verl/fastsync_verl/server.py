@@ -107,6 +107,7 @@ class ServerEngine:
         self.global_steps = global_steps
         self.last_stall_s = 0.0
         self.last_version = 0
+        self.last_paused_here = False  # the last update paused AsyncLLM itself (verl had not)
 
     def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
         import ray
@@ -140,9 +141,13 @@ class ServerEngine:
         version with verl, resume if this call paused."""
         t0 = time.perf_counter()
         paused_here = not is_paused(self.server)
-        if paused_here:
-            pause(self.server)
+        self.last_paused_here = paused_here
         try:
+            if paused_here:
+                pause(self.server)
+                if not is_paused(self.server):  # checked, never assumed: no write while AsyncLLM schedules
+                    raise SyncError(f"verl vLLM server {self.engine_id}: AsyncLLM still schedules after "
+                                    f"pause_generation; version {version} not opened")
             got = self._call("fastsync_update", version, timeout_s, timeout_s=timeout_s + 10)
             import ray
 

@@ -1,0 +1,95 @@
+"""Which path a verl session takes (``fastsync_verl.inplace``, ``fastsync_verl.server.capability``):
+in place only when every rollout rank can and the trainer sends shards; otherwise the full-tensor
+fallback with the reason, or a ConfigError naming it under ``inplace='on'``. Real control store,
+verl's real ``RolloutConfig``; the server adapters are stand-ins holding verl's config (the real
+``ServerAdapter`` is exercised by tests/adapters/test_verl_smoke.py)."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+
+pytest.importorskip("verl.checkpoint_engine", reason="verl not installed (see requirements/adapters.txt)")
+
+from verl.workers.config import RolloutConfig  # noqa: E402
+
+from fastsync import ConfigError, TCPStoreControl  # noqa: E402
+from fastsync_verl.checkpoint_engine import MEGATRON_NOTICE, FastSyncCheckpointEngine  # noqa: E402
+from fastsync_verl.inplace import MODE_KEY, decide_mode, publish_rollout_mode, read_mode  # noqa: E402
+from fastsync_verl.server import capability  # noqa: E402
+
+pytest.importorskip("vllm", reason="vLLM not installed")
+EXTENSION_PATH = "fastsync_verl.extension.FastSyncVerlWorkerExtension"
+
+
+@pytest.fixture(scope="module")
+def shim(tmp_path_factory):
+    from fastsync_verl.cpu import vllm_dist_shim
+
+    vllm_dist_shim(str(tmp_path_factory.mktemp("vllmdist")))  # verl's vLLM package on the CPU build
+
+
+@pytest.fixture()
+def ctl():
+    c = TCPStoreControl.server(port=0, host="127.0.0.1")
+    yield c.with_prefix("t")
+    c.close()
+
+
+def _adapter(leader: bool = True, **cfg) -> types.SimpleNamespace:
+    ev = cfg.pop("engine_kwargs", {"vllm": {"worker_extension_cls": EXTENSION_PATH}})
+    rc = RolloutConfig(name=cfg.pop("name", "vllm"), tensor_model_parallel_size=cfg.pop("tp", 1), engine_kwargs=ev, **cfg)
+    return types.SimpleNamespace(config=rc, model_config=types.SimpleNamespace(lora={}, lora_rank=0),
+                                 _has_server=leader, node_rank=0)
+
+
+def test_capability_names_what_blocks_the_in_place_path(shim) -> None:
+    assert capability(_adapter()) == (True, "", True, 1)
+    assert capability(_adapter(leader=False, tp=2)) == (True, "", False, 2)
+    ok, why, _, _ = capability(_adapter(engine_kwargs={"vllm": {}}))
+    assert not ok and "worker_extension_cls" in why
+    ok, why, _, _ = capability(_adapter(engine_kwargs={"vllm": {"worker_extension_cls":
+                                                                "verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension"}}))
+    assert not ok and EXTENSION_PATH in why  # verl's own extension alone cannot answer fastsync's calls
+    ok, why, _, _ = capability(_adapter(data_parallel_size=2))
+    assert not ok and "data_parallel_size=2" in why
+    ok, why, _, _ = capability(_adapter(name="sglang"))
+    assert not ok and "sglang" in why
+    lora = _adapter()
+    lora.model_config.lora = {"rank": 8}
+    ok, why, _, _ = capability(lora)
+    assert not ok and "LoRA" in why
+
+
+def test_rank0_decides_in_place_only_when_every_side_can(ctl) -> None:
+    publish_rollout_mode(ctl, 0, True, "", True, 1)
+    publish_rollout_mode(ctl, 1, True, "", True, 1)
+    got = decide_mode(ctl, 2, None, "auto", 5)
+    assert got == {"mode": "inplace", "why": "", "leaders": [[0, 1], [1, 1]]}
+    assert read_mode(ctl, 5, "rollout rank 1") == got
+    # a trainer without shards: full tensors, named
+    got = decide_mode(ctl, 2, "engine_kwargs.fastsync.trainer_shards='off'", "auto", 5)
+    assert got["mode"] == "fulltensor" and "trainer_shards='off'" in got["why"]
+    # one rollout rank that cannot (SGLang, wrong extension): fallback naming the rank, refused under 'on'
+    publish_rollout_mode(ctl, 1, False, "rollout.name='sglang'", False, 0)
+    got = decide_mode(ctl, 2, None, "auto", 5)
+    assert got["mode"] == "fulltensor" and got["why"] == "rollout rank 1: rollout.name='sglang'"
+    with pytest.raises(ConfigError, match="inplace='on'.*rollout rank 1: rollout.name='sglang'"):
+        decide_mode(ctl, 2, None, "on", 5)
+    with pytest.raises(ConfigError, match="refused the session"):  # the others get the refusal, not a timeout
+        read_mode(ctl, 5, "rollout rank 0")
+    assert json.loads(ctl.get(MODE_KEY, 5))["mode"] == "error"
+
+
+def test_bad_inplace_value_and_megatron_notice(monkeypatch) -> None:
+    with pytest.raises(ConfigError, match="engine_kwargs.fastsync.inplace must be one of"):
+        FastSyncCheckpointEngine(1 << 20, inplace="yes")
+    import sys
+
+    monkeypatch.setitem(sys.modules, "verl.workers.engine.megatron.transformer_impl", types.ModuleType("m"))
+    eng = FastSyncCheckpointEngine(1 << 20, trainer_shards="auto")
+    assert eng._shard_module(iter([]), 0) == (None, MEGATRON_NOTICE)
+    with pytest.raises(ConfigError, match="Megatron actor"):
+        FastSyncCheckpointEngine(1 << 20, trainer_shards="on")._shard_module(iter([]), 0)
