@@ -489,7 +489,11 @@ class FastSyncCheckpointEngine(CheckpointEngine):
             self._leader = (leader, workers)
         self.last_path = self._mode["mode"]
         if self._mode["mode"] != "inplace":
-            return await fallback(self._receive_full())
+            t0 = time.perf_counter()
+            try:
+                return await fallback(self._receive_full())  # verl's own load (generation paused by verl)
+            finally:
+                self.last_stall_s = time.perf_counter() - t0
         leader, workers = self._leader
         if not leader:
             return None  # this rank's engine worker is driven through its replica leader's server
