@@ -40,9 +40,8 @@ import tempfile
 import time
 
 
-PATHS = ("inplace", "fulltensor")
-KWARGS = {"inplace": {"trainer_shards": "on", "inplace": "on"},
-          "fulltensor": {"trainer_shards": "off", "inplace": "off"}}
+#: engine_kwargs.fastsync: refuse the fallbacks, so a run that did not go in place fails by name
+KWARGS = {"trainer_shards": "on", "inplace": "on"}
 
 
 def _free_port() -> int:
@@ -192,10 +191,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--syncs", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--timeout-s", type=float, default=120.0)
-    ap.add_argument("--path", choices=PATHS, default="inplace",
-                    help="inplace: writes into the live engine tensors (trainer_shards=on, inplace=on); fulltensor: "
-                         "verl's interface path for comparison (trainer_shards=off, inplace=off: every trainer rank "
-                         "gathers, the rollout rank receives into its buffers and verl's ServerAdapter loads them)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     trainers_n = 2
@@ -233,8 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(ray_tmp, ignore_errors=True)
     print(json.dumps(result) if a.json else "\n".join(f"{k}: {v}" for k, v in result.items()))
-    ok = result.get("match") and result.get("changed") and (
-        a.path != "inplace" or (result.get("inplace") and result.get("trainer_full_tensor_calls") == 0))
+    ok = result.get("match") and result.get("changed") and result.get("inplace") \
+        and result.get("trainer_full_tensor_calls") == 0
     return 0 if ok else 1
 
 
@@ -248,7 +243,7 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
     ce = CheckpointEngineConfig(backend="fastsync", custom_backend_module="fastsync_verl",
                                 update_weights_bucket_megabytes=1,
                                 engine_kwargs={"fastsync": {"control_host": "127.0.0.1", "timeout_s": a.timeout_s,
-                                                            **KWARGS[a.path]}})
+                                                            **KWARGS}})
     rollout = RolloutConfig(name="vllm", mode="async", tensor_model_parallel_size=1, dtype="float32",
                             enforce_eager=True, max_model_len=512, load_format="auto", free_cache_engine=False,
                             enable_sleep_mode=False, max_num_batched_tokens=512, max_num_seqs=8,
@@ -264,7 +259,7 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
     launched = server.launch_server.remote()
     gloo = _free_port()
     trainer_cls = ray.remote(num_cpus=0)(Trainer)
-    trainers = [trainer_cls.remote(r, trainers_n, gloo, model_dir, a.timeout_s, KWARGS[a.path])
+    trainers = [trainer_cls.remote(r, trainers_n, gloo, model_dir, a.timeout_s, KWARGS)
                 for r in range(trainers_n)]
     ray.get(launched, timeout=600)
     worker = ray.remote(num_cpus=0)(rollout_worker_cls()).remote(rollout, model, _free_port())
@@ -309,7 +304,7 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
             "inflight_aborted": syncs[-1].get("inflight", {}).get("stop_reason") == "aborted",
             "sync_s_median": round(statistics.median(s["sync_s"] for s in syncs[1:] or syncs), 4),
             "engine_stall_s": round(statistics.median(s["stall_s"] for s in syncs[1:] or syncs), 4),
-            "path": a.path, "syncs": syncs,
+            "syncs": syncs,
             "rollout_setups": syncs[-1]["rollout_setups"], "trainer_setups": [c["engine"]["setups"] for c in counts],
             "server": "verl.workers.rollout.vllm_rollout.vllm_async_server.vLLMHttpServer", "server_adapter": adapter,
             "extension": extension, "trainers": trainers_n, "preset": a.preset, "start_s": round(start_s, 1)}

@@ -288,21 +288,7 @@ class FastSyncCheckpointEngine(CheckpointEngine):
             for name, box in self._boxes.items():
                 self._sources[name].copy_(full[name][box_slices(box)])
             del full
-            ctl = self._session_control()
-            if rank == 0:
-                ctl.set("inventory", self._plan.to_json())
-            shards = {n: [Shard(rank, box, 0)] for n, box in self._boxes.items()}
-            sender = WeightSender(rank=rank, plan=self._plan.plan, sources=self._sources, shards=shards,
-                                  control=ctl, transport=self.transport, staging_bytes=self.staging_bytes,
-                                  timeout_s=self.timeout_s)
-            try:
-                await asyncio.to_thread(sender.setup)
-            except BaseException:
-                sender.close()
-                self._session = None  # the next sync opens a fresh session: every rank sets up again
-                raise
-            self._sender = sender
-            self.setups += 1
+            await self._start_sender(rank)
         else:
             self.full_tensor_syncs += 1
             await self._copy_share(weights, rank)
@@ -395,22 +381,17 @@ class FastSyncCheckpointEngine(CheckpointEngine):
     async def _setup_shards(self, module: Any, rank: int, num_trainers: int, num_receivers: int) -> None:
         """Plan from the DTensor placements (identical on every rank), keep one flat buffer of
         this rank's own shards, publish the inventory with the shards (rank 0), set up."""
-        names = ShardedWeights(None, module).hf_names()
-        layout = trainer_layout_from_module(module, rank, num_trainers)
-        inventory = [(names[n], p.shape, p.dtype) for n, p in layout.params.items()]
-        shards = {names[n]: layout.shards[n] for n in layout.params}
+        trainer = self._shard_buffers(module, rank, num_trainers)
+        inventory = [(n, p.shape, p.dtype) for n, p in trainer.params.items()]
         self._plan = build_verl_plan(inventory, num_trainers, num_receivers, self.max_transfer_bytes,
-                                     self.bucket_size, shards=shards)
-        mine = self._plan.trainer.shards_on(rank)
-        many = [n for n, sh in mine.items() if len(sh) != 1]
-        if many:
-            raise ConfigError(f"fastsync trainer rank {rank}: parameter {many[0]!r} has {len(mine[many[0]])} shards "
-                              "on this rank; expected one (FSDP2 Shard(d))")
-        dtypes = {n: d for n, _, d in inventory}
-        self._boxes = {n: sh[0].box for n, sh in mine.items()}
-        self._flats, self._sources = flat_views([(n, box_shape(b), dtypes[n]) for n, b in self._boxes.items()])
-        self._local_names = {hf: sd for sd, hf in names.items() if hf in self._boxes}
+                                     self.bucket_size, shards=dict(trainer.shards))
         self._copy_shards(module, rank)
+        await self._start_sender(rank)
+
+    async def _start_sender(self, rank: int) -> None:
+        """Publish the inventory (rank 0) and set up this rank's sender over ``self._sources``;
+        a failed set-up opens a fresh session at the next sync."""
+        assert self._plan is not None
         ctl = self._session_control()
         if rank == 0:
             ctl.set("inventory", self._plan.to_json())
