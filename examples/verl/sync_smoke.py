@@ -191,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--syncs", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--timeout-s", type=float, default=120.0)
+    ap.add_argument("--readd", action="store_true",
+                    help="then replace the rollout worker (verl's remove_replicas/add_replicas with a new "
+                         "CheckpointEngineWorker for the same server) and sync once more: a fresh session re-plans "
+                         "against the live engine")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     trainers_n = 2
@@ -228,8 +232,10 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(ray_tmp, ignore_errors=True)
     print(json.dumps(result) if a.json else "\n".join(f"{k}: {v}" for k, v in result.items()))
+    readd = result.get("readd")
     ok = result.get("match") and result.get("changed") and result.get("inplace") \
-        and result.get("trainer_full_tensor_calls") == 0
+        and result.get("trainer_full_tensor_calls") == 0 \
+        and (readd is None or (readd["match"] and readd["changed"] and readd["path"] == "inplace"))
     return 0 if ok else 1
 
 
@@ -262,7 +268,8 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
     trainers = [trainer_cls.remote(r, trainers_n, gloo, model_dir, a.timeout_s, KWARGS)
                 for r in range(trainers_n)]
     ray.get(launched, timeout=600)
-    worker = ray.remote(num_cpus=0)(rollout_worker_cls()).remote(rollout, model, _free_port())
+    worker_cls = ray.remote(num_cpus=0)(rollout_worker_cls())
+    worker = worker_cls.remote(rollout, model, _free_port())
     before = generate(server, prompts, a.max_tokens, "before")
     manager = CheckpointEngineManager(config=ce, actor_wg=TrainerGroup(trainers), replicas=[Replica(worker)])
     start_s = time.perf_counter() - t0
@@ -284,13 +291,35 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
         steps = ray.get(server.__ray_call__.remote(lambda self: self.global_steps), timeout=60)
         syncs.append({"step": step, "match": after == want, "changed": after != before, "sync_s": round(sync_s, 3),
                       "path": state["path"], "stall_s": round(state["stall_s"], 4), "server_global_steps": steps,
-                      "rollout_setups": state["setups"], "paused_by_fastsync": state["paused_by_fastsync"]})
+                      "rollout_setups": state["setups"], "paused_by_fastsync": state["paused_by_fastsync"],
+                      "trainer_setups": [d["setups"] for d in ray.get(
+                          [t.execute_checkpoint_engine.remote("describe") for t in trainers], timeout=60)]})
         if inflight is not None:
             got = ray.get(inflight, timeout=300)
             syncs[-1]["inflight"] = {"stop_reason": got.stop_reason, "tokens": len(got.token_ids)}
         before = after
-    counts = ray.get([t.counts.remote() for t in trainers], timeout=60)
     adapter = ray.get(worker.state.remote(), timeout=60)["adapter"]
+    readd = None
+    if a.readd:  # the replica's checkpoint worker is replaced (a restarted replica): new member, new session
+        step = a.syncs + 1
+        new = worker_cls.remote(rollout, model, _free_port())
+        old_replica = manager.replicas[0]
+        manager.remove_replicas([old_replica])
+        manager.add_replicas([Replica(new)])
+        ray.get(worker.execute_checkpoint_engine.remote("close"), timeout=60)
+        ray.kill(worker)
+        worker = new
+        ray.get([t.train_step.remote(step) for t in trainers], timeout=300)
+        manager.update_weights(global_steps=step)
+        after = generate(server, prompts, a.max_tokens, f"after{step}")
+        want = ray.get([t.reference.remote(prompts, a.max_tokens) for t in trainers], timeout=300)[0]
+        state = ray.get(worker.state.remote(), timeout=60)
+        readd = {"match": after == want, "changed": after != before, "path": state["path"],
+                 "rollout_setups": state["setups"],
+                 "server_global_steps": ray.get(server.__ray_call__.remote(lambda self: self.global_steps), timeout=60)}
+    counts = ray.get([t.counts.remote() for t in trainers], timeout=60)
+    if readd is not None:
+        readd["trainer_setups"] = [c["engine"]["setups"] for c in counts]
     for h in trainers + [worker]:
         try:
             ray.get(h.execute_checkpoint_engine.remote("close"), timeout=30)
@@ -305,7 +334,8 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
             "sync_s_median": round(statistics.median(s["sync_s"] for s in syncs[1:] or syncs), 4),
             "engine_stall_s": round(statistics.median(s["stall_s"] for s in syncs[1:] or syncs), 4),
             "syncs": syncs,
-            "rollout_setups": syncs[-1]["rollout_setups"], "trainer_setups": [c["engine"]["setups"] for c in counts],
+            "rollout_setups": syncs[-1]["rollout_setups"], "trainer_setups": [s["trainer_setups"] for s in syncs][-1],
+            "readd": readd,
             "server": "verl.workers.rollout.vllm_rollout.vllm_async_server.vLLMHttpServer", "server_adapter": adapter,
             "extension": extension, "trainers": trainers_n, "preset": a.preset, "start_s": round(start_s, 1)}
 

@@ -3,7 +3,8 @@ AsyncLLM on the real vLLM CPU engine) running the composed extension, driven by 
 ``CheckpointEngineManager.update_weights`` with ``backend=fastsync``; two real FSDP2 trainer ranks
 (Ray actors, gloo) export through verl's ``FSDPEngine.get_per_tensor_param``. What in it is verl's
 and what is a stand-in is listed in the script. One engine, two syncs (the second replays the plan
-with a long request in flight)."""
+with a long request in flight), then the replica's checkpoint worker is replaced and one more
+sync re-plans in a fresh session against the same live engine."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "verl",
 
 @pytest.mark.slow
 def test_smoke_writes_in_place_into_verls_vllm_server(tmp_path) -> None:
-    out = subprocess.run([sys.executable, SCRIPT, "--json", "--syncs", "2"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, SCRIPT, "--json", "--syncs", "2", "--readd"], capture_output=True, text=True,
                          timeout=900, cwd=tmp_path, env={**os.environ, "TMPDIR": str(tmp_path)})
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     assert lines, out.stderr[-3000:]
@@ -39,6 +40,11 @@ def test_smoke_writes_in_place_into_verls_vllm_server(tmp_path) -> None:
     first, second = res["syncs"]
     assert first["paused_by_fastsync"] is True and second["paused_by_fastsync"] is True  # AsyncLLM paused by fastsync
     assert res["inflight_aborted"] is True, second  # the request in flight at the update was aborted, not continued
+    # the replica's checkpoint worker replaced (verl's remove_replicas/add_replicas): a fresh session re-plans
+    # against the live engine, which already serves version 2, and flips version 3
+    readd = res["readd"]
+    assert readd["match"] is True and readd["changed"] is True and readd["path"] == "inplace", readd
+    assert readd["server_global_steps"] == 3 and readd["rollout_setups"] == 1 and readd["trainer_setups"] == [2, 2]
     assert res["server"].endswith("vllm_async_server.vLLMHttpServer")
     assert res["server_adapter"] == "verl.workers.rollout.vllm_rollout.vllm_rollout.ServerAdapter"
     assert res["extension"] == "fastsync_verl.extension.FastSyncVerlWorkerExtension"
