@@ -113,3 +113,33 @@ def test_wait_update_unknown_token_is_a_sync_error():
     engine = VllmEngine(llm=None)
     with pytest.raises(SyncError, match="unknown token 7"):
         engine.wait_update(7, timeout_s=1.0)
+
+
+def test_serve_in_turns_continues_the_client_numbering():
+    """A host that serves in turns (verl's rollout leader: one turn per sync, ended by ``stop``)
+    starts each turn at the returned number + 2 and answers the same client's next requests;
+    starting again at 1 would replay the first turn's request."""
+
+    class _Counting:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def version(self) -> int:
+            self.calls += 1
+            return self.calls
+
+    control = TCPStoreControl.server(port=0)
+    engine = _Counting()
+    client = RemoteEngine(control, engine_id="t", timeout_s=10.0)
+    first = 1
+    for turn in (1, 2):
+        got: list = []
+        th = threading.Thread(target=lambda: got.append(serve(engine, control, engine_id="t", idle_timeout_s=30.0,
+                                                              first=first)), daemon=True)
+        th.start()
+        assert client.version() == 2 * turn - 1 and client.version() == 2 * turn
+        client.stop()
+        th.join(10.0)
+        assert not th.is_alive() and got == [first + 1]  # the last request before stop
+        first = got[0] + 2
+    assert engine.calls == 4

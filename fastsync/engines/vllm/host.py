@@ -235,6 +235,10 @@ class RemoteEngine:
         self._send("stop")
 
 
+#: the requests :func:`serve` answers (each a method of the engine handle)
+_OPS = ("describe", "connect", "update", "version", "generate")
+
+
 def serve(engine: Any, control: ControlPlane, *, engine_id: str = "0", idle_timeout_s: float = 900.0,
           first: int = 1) -> int:
     """Answer :class:`RemoteEngine` requests in order, from request number ``first``, until
@@ -269,8 +273,7 @@ def serve(engine: Any, control: ControlPlane, *, engine_id: str = "0", idle_time
             if op == "stop":
                 control.set(f"engine/{engine_id}/reply/{n}", json.dumps({"ok": True}))
                 return n - 1
-            fn = {"describe": engine.describe, "connect": engine.connect, "update": engine.update,
-                  "version": engine.version, "generate": engine.generate}.get(op)
+            fn = getattr(engine, op, None) if op in _OPS else None
             if fn is None:
                 raise ConfigError(f"unknown engine request {op!r}")
             reply = json.dumps({"ok": fn(**args)})
