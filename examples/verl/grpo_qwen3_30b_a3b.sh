@@ -19,6 +19,9 @@ if [[ "$BACKEND" == fastsync ]]; then
     actor_rollout_ref.rollout.checkpoint_engine.backend=fastsync
     actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=fastsync_verl
     +actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.fastsync.trainer_shards=auto
+    # in place into verl's vLLM server (fastsync's worker extension composed with verl's); the session
+    # falls back to the full-tensor path, logged, where it cannot serve (see adapters/verl/README.md):
+    +actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls=fastsync_verl.extension.FastSyncVerlWorkerExtension
     # MoE: verl un-fuses packed experts on export, so the shard path falls back to full tensors
     # (logged) for this model until fastsync maps packed experts itself; the MoE swap still applies:
     actor_rollout_ref.model.external_lib=fastsync_verl.moe
