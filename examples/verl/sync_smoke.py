@@ -146,13 +146,13 @@ def rollout_worker_cls():
     class RolloutWorker(CheckpointEngineWorker):
         """verl's CheckpointEngineWorker with verl's own vLLM ServerAdapter (server_adapter=None)."""
 
-        def __init__(self, rollout_config, model_config, port: int) -> None:
+        def __init__(self, rollout_config, model_config, port: int, rank: int = 0, world: int = 1) -> None:
             import torch
 
             torch.set_num_threads(1)
             # what verl's RayWorkerGroup sets for a one-rank rollout group on one node
-            os.environ.update(WORLD_SIZE="1", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                              RAY_LOCAL_WORLD_SIZE="1", LOCAL_RANK="0")
+            os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                              RAY_LOCAL_WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
             super().__init__(rollout_config, model_config, None, replica_rank=0)
 
         def state(self) -> dict:
@@ -167,8 +167,8 @@ def rollout_worker_cls():
 class Replica:
     """Stand-in for verl's vLLMReplica (module doc): its workers, no-op pause/KV calls."""
 
-    def __init__(self, worker) -> None:
-        self.workers = [worker]
+    def __init__(self, workers: list) -> None:
+        self.workers = workers
 
     async def abort_all_requests(self, reject_request: bool = False) -> None: ...
     async def release_kv_cache(self) -> None: ...
@@ -191,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--syncs", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--timeout-s", type=float, default=120.0)
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size of verl's vLLM server (engine workers)")
     ap.add_argument("--readd", action="store_true",
                     help="then replace the rollout worker (verl's remove_replicas/add_replicas with a new "
                          "CheckpointEngineWorker for the same server) and sync once more: a fresh session re-plans "
@@ -217,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = str(build_tiny_checkpoint(a.preset, os.path.join(work, a.preset), dtype="float32"))
     write_word_tokenizer(model_dir, transformers.AutoConfig.from_pretrained(model_dir).vocab_size)
     env = {"OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled", "VERL_PLATFORM": "cpu", "GLOO_SOCKET_IFNAME": "lo",
-           "PYTHONPATH": os.environ.get("PYTHONPATH", ""), "TOKENIZERS_PARALLELISM": "false"}
+           "PYTHONPATH": os.environ.get("PYTHONPATH", ""), "TOKENIZERS_PARALLELISM": "false",
+           "VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # vLLM's auto-binding asserts on a single-NUMA host
     ray_tmp = tempfile.mkdtemp(prefix="fsr", dir="/tmp")  # AF_UNIX socket paths under it must stay < 108 bytes
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=not a.json,
              _temp_dir=ray_tmp,
@@ -250,7 +252,7 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
                                 update_weights_bucket_megabytes=1,
                                 engine_kwargs={"fastsync": {"control_host": "127.0.0.1", "timeout_s": a.timeout_s,
                                                             **KWARGS}})
-    rollout = RolloutConfig(name="vllm", mode="async", tensor_model_parallel_size=1, dtype="float32",
+    rollout = RolloutConfig(name="vllm", mode="async", tensor_model_parallel_size=a.tp, dtype="float32",
                             enforce_eager=True, max_model_len=512, load_format="auto", free_cache_engine=False,
                             enable_sleep_mode=False, max_num_batched_tokens=512, max_num_seqs=8,
                             skip_tokenizer_init=False, enable_prefix_caching=False, checkpoint_engine=ce,
@@ -261,7 +263,7 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
     # verl's own server class, created as vLLMReplica.launch_servers does (named vllm_server_{replica}_{node})
     server = ray.remote(vLLMHttpServer).options(name="vllm_server_0_0", num_cpus=0).remote(
         config=rollout, model_config=model, rollout_mode=RolloutMode.STANDALONE, workers=[], replica_rank=0,
-        node_rank=0, gpus_per_node=1, nnodes=1, cuda_visible_devices="0")
+        node_rank=0, gpus_per_node=a.tp, nnodes=1, cuda_visible_devices=",".join(str(i) for i in range(a.tp)))
     launched = server.launch_server.remote()
     gloo = _free_port()
     trainer_cls = ray.remote(num_cpus=0)(Trainer)
@@ -269,9 +271,11 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
                 for r in range(trainers_n)]
     ray.get(launched, timeout=600)
     worker_cls = ray.remote(num_cpus=0)(rollout_worker_cls())
-    worker = worker_cls.remote(rollout, model, _free_port())
+    port = _free_port()  # one rollout worker per engine worker (verl: one per GPU), rank 0 the leader
+    workers = [worker_cls.remote(rollout, model, port, r, a.tp) for r in range(a.tp)]
+    worker = workers[0]
     before = generate(server, prompts, a.max_tokens, "before")
-    manager = CheckpointEngineManager(config=ce, actor_wg=TrainerGroup(trainers), replicas=[Replica(worker)])
+    manager = CheckpointEngineManager(config=ce, actor_wg=TrainerGroup(trainers), replicas=[Replica(workers)])
     start_s = time.perf_counter() - t0
     syncs = []
     for step in range(1, a.syncs + 1):
@@ -302,13 +306,15 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
     readd = None
     if a.readd:  # the replica's checkpoint worker is replaced (a restarted replica): new member, new session
         step = a.syncs + 1
-        new = worker_cls.remote(rollout, model, _free_port())
+        port = _free_port()
+        news = [worker_cls.remote(rollout, model, port, r, a.tp) for r in range(a.tp)]
         old_replica = manager.replicas[0]
         manager.remove_replicas([old_replica])
-        manager.add_replicas([Replica(new)])
-        ray.get(worker.execute_checkpoint_engine.remote("close"), timeout=60)
-        ray.kill(worker)
-        worker = new
+        manager.add_replicas([Replica(news)])
+        for w in workers:
+            ray.get(w.execute_checkpoint_engine.remote("close"), timeout=60)
+            ray.kill(w)
+        workers, worker = news, news[0]
         ray.get([t.train_step.remote(step) for t in trainers], timeout=300)
         manager.update_weights(global_steps=step)
         after = generate(server, prompts, a.max_tokens, f"after{step}")
@@ -320,7 +326,7 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
     counts = ray.get([t.counts.remote() for t in trainers], timeout=60)
     if readd is not None:
         readd["trainer_setups"] = [c["engine"]["setups"] for c in counts]
-    for h in trainers + [worker]:
+    for h in trainers + workers:
         try:
             ray.get(h.execute_checkpoint_engine.remote("close"), timeout=30)
         except Exception:  # noqa: BLE001
@@ -337,7 +343,7 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
             "rollout_setups": syncs[-1]["rollout_setups"], "trainer_setups": [s["trainer_setups"] for s in syncs][-1],
             "readd": readd,
             "server": "verl.workers.rollout.vllm_rollout.vllm_async_server.vLLMHttpServer", "server_adapter": adapter,
-            "extension": extension, "trainers": trainers_n, "preset": a.preset, "start_s": round(start_s, 1)}
+            "extension": extension, "trainers": trainers_n, "tp": a.tp, "preset": a.preset, "start_s": round(start_s, 1)}
 
 
 if __name__ == "__main__":

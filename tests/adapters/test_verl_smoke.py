@@ -3,7 +3,7 @@ AsyncLLM on the real vLLM CPU engine) running the composed extension, driven by 
 ``CheckpointEngineManager.update_weights`` with ``backend=fastsync``; two real FSDP2 trainer ranks
 (Ray actors, gloo) export through verl's ``FSDPEngine.get_per_tensor_param``. What in it is verl's
 and what is a stand-in is listed in the script. One engine, two syncs (the second replays the plan
-with a long request in flight), then the replica's checkpoint worker is replaced and one more
+with a long request in flight) into a TP=2 engine (two workers, two rollout ranks), then the replica's checkpoint worker is replaced and one more
 sync re-plans in a fresh session against the same live engine."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "verl",
 
 @pytest.mark.slow
 def test_smoke_writes_in_place_into_verls_vllm_server(tmp_path) -> None:
-    out = subprocess.run([sys.executable, SCRIPT, "--json", "--syncs", "2", "--readd"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, SCRIPT, "--json", "--syncs", "2", "--tp", "2", "--readd"], capture_output=True, text=True,
                          timeout=900, cwd=tmp_path, env={**os.environ, "TMPDIR": str(tmp_path)})
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     assert lines, out.stderr[-3000:]
@@ -45,6 +45,7 @@ def test_smoke_writes_in_place_into_verls_vllm_server(tmp_path) -> None:
     readd = res["readd"]
     assert readd["match"] is True and readd["changed"] is True and readd["path"] == "inplace", readd
     assert readd["server_global_steps"] == 3 and readd["rollout_setups"] == 1 and readd["trainer_setups"] == [2, 2]
+    assert res["tp"] == 2  # two engine workers, two rollout ranks: the leader drives both, both reply
     assert res["server"].endswith("vllm_async_server.vLLMHttpServer")
     assert res["server_adapter"] == "verl.workers.rollout.vllm_rollout.vllm_rollout.ServerAdapter"
     assert res["extension"] == "fastsync_verl.extension.FastSyncVerlWorkerExtension"
