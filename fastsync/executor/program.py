@@ -32,6 +32,7 @@ __all__ = [
     "compile_recv",
     "split_transfer",
     "locate_source",
+    "check_padded",
 ]
 
 ALIGN_BYTES = 64
@@ -200,6 +201,18 @@ def _dst_info(dst_info: dict[int, dict[str, TensorInfo]], t: Transfer) -> Tensor
         ) from None
 
 
+def check_padded(plan: Plan, rank: int, info: TensorInfo) -> None:
+    """Where the plan records that the engine pads ``info`` (its logical and engine shapes), the
+    tensor the receiver holds must have the engine shape: the plan's boxes are in the engine's
+    coordinates, so byte offsets into any other shape would land in the wrong place."""
+    shapes = plan.padded_shapes(rank, info.name)
+    if shapes is not None and tuple(info.shape) != shapes[1]:
+        raise PlanError(
+            f"engine rank {rank} tensor {info.name!r}: the plan was built for the engine's padded shape "
+            f"{shapes[1]} (logical {shapes[0]}), the receiver holds {tuple(info.shape)}: re-plan"
+        )
+
+
 def compile_send(
     plan: Plan,
     rank: int,
@@ -230,8 +243,12 @@ def compile_send(
     mine = sender_copies(plan, rank)
     direct_items: list[SendItem] = []
     staged_items: list[SendItem] = []
+    checked: set[tuple[int, str]] = set()
     for index, t in mine:
         info = _dst_info(dst_info, t)
+        if (t.dst_rank, t.dst_tensor) not in checked:
+            checked.add((t.dst_rank, t.dst_tensor))
+            check_padded(plan, t.dst_rank, info)
         if box_numel(t.dst_box) * info.itemsize != t.nbytes:
             raise PlanError(
                 f"transfer {index} to rank {t.dst_rank} tensor {t.dst_tensor!r}: plan says {t.nbytes} bytes, "
@@ -331,6 +348,8 @@ def compile_recv(plan: Plan, rank: int, tensors: dict[str, TensorInfo]) -> RecvP
     """What receiver ``rank`` must see written before it may flip, grouped by sending rank.
     Raises PlanError naming the tensor when the plan writes outside what the receiver holds."""
     by_src: dict[int, list[RecvItem]] = {}
+    for info in tensors.values():
+        check_padded(plan, rank, info)
     for index, t in receiver_copies(plan, rank):
         info = tensors.get(t.dst_tensor)
         if info is None:

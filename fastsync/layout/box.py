@@ -27,6 +27,7 @@ __all__ = [
     "chunk_bounds",
     "even_bounds",
     "box_slices",
+    "matching_box",
 ]
 
 
@@ -67,6 +68,21 @@ def to_global(box: Box, origin: Box) -> Box:
 def squeeze_shape(shape: Sequence[int]) -> tuple[int, ...]:
     """Shape without size-1 dims: two regions are compatible when these agree."""
     return tuple(int(n) for n in shape if n != 1)
+
+
+def matching_box(dst: Box, src: Box, inner: Box) -> Box:
+    """The box of ``src`` holding the same elements as ``inner`` (a sub-box of ``dst``), where
+    ``dst`` and ``src`` hold the same elements in the same row-major order (equal shapes once
+    size-1 dims are dropped, as a name map's segments and an engine tensor's pieces are)."""
+    if len(src) == len(dst) and all(b - a == d - c for (a, b), (c, d) in zip(src, dst)):
+        return tuple((s0 + i0 - d0, s0 + i1 - d0) for (s0, _), (d0, _), (i0, i1) in zip(src, dst, inner))
+    dst_nz = [d for d, (a, b) in enumerate(dst) if b - a != 1]
+    src_nz = [d for d, (a, b) in enumerate(src) if b - a != 1]
+    out = list(src)
+    for sd, dd in zip(src_nz, dst_nz):
+        s0, d0 = src[sd][0], dst[dd][0]
+        out[sd] = (s0 + inner[dd][0] - d0, s0 + inner[dd][1] - d0)
+    return tuple(out)
 
 
 def box_slices(box: Box) -> tuple[slice, ...]:

@@ -30,8 +30,9 @@ from __future__ import annotations
 import bisect
 
 from fastsync.errors import ConfigError, LayoutError
-from fastsync.layout.box import Box, intersect
+from fastsync.layout.box import Box, intersect, matching_box
 from fastsync.layout.namemap import EngineParam, NameMap, Segment
+from fastsync.layout.padding import DimPad, pad_tensor, round_up
 from fastsync.layout.types import DTYPE_BYTES, FP8_BLOCK, EngineLayout, EngineTensor, Piece
 
 __all__ = [
@@ -131,17 +132,7 @@ def _intervals(ep: EngineParam, tp: int, tp_rank: int, ep_size: int, ep_rank: in
 
 def _src_box(seg: Segment, inter: Box) -> Box:
     """The trainer box holding the same elements as ``inter`` (a sub-box of ``seg.dst_box``)."""
-    if len(seg.src_box) == len(seg.dst_box) and all(
-        b - a == d - c for (a, b), (c, d) in zip(seg.src_box, seg.dst_box)
-    ):
-        return tuple((s0 + i0 - d0, s0 + i1 - d0) for (s0, _), (d0, _), (i0, i1) in zip(seg.src_box, seg.dst_box, inter))
-    dst_nz = [d for d, (a, b) in enumerate(seg.dst_box) if b - a != 1]
-    src_nz = [d for d, (a, b) in enumerate(seg.src_box) if b - a != 1]
-    out = list(seg.src_box)
-    for sd, dd in zip(src_nz, dst_nz):
-        s0, d0 = seg.src_box[sd][0], seg.dst_box[dd][0]
-        out[sd] = (s0 + inter[dd][0] - d0, s0 + inter[dd][1] - d0)
-    return tuple(out)
+    return matching_box(seg.dst_box, seg.src_box, inter)
 
 
 _SEG_INDEX: dict[int, tuple[tuple[Segment, ...], list[int] | None]] = {}
@@ -248,20 +239,41 @@ def _check(tp: int, tp_rank: int, ep_size: int, ep_rank: int, dp: int, dp_rank: 
         raise ConfigError(f"quant {quant!r} unknown; known: {QUANTS}")
 
 
+def _engine_pads(ep: EngineParam, tp: int, shape: tuple[int, ...], moe_pad: int | None) -> list[DimPad]:
+    """How vLLM pads this rank's tensor of ``shape`` (see ``layout/padding.py``): the vocabulary
+    to ``padded_vocab / tp`` rows on every rank; with ``moe_pad``, each part of a fused-MoE
+    tensor's intermediate dim to a multiple of it (vLLM CPU's kernels: 32)."""
+    if ep.style == "vocab":
+        d = ep.shard_dim
+        return [DimPad(d, 1, shape[d], padded_vocab(ep.shape[d]) // tp)]
+    if moe_pad and ep.expert_dim is not None and ep.style in ("column", "row"):
+        d = ep.shard_dim
+        parts = max(len(ep.parts), 1) if ep.style == "column" else 1
+        if shape[d] % parts:
+            raise LayoutError(f"engine tensor {ep.name!r}: {shape[d]} rows are not {parts} equal parts to pad")
+        part = shape[d] // parts
+        return [DimPad(d, parts, part, round_up(part, moe_pad))]
+    return []
+
+
 def _tensors_for_param(ep: EngineParam, tp: int, tp_rank: int, ep_size: int, ep_rank: int,
-                       dtype: str, quant: str | None) -> list[EngineTensor]:
+                       dtype: str, quant: str | None, moe_pad: int | None = None) -> list[EngineTensor]:
     iv = _intervals(ep, tp, tp_rank, ep_size, ep_rank)
     if iv is None:
         return []
     shape, pieces = _pieces(ep, iv)
     if quant == "fp8" and ep.quantizable:
+        if moe_pad and ep.expert_dim is not None:
+            raise ConfigError(f"engine tensor {ep.name!r}: padded FP8 MoE weights (moe_pad={moe_pad}) are not modelled")
         return list(_quantize(ep, iv, shape, pieces))
-    return [EngineTensor(ep.name, shape, ep.dtype or dtype, tuple(pieces))]
+    t = EngineTensor(ep.name, shape, ep.dtype or dtype, tuple(pieces))
+    return [pad_tensor(t, _engine_pads(ep, tp, shape, moe_pad))]
 
 
 def engine_tensors_for_rank(inventory: object, name_map: NameMap, *, tp_size: int, tp_rank: int,
                             ep_size: int = 1, ep_rank: int = 0, dp_size: int = 1, dp_rank: int = 0,
-                            dtype: str = "bfloat16", quant: str | None = None) -> dict[str, EngineTensor]:
+                            dtype: str = "bfloat16", quant: str | None = None,
+                            moe_pad: int | None = None) -> dict[str, EngineTensor]:
     """The engine-local tensors one vLLM worker holds: local shapes and dtypes, pieces with
     ``dst_box`` in local coordinates and ``src_box`` in full trainer coordinates.
 
@@ -269,18 +281,27 @@ def engine_tensors_for_rank(inventory: object, name_map: NameMap, *, tp_size: in
     expert parallel is on; 1 otherwise). ``dp_size``/``dp_rank``: vLLM's data-parallel coordinates;
     without expert parallel they widen the MoE tensor parallelism to ``tp * dp`` as vLLM does.
     ``inventory`` is accepted for symmetry with the planner (the name map already holds shapes).
+    Shapes are the engine's: the vocabulary padded as vLLM pads it, and with ``moe_pad`` the
+    fused-MoE intermediate size per partition rounded up to a multiple of it (``logical_shape``
+    keeps the name map's; see ``layout/padding.py``).
     """
     _check(tp_size, tp_rank, ep_size, ep_rank, dp_size, dp_rank, dtype, quant)
+    _check_moe_pad(moe_pad)
     moe_tp, moe_rank = (1, 0) if ep_size > 1 else (tp_size * dp_size, dp_rank * tp_size + tp_rank)
     out: dict[str, EngineTensor] = {}
     for ep in name_map.params:
         if ep.expert_dim is not None:
-            ts = _tensors_for_param(ep, moe_tp, moe_rank, ep_size, ep_rank, dtype, quant)
+            ts = _tensors_for_param(ep, moe_tp, moe_rank, ep_size, ep_rank, dtype, quant, moe_pad)
         else:
             ts = _tensors_for_param(ep, tp_size, tp_rank, 1, 0, dtype, quant)
         for t in ts:
             out[t.name] = t
     return out
+
+
+def _check_moe_pad(moe_pad: int | None) -> None:
+    if moe_pad is not None and (isinstance(moe_pad, bool) or not isinstance(moe_pad, int) or not 1 <= moe_pad <= 4096):
+        raise ConfigError(f"moe_pad must be an integer in 1..4096 (vLLM CPU pads to 32), got {moe_pad!r}")
 
 
 def vllm_rank_coords(*, tp_size: int, tp_rank: int, dp_size: int = 1, dp_rank: int = 0,
@@ -301,7 +322,7 @@ def vllm_rank_coords(*, tp_size: int, tp_rank: int, dp_size: int = 1, dp_rank: i
 
 def build_engine_layout(inventory: object, name_map: NameMap, *, tp: int, ep: int | bool = 1, dp: int | None = None,
                         replicas: int = 1, dtype: str = "bfloat16", quant: str | None = None,
-                        validate: bool = True) -> EngineLayout:
+                        validate: bool = True, moe_pad: int | None = None) -> EngineLayout:
     """Every rank of ``replicas`` identical vLLM engines of ``tp * dp`` ranks each.
 
     ``ep``: 1/False = no expert parallel; True or ``tp * dp`` = vLLM's ``enable_expert_parallel``
@@ -309,7 +330,9 @@ def build_engine_layout(inventory: object, name_map: NameMap, *, tp: int, ep: in
     (so ``tp=8, ep=32`` is one engine of 32 ranks). Any other value is a ConfigError: vLLM has
     no EP group of another size. Ranks holding identical tensors share the same dict objects (replicas, and ranks
     that differ only in coordinates a tensor does not depend on share EngineTensor objects).
+    ``moe_pad``: as for :func:`engine_tensors_for_rank` (None: the MoE kernels do not pad).
     """
+    _check_moe_pad(moe_pad)
     if dp is None:
         if isinstance(ep, int) and not isinstance(ep, bool) and ep > 1:
             if not isinstance(tp, int) or tp < 1 or ep % tp:
@@ -349,9 +372,11 @@ def build_engine_layout(inventory: object, name_map: NameMap, *, tp: int, ep: in
             flat = dp_rank * tp + tp_rank
             if flat not in expert_cache:
                 if ep_size > 1:
-                    expert_cache[flat] = [t for p in experts for t in _tensors_for_param(p, 1, 0, ep_size, flat, dtype, quant)]
+                    expert_cache[flat] = [t for p in experts
+                                          for t in _tensors_for_param(p, 1, 0, ep_size, flat, dtype, quant, moe_pad)]
                 else:
-                    expert_cache[flat] = [t for p in experts for t in _tensors_for_param(p, moe_tp, flat, 1, 0, dtype, quant)]
+                    expert_cache[flat] = [t for p in experts
+                                          for t in _tensors_for_param(p, moe_tp, flat, 1, 0, dtype, quant, moe_pad)]
             rank_tensors = {t.name: t for t in dense_cache[tp_rank]}
             rank_tensors.update((t.name, t) for t in expert_cache[flat])
             per_rank.append(rank_tensors)
@@ -362,7 +387,8 @@ def build_engine_layout(inventory: object, name_map: NameMap, *, tp: int, ep: in
             rank = r * engine_size + i
             tensors[rank] = ts
             replica_of[rank] = r
-    desc = f"vllm tp={tp} dp={dp} ep={ep_size} replicas={replicas} dtype={dtype} quant={quant}"
+    desc = f"vllm tp={tp} dp={dp} ep={ep_size} replicas={replicas} dtype={dtype} quant={quant}" + (
+        f" moe_pad={moe_pad}" if moe_pad else "")
     layout = EngineLayout(world_size=engine_size * replicas, tensors=tensors, replica_of=replica_of,
                           kind="vllm", description=desc)
     if validate:

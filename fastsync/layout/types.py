@@ -183,16 +183,37 @@ class Piece:
 
 @dataclass(frozen=True, slots=True)
 class EngineTensor:
-    """One tensor on one engine rank, under the engine's own name, local shape and dtype."""
+    """One tensor on one engine rank, under the engine's own name, local shape and dtype.
+
+    ``shape`` is what the engine allocates. Where the engine pads (vLLM's vocabulary, its CPU
+    MoE kernel's intermediate size), ``logical_shape`` is the name map's shape and the pieces'
+    ``dst_box`` are already in the engine's (padded) coordinates: they fill the logical sub-box
+    and never the padding (see ``layout/padding.py``). None when the two shapes agree."""
 
     name: str
     shape: tuple[int, ...]
     dtype: str
     pieces: tuple[Piece, ...]
+    logical_shape: tuple[int, ...] | None = None
 
     @property
     def nbytes(self) -> int:
         return box_numel(full_box(self.shape)) * DTYPE_BYTES[self.dtype]
+
+    @property
+    def logical_numel(self) -> int:
+        """Elements the pieces fill: the logical shape's (the whole tensor when not padded)."""
+        return box_numel(full_box(self.shape if self.logical_shape is None else self.logical_shape))
+
+    def to_json(self) -> list:
+        """``[shape, dtype, pieces]`` plus ``logical_shape`` when padded (so unpadded tensors,
+        and the fingerprints of layouts holding only those, are unchanged)."""
+        out: list = [list(self.shape), self.dtype,
+                     [[[list(b) for b in p.dst_box], p.src, [list(b) for b in p.src_box], p.transform]
+                      for p in self.pieces]]
+        if self.logical_shape is not None:
+            out.append(list(self.logical_shape))
+        return out
 
 
 @dataclass(slots=True)
@@ -246,10 +267,17 @@ class EngineLayout:
                             f"{box_shape(p.src_box)} of parameter {p.src!r}"
                         )
                     filled += box_numel(p.dst_box)
-                if filled != box_numel(full_box(t.shape)):
+                if t.logical_shape is not None and (len(t.logical_shape) != len(t.shape) or any(
+                        not 0 <= lg <= n for lg, n in zip(t.logical_shape, t.shape))):
+                    raise LayoutError(
+                        f"engine rank {rank} tensor {tname!r}: logical shape {t.logical_shape} does not fit the "
+                        f"engine's (padded) shape {t.shape}"
+                    )
+                if filled != t.logical_numel:
+                    what = "" if t.logical_shape is None else f" (logical shape {t.logical_shape} of {t.shape})"
                     raise LayoutError(
                         f"engine rank {rank} tensor {tname!r}: pieces fill {filled} of "
-                        f"{box_numel(full_box(t.shape))} elements"
+                        f"{t.logical_numel} elements{what}"
                     )
 
     def to_json(self) -> dict:
@@ -258,10 +286,7 @@ class EngineLayout:
             "kind": self.kind,
             "replica_of": {str(r): v for r, v in sorted(self.replica_of.items())},
             "tensors": {
-                str(rank): {
-                    n: [list(t.shape), t.dtype, [[[list(b) for b in p.dst_box], p.src, [list(b) for b in p.src_box], p.transform] for p in t.pieces]]
-                    for n, t in sorted(ts.items())
-                }
+                str(rank): {n: t.to_json() for n, t in sorted(ts.items())}
                 for rank, ts in sorted(self.tensors.items())
             },
         }

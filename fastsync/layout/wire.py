@@ -14,16 +14,16 @@ def _box(b: list) -> Box:
 
 
 def engine_tensors_to_json(tensors: dict[str, EngineTensor]) -> dict:
-    return {
-        n: [list(t.shape), t.dtype, [[[list(b) for b in p.dst_box], p.src, [list(b) for b in p.src_box], p.transform]
-                                     for p in t.pieces]]
-        for n, t in sorted(tensors.items())
-    }
+    """``{name: [shape, dtype, pieces(, logical_shape)]}``; the logical shape only where the
+    engine pads the tensor (``shape`` is then the engine's, the pieces in its coordinates)."""
+    return {n: t.to_json() for n, t in sorted(tensors.items())}
 
 
 def engine_tensors_from_json(data: dict) -> dict[str, EngineTensor]:
     out: dict[str, EngineTensor] = {}
-    for n, (shape, dtype, pieces) in data.items():
+    for n, row in data.items():
+        shape, dtype, pieces = row[:3]
+        logical = tuple(int(x) for x in row[3]) if len(row) > 3 and row[3] is not None else None
         ps = tuple(Piece(_box(db), src, _box(sb), tf) for db, src, sb, tf in pieces)
-        out[n] = EngineTensor(n, tuple(int(x) for x in shape), dtype, ps)
+        out[n] = EngineTensor(n, tuple(int(x) for x in shape), dtype, ps, logical)
     return out

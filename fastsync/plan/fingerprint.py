@@ -68,7 +68,9 @@ def engine_fingerprint(layout: EngineLayout) -> str:
         s = frag.get(key)
         if s is None:
             pieces = ",".join(f"[{box[p.dst_box]},{q[p.src]},{box[p.src_box]},{q[p.transform]}]" for p in t.pieces)  # type: ignore[attr-defined]
-            s = frag[key] = f"{q[n]}:[{_shape(t.shape)},{q[t.dtype]},[{pieces}]]"  # type: ignore[attr-defined]
+            logical = getattr(t, "logical_shape", None)
+            tail = "" if logical is None else "," + _shape(logical)
+            s = frag[key] = f"{q[n]}:[{_shape(t.shape)},{q[t.dtype]},[{pieces}]{tail}]"  # type: ignore[attr-defined]
         return s
 
     replica = ",".join(f"{q[str(r)]}:{v}" for r, v in sorted((str(r), v) for r, v in layout.replica_of.items()))
@@ -102,7 +104,12 @@ def plan_hash(plan: Plan) -> str:
         f = plan.fanout
         fan = (f'"fanout":[{f.replica_size},{f.replicas},[{",".join(map(str, f.parents))}],'
                f'[{",".join(map(str, f.direct))}]],')
+    pad = ""
+    if plan.padded:  # engine-padded tensors: part of the plan's identity
+        pad = '"padded":{' + ",".join(
+            q[str(r)] + ":{" + ",".join(f"{q[n]}:[{_shape(lg)},{_shape(en)}]" for n, (lg, en) in sorted(ts.items())) + "}"
+            for r, ts in sorted((str(r), ts) for r, ts in plan.padded.items())) + "},"
     text = (f'{{"engine_hash":{q[plan.engine_hash]},{fan}"gathers":{{{gathers}}},"num_receivers":{plan.num_receivers},'
-            f'"num_trainers":{plan.num_trainers},"trainer_hash":{q[plan.trainer_hash]},'
+            f'"num_trainers":{plan.num_trainers},{pad}"trainer_hash":{q[plan.trainer_hash]},'
             f'"transfers":[{transfers}],"version":1}}')
     return _digest(text)

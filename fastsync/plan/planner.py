@@ -380,7 +380,21 @@ def build_plan(
         fan = choose_fanout(transfers, trainer.world_size, structure[0], structure[1], fanout)
         meta["fanout_mode"] = fanout
     return Plan(transfers, gathers, trainer_fingerprint(trainer), engine_fingerprint(full), trainer.world_size,
-                full.world_size, meta, fan)
+                full.world_size, meta, fan, _padded(engine))
+
+
+def _padded(engine: EngineLayout) -> dict[int, dict[str, tuple[tuple[int, ...], tuple[int, ...]]]]:
+    """Both shapes of every tensor the engine pads, per planned engine rank (ranks share dicts)."""
+    per_dict: dict[int, dict[str, tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+    out: dict[int, dict[str, tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+    for rank, ts in engine.tensors.items():
+        got = per_dict.get(id(ts))
+        if got is None:
+            got = per_dict[id(ts)] = {n: (tuple(t.logical_shape), tuple(t.shape)) for n, t in ts.items()
+                                      if t.logical_shape is not None}
+        if got:
+            out[rank] = got
+    return out
 
 
 def _owner_unique_bytes(by_param: Mapping[str, list], indices: dict[str, ShardIndex],

@@ -100,6 +100,17 @@ class Plan:
     num_receivers: int
     meta: dict = field(default_factory=dict)
     fanout: Fanout | None = None
+    #: Engine tensors the engine pads, per planned engine rank: ``{rank: {tensor: (logical shape,
+    #: engine shape)}}``. Transfers' ``dst_box`` are in the engine's (padded) coordinates and cover
+    #: the logical sub-box only; receivers check their live shapes against the engine shape.
+    padded: dict[int, dict[str, tuple[tuple[int, ...], tuple[int, ...]]]] = field(default_factory=dict)
+
+    def padded_shapes(self, rank: int, tensor: str) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """(logical, engine) shape of ``tensor`` on engine ``rank`` where the engine pads it (rank
+        of any replica), else None."""
+        if self.fanout is not None:
+            rank %= self.fanout.replica_size
+        return self.padded.get(rank, {}).get(tensor)
 
     @property
     def has_relays(self) -> bool:
@@ -176,6 +187,9 @@ class Plan:
         }
         if self.fanout is not None:
             out["fanout"] = self.fanout.to_json()
+        if self.padded:  # absent when nothing is padded: unpadded plans keep their hashes
+            out["padded"] = {str(r): {n: [list(lg), list(en)] for n, (lg, en) in sorted(ts.items())}
+                             for r, ts in sorted(self.padded.items())}
         return out
 
     @property
@@ -199,8 +213,10 @@ class Plan:
             if d.get("fanout") is not None:
                 size, reps, parents, direct = d["fanout"]
                 fan = Fanout(int(size), int(reps), tuple(int(p) for p in parents), tuple(int(i) for i in direct))
+            padded = {int(r): {n: (tuple(int(x) for x in lg), tuple(int(x) for x in en)) for n, (lg, en) in ts.items()}
+                      for r, ts in (d.get("padded") or {}).items()}
             return cls(transfers, dict(d["gathers"]), d["trainer_hash"], d["engine_hash"],
-                       d["num_trainers"], d["num_receivers"], d.get("meta", {}), fan)
+                       d["num_trainers"], d["num_receivers"], d.get("meta", {}), fan, padded)
         except (KeyError, ValueError, TypeError) as e:
             raise PlanError(f"not a serialised fastsync plan: {e}") from e
 

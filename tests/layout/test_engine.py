@@ -36,10 +36,16 @@ def _full(inv, seed=0):
 
 
 def _materialize(t, full):
+    """The engine tensor as its pieces fill it; where the engine pads it (vocab rows), the
+    padding must stay untouched and the logical prefix is returned."""
     out = torch.full(t.shape, float("nan"))
     for p in t.pieces:
         src = full[p.src][box_slices(p.src_box)]
         out[box_slices(p.dst_box)] = src.reshape(out[box_slices(p.dst_box)].shape)
+    if t.logical_shape is not None:
+        logical = tuple(slice(0, n) for n in t.logical_shape)
+        assert torch.isnan(out).sum() == out.numel() - out[logical].numel(), t.name  # padding never filled
+        out = out[logical]
     assert not torch.isnan(out).any(), t.name
     return out
 
