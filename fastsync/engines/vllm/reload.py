@@ -34,7 +34,10 @@ from typing import Any
 import torch
 
 from fastsync.errors import ConfigError, SyncError
+from fastsync.engines.vllm.layout import moe_pads
 from fastsync.executor.staging import as_bytes
+from fastsync.layout.box import box_slices
+from fastsync.layout.padding import logical_to_engine
 
 __all__ = ["ReloadWorkerMixin", "ensure_staging", "plain_tensors"]
 
@@ -179,13 +182,23 @@ class ReloadWorkerMixin:
         ensure_staging(st)
         model = self.model_runner.model  # type: ignore[attr-defined]
         t0 = time.perf_counter()
-        # point every prepacked parameter at its staging tensor so vLLM's weight loaders fill it
+        # point every prepacked parameter at its staging tensor so vLLM's weight loaders fill it;
+        # an MoE weight the CPU kernel pads loads into its logical shape, then moves into the
+        # logical sub-box of its (zero-padded) staging tensor as vLLM's _pad_moe_intermediate does
+        padded: dict[str, torch.Tensor] = {}
         for name, lp in st.live.items():
             if lp.kind == "linear_repack":
                 lp.module.weight = _loading_param(lp.module, st.staging[name])
             elif lp.kind == "moe_repack":
-                getattr(lp.module, lp.attr).data = st.staging[name]
+                logical = st.expected[name].logical_shape if name in st.expected else None
+                if logical is not None:
+                    padded[name] = torch.zeros(logical, dtype=st.staging[name].dtype)
+                getattr(lp.module, lp.attr).data = padded.get(name, st.staging[name])
         model.load_weights(safetensors_weights_iterator(files, use_tqdm_on_load=False))
+        for name, loaded in padded.items():
+            lp, dst = st.live[name], st.staging[name]
+            for lbox, ebox in logical_to_engine(tuple(loaded.shape), moe_pads(lp.attr, tuple(loaded.shape), tuple(dst.shape))):
+                dst[box_slices(ebox)] = loaded[box_slices(lbox)]
         read_s = time.perf_counter() - t0
         st.undo = []
         self._fastsync_postprocess(st)  # type: ignore[attr-defined]
