@@ -132,6 +132,7 @@ def _plan_report(args: argparse.Namespace, steps: Steps) -> dict:
                                        f"{args.nic_gbps:g} Gb/s per GPU")
     delta = _delta_report(plan, args)
     return {
+        "padded": padded_report(plan),
         "model": inv.name,
         "architecture": inv.architecture,
         "trainer": args.trainer,
@@ -179,6 +180,23 @@ def _plan_report(args: argparse.Namespace, steps: Steps) -> dict:
         **files,
         **({"delta": delta} if delta else {}),
     }
+
+
+def padded_report(plan: object, examples: int = 4) -> dict:
+    """Engine tensors the engine pads, from the plan's records (``Plan.padded``, both shapes per
+    planned engine rank): how many, the padding bytes no transfer writes, and a few examples.
+    The saved plan (``--save``) holds every record."""
+    from fastsync.layout.types import DTYPE_BYTES
+
+    dtypes = {t.dst_tensor: t.nbytes // max(1, math.prod(e - s for s, e in t.dst_box)) for t in plan.transfers}  # type: ignore[attr-defined]
+    count, pad_bytes, rows = 0, 0, []
+    for rank, ts in sorted(plan.padded.items()):  # type: ignore[attr-defined]
+        for name, (logical, engine) in sorted(ts.items()):
+            count += 1
+            pad_bytes += (math.prod(engine) - math.prod(logical)) * dtypes.get(name, DTYPE_BYTES["bfloat16"])
+            if len(rows) < examples:
+                rows.append({"rank": rank, "tensor": name, "logical": list(logical), "engine": list(engine)})
+    return {"tensors": count, "padding_bytes": pad_bytes, "examples": rows}
 
 
 def _delta_report(plan: object, args: argparse.Namespace) -> dict | None:
@@ -233,6 +251,12 @@ def run(args: argparse.Namespace) -> int:
         rows.append(("delta sync", f"{d['predicted_seconds']:.3f} s at {100 * d['fraction']:g}% changed: "
                                    f"{_gb(d['bytes_total'])} ({d['bytes_total'] / r['bytes_total']:.3f} of dense), "
                                    f"max {_gb(d['max_recv_bytes'])} per engine rank; {d['bottleneck']}"))
+    pad = r["padded"]
+    if pad["tensors"]:
+        ex = pad["examples"][0]
+        rows.append(("engine pads", f"{pad['tensors']} tensors on the planned ranks ({_gb(pad['padding_bytes'])} of "
+                                    f"padding never written), e.g. rank {ex['rank']} {ex['tensor']} logical "
+                                    f"{tuple(ex['logical'])} in engine {tuple(ex['engine'])}"))
     if r["unread_params"]:
         rows.append(("not sent (tied)", ", ".join(r["unread_params"])))
     if r["saved_to"]:

@@ -14,13 +14,16 @@ Grammar (``KIND:ARGS``; ARGS is a comma-separated list of ``key=value``, ``keyVA
     replicated:N | ddp:N            every rank holds every parameter whole
 
   engine side
-    vllm:tpT[,dpD][,ep[=E]][,replicasR][,quant=fp8][,dtype=bfloat16]   (epE == ep=E)
+    vllm:tpT[,dpD][,ep[=E]][,replicasR][,quant=fp8][,dtype=bfloat16][,moepadM]   (epE == ep=E)
         R independent vLLM engines ("replicas", alias "x"), each of T*D ranks: tensor parallel T,
         vLLM data parallel D. Dense/attention weights are split over T and replicated over D.
         Routed experts: without ``ep`` they are tensor parallel over all T*D ranks (vLLM flattens
         TP across DP for MoE); with ``ep`` (vLLM's enable_expert_parallel) each of the T*D ranks
         holds whole experts, placed linearly. vLLM's EP group is always the whole engine, so
         ``ep=E`` must equal T*D (with ``dp`` omitted, ``epE`` sets D = E/T). World size = T*D*R.
+        Shapes are the engine's: the vocabulary padded to a multiple of 64 as vLLM pads it; with
+        ``moepadM`` the fused-MoE intermediate size per partition is padded to a multiple of M as
+        vLLM's CPU kernels do (M = 32); the plan records both shapes.
 
 Examples: ``fsdp:256``, ``hsdp:2x64``, ``zero3:8``, ``megatron:tp8,pp2,ep4,dp2``,
 ``vllm:tp8`` (one TP8 engine), ``vllm:tp8,dp4,ep,replicas4`` = ``vllm:tp8,ep32,replicas4``
@@ -55,7 +58,7 @@ __all__ = [
 
 GRAMMAR = """\
   trainer: fsdp:N[,dim=D] | hsdp:RxS | zero3:N | megatron:tpT[,ppP][,epE][,dpD] | replicated:N
-  engine:  vllm:tpT[,dpD][,ep | ,epE (E = T*D, EP over the whole engine)][,replicasR][,quant=fp8][,dtype=bf16|fp16|fp32]
+  engine:  vllm:tpT[,dpD][,ep | ,epE (E = T*D, EP over the whole engine)][,replicasR][,quant=fp8][,dtype=bf16|fp16|fp32][,moepad32 (vLLM CPU MoE padding)]
   examples: fsdp:256  hsdp:2x64  zero3:8  megatron:tp8,pp2,ep4,dp2  vllm:tp8,dp4,ep,replicas4 (= vllm:tp8,ep32,replicas4)"""
 
 _ITEM = re.compile(r"^([a-z_]+?)=?([0-9]+)$")
@@ -192,8 +195,8 @@ def vllm_builder(args: str, inventory: object, name_map: object) -> EngineLayout
     from fastsync.layout.engine import build_engine_layout
 
     spec = f"vllm:{args}"
-    got = parse_args(spec, args, ints=("tp", "dp", "replicas"), flags=("ep",), strings=("quant", "dtype"),
-                     aliases={"x": "replicas", "r": "replicas"})
+    got = parse_args(spec, args, ints=("tp", "dp", "replicas", "moepad"), flags=("ep",), strings=("quant", "dtype"),
+                     aliases={"x": "replicas", "r": "replicas", "moe_pad": "moepad"})
     tp = _require(spec, got, "tp")
     ep = got.get("ep", False)
     if "dp" in got:
@@ -214,8 +217,12 @@ def vllm_builder(args: str, inventory: object, name_map: object) -> EngineLayout
     dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, dtype)
     if dtype not in ("bfloat16", "float16", "float32"):
         raise _err(spec, f"field 'dtype' must be bf16, fp16 or fp32 (the engine's weight dtype), got {dtype!r}")
+    moe_pad = got.get("moepad")
+    if moe_pad is not None and not 1 <= int(moe_pad) <= 4096:  # type: ignore[call-overload]
+        raise _err(spec, f"field 'moepad' must be in 1..4096 (vLLM CPU's MoE kernels pad to 32), got {moe_pad}")
     return build_engine_layout(inventory, name_map, tp=tp, dp=dp, ep=bool(ep), replicas=int(got.get("replicas", 1)),  # type: ignore[arg-type]
-                               dtype=dtype, quant="fp8" if quant == "fp8" else None)
+                               dtype=dtype, quant="fp8" if quant == "fp8" else None,
+                               moe_pad=None if moe_pad is None else int(moe_pad))  # type: ignore[call-overload]
 
 
 # ---- dispatch ---------------------------------------------------------------------------------

@@ -237,3 +237,26 @@ def _catch(errors: list, fn, *args) -> None:
         fn(*args)
     except BaseException as e:  # re-raised by the test body
         errors.append(e)
+
+
+def test_cli_plan_shows_both_shapes(tmp_path, capsys):
+    """``fastsync plan`` with ``moepad32`` (vLLM CPU's MoE padding): the table names a padded
+    tensor with both shapes, ``--json`` counts them and the padding bytes, ``--save`` keeps them."""
+    import json
+
+    from fastsync.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(CFG))
+    saved = tmp_path / "plan.json"
+    argv = ["plan", "--model", str(tmp_path), "--trainer", "fsdp:2", "--rollout", "vllm:tp2,moepad32"]
+    assert main(argv + ["--json", "--save", str(saved)]) == 0
+    r = json.loads(capsys.readouterr().out)
+    # per rank: w13 and w2 of 2 layers (+ lm_head and embed_tokens on rank 1: vocab 130 -> 2 x 96 rows)
+    assert r["padded"]["tensors"] == 2 * 4 + 2
+    moe = 2 * 2 * EXPERTS * HIDDEN * (2 * (32 - 10) + (32 - 10))  # ranks x layers x (w13 + w2), bf16
+    assert r["padded"]["padding_bytes"] == moe * 2 + 2 * (96 - 34) * HIDDEN * 2
+    assert Plan.loads(saved.read_text()).padded[1][W2] == ((EXPERTS, HIDDEN, 10), (EXPERTS, HIDDEN, 32))
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "engine pads" in out and "w13_weight logical (5, 20, 40) in engine (5, 64, 40)" in out
+    assert main(["plan", "--model", str(tmp_path), "--trainer", "fsdp:2", "--rollout", "vllm:tp2,moepad0"]) == 2
