@@ -126,6 +126,13 @@ def test_padded_shapes_sync_into_real_vllm(which, tmp_path):
         assert after == want  # match: true, token for token
         if which in MOE_PADDED:  # bit for bit, padding included (zeros, as vLLM pads)
             _assert_bytes_equal_reference(llm, described[0], full)
+            # peer reload's fallback: vLLM's own loader into the padded staging, then the same repack
+            from fastsync.engines.vllm.host import raise_worker_errors
+
+            raise_worker_errors(llm.collective_rpc("fastsync_load_checkpoint", args=(str(d), 2)), "load checkpoint")
+            orig = transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+            _assert_bytes_equal_reference(llm, described[0], {n: p.data for n, p in orig.named_parameters()})
+            assert engine.generate(PROMPTS, 6) == before  # the checkpoint's own tokens again
     finally:
         ws.close()
         llm.collective_rpc("fastsync_close")

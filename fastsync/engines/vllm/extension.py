@@ -439,8 +439,13 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
                 elif lp.kind == "moe_repack":
                     experts = lp.module.quant_method.moe_kernel.fused_experts
                     param = getattr(lp.module, lp.attr)
-                    packed = torch.empty_like(param.data)
-                    torch.ops._C.prepack_moe_weight(st.staging[name], packed, experts.isa)
+                    src = st.staging[name]
+                    if tuple(src.shape) != lp.shape or tuple(param.data.shape) != lp.shape:
+                        # the native packer trusts its shapes: a mismatch would write out of bounds
+                        raise LayoutError(f"staging {tuple(src.shape)} / parameter {tuple(param.data.shape)} "
+                                          f"differ from the engine shape {lp.shape}")
+                    packed = torch.empty_like(src)
+                    torch.ops._C.prepack_moe_weight(src, packed, experts.isa)
                     st.undo.append(_ModuleState(lp.module))
                     param.data = packed  # the kernel reads the layer's parameter at each forward
         except Exception as e:

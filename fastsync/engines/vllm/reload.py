@@ -199,6 +199,7 @@ class ReloadWorkerMixin:
             lp, dst = st.live[name], st.staging[name]
             for lbox, ebox in logical_to_engine(tuple(loaded.shape), moe_pads(lp.attr, tuple(loaded.shape), tuple(dst.shape))):
                 dst[box_slices(ebox)] = loaded[box_slices(lbox)]
+            getattr(lp.module, lp.attr).data = dst  # the padded shape again, as the kernel reads it
         read_s = time.perf_counter() - t0
         st.undo = []
         self._fastsync_postprocess(st)  # type: ignore[attr-defined]
