@@ -23,7 +23,7 @@ import secrets
 from fastsync.errors import ConfigError
 
 __all__ = ["SECRET_ENV", "NET_DEVICES_ENV", "DEFAULT_NET_DEVICES", "job_secret", "derive_key", "mac", "check_mac",
-           "net_devices"]
+           "net_devices", "loopback_mismatch"]
 
 SECRET_ENV = "FASTSYNC_JOB_SECRET"
 NET_DEVICES_ENV = "FASTSYNC_NET_DEVICES"
@@ -91,3 +91,25 @@ def net_devices(devices: str | None = None) -> str:
     if not got or not got.strip():
         raise ConfigError(f"net devices must name at least one interface (e.g. 'lo', 'eth0', 'mlx5_0:1'), got {got!r}")
     return got.strip()
+
+
+def loopback_mismatch(devices: str, control_host: str | None) -> str | None:
+    """A warning when NIXL/UCX may use only loopback (``devices`` is ``lo``, the default) while
+    the control store is reached at a non-loopback address, i.e. probably a job spanning hosts
+    that forgot ``FASTSYNC_NET_DEVICES``; None otherwise. (A one-host job may give the store its
+    cluster address too, so this warns rather than refuses.)"""
+    import ipaddress
+
+    if devices.strip() != DEFAULT_NET_DEVICES or not control_host:
+        return None
+    host = control_host.strip("[]")
+    if host in ("localhost", "localhost.localdomain"):
+        return None
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:
+        pass  # a host name: not known to be loopback
+    return (f"the control store is at {control_host} but NIXL/UCX may use only '{DEFAULT_NET_DEVICES}' "
+            f"(${NET_DEVICES_ENV} is unset or 'lo'): engines or trainers on other hosts cannot be reached; "
+            f"set {NET_DEVICES_ENV} on every process to the cluster interfaces, e.g. 'mlx5_0:1,eth0'")

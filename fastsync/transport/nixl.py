@@ -41,7 +41,7 @@ from fastsync.executor.metrics import SyncMetrics
 from fastsync.executor.pipeline import run_pipelined
 from fastsync.executor.program import Chunk
 from fastsync.executor.staging import wait_device
-from fastsync.security import check_mac, derive_key, mac, net_devices
+from fastsync.security import check_mac, derive_key, loopback_mismatch, mac, net_devices
 from fastsync.transport.base import ReceiverContext, SenderContext, Transport
 from fastsync.transport.nixl_relay import NixlRelay, batches_key
 from fastsync.transport.nixl_teardown import quiesce, release
@@ -112,7 +112,10 @@ class NixlTransport(Transport):
                               "(control.secret) to sign and check its notifications")
         self._key = derive_key(secret, "nixl notifications")
         # UCX reads its configuration when the agent's context is created: listen only here
-        os.environ["UCX_NET_DEVICES"] = net_devices(self.net_devices)
+        os.environ["UCX_NET_DEVICES"] = devices = net_devices(self.net_devices)
+        warning = loopback_mismatch(devices, getattr(control, "host", None))
+        if warning:
+            log.warning("nixl (%s rank %d): %s", role, rank, warning)
         name = f"fastsync-{role}{rank}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.agent_name = name
         conf = nixl_agent_config(enable_prog_thread=self.progress_thread, backends=self.backends)
