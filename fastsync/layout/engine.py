@@ -260,7 +260,13 @@ def _tensors_for_param(ep: EngineParam, tp: int, tp_rank: int, ep_size: int, ep_
                        dtype: str, quant: str | None, moe_pad: int | None = None) -> list[EngineTensor]:
     iv = _intervals(ep, tp, tp_rank, ep_size, ep_rank)
     if iv is None:
-        return []
+        if ep.style != "vocab":
+            return []
+        # a vocab slice that is all padding: vLLM still allocates the rank's padded rows, none logical
+        d = ep.shard_dim
+        shape = tuple(0 if k == d else n for k, n in enumerate(ep.shape))
+        t = EngineTensor(ep.name, shape, ep.dtype or dtype, ())
+        return [pad_tensor(t, _engine_pads(ep, tp, shape, moe_pad))]
     shape, pieces = _pieces(ep, iv)
     if quant == "fp8" and ep.quantizable:
         if moe_pad and ep.expert_dim is not None:

@@ -15,7 +15,8 @@ Parallel styles (what vLLM's layers do with ``tp`` ranks):
   replication).
 * ``row``: ``shard_dim`` (the input dim) is split evenly (``o_proj``, ``down_proj``).
 * ``vocab``: dim 0 is padded to a multiple of 64 then split evenly (VocabParallelEmbedding /
-  ParallelLMHead); a rank's tensor is the filled prefix of its padded slice.
+  ParallelLMHead); a rank's engine tensor is its whole padded slice, whose filled prefix is the
+  logical shape (``layout/padding.py``).
 * With ``expert_dim`` set (fused MoE ``w13_weight`` [E, 2I, H], ``w2_weight`` [E, H, I]) that
   dim is split over expert-parallel ranks first (vLLM's linear placement), then ``style`` applies
   with the MoE tensor-parallel size (``tp`` without EP, 1 with EP).

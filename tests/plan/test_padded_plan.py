@@ -260,3 +260,20 @@ def test_cli_plan_shows_both_shapes(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "engine pads" in out and "w13_weight logical (5, 20, 40) in engine (5, 64, 40)" in out
     assert main(["plan", "--model", str(tmp_path), "--trainer", "fsdp:2", "--rollout", "vllm:tp2,moepad0"]) == 2
+
+
+def test_rank_whose_vocab_slice_is_all_padding_holds_its_rows_and_gets_nothing():
+    """vocab 130 -> 192 at tp 4: 48 rows per rank, rank 3 starts at row 144 > 130. vLLM still
+    allocates its 48 rows; the plan writes none of them (and still plans every other rank)."""
+    inv = inventory_from_config(dict(CFG, num_attention_heads=4, num_key_value_heads=2, moe_intermediate_size=24))
+    nm = get_name_map(inv.architecture, inv.config, inv.params)
+    engine = build_engine_layout(inv, nm, tp=4, dtype="float32")
+    emb = engine.tensors[3]["model.embed_tokens.weight"]
+    assert (emb.shape, emb.logical_shape, emb.pieces) == ((48, HIDDEN), (0, HIDDEN), ())
+    trainer = fsdp_layout(inv.params, 2)
+    plan = build_plan(inv.params, trainer, engine)
+    assert plan.padded[3]["model.embed_tokens.weight"] == ((0, HIDDEN), (48, HIDDEN))
+    assert not [t for t in plan.transfers if t.dst_rank == 3 and t.dst_tensor == "model.embed_tokens.weight"]
+    full = _full(inv)
+    out = execute_plan_locally(plan, split_full_params(full, trainer), engine, trainer)
+    assert torch.equal(out[2]["model.embed_tokens.weight"][:130 - 96], full["model.embed_tokens.weight"][96:])
