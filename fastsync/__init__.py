@@ -15,8 +15,8 @@ torch.distributed, NIXL, vLLM) are imported lazily, on first use of a name that 
   ``fsdp:8``, ``vllm:tp8``), ``trainer_layout_from_module`` (a live DTensor / plain module),
   ``replicated_layout``, ``load_inventory`` / ``inventory_from_config``, ``get_name_map``, the
   layout records (``ParamSpec``, ``Shard``, ``Piece``, ``EngineTensor``, ``TrainerLayout``,
-  ``EngineLayout``, ``Inventory``) and box helpers (``Box``, ``full_box``, ``box_shape``,
-  ``box_slices``).
+  ``EngineLayout``, ``Inventory``), engines' padded shapes (``DimPad``, ``pad_tensor``) and box
+  helpers (``Box``, ``full_box``, ``box_shape``, ``box_slices``).
 * Tensors: ``alloc_touched``, ``dtype_name``, ``torch_dtype``.
 * MoE: ``patch_moe`` (swap HF v5 MoE blocks), ``RoutingReplay``.
 * Engines: ``FastSyncWorkerExtension`` (vLLM's ``worker_extension_cls``, to subclass or compose);
@@ -84,6 +84,8 @@ _LAZY: dict[str, tuple[str, str]] = {
     "EngineTensor": ("fastsync.layout.types", "EngineTensor"),
     "TrainerLayout": ("fastsync.layout.types", "TrainerLayout"),
     "EngineLayout": ("fastsync.layout.types", "EngineLayout"),
+    "DimPad": ("fastsync.layout.padding", "DimPad"),
+    "pad_tensor": ("fastsync.layout.padding", "pad_tensor"),
     "Box": ("fastsync.layout.box", "Box"),
     "full_box": ("fastsync.layout.box", "full_box"),
     "box_shape": ("fastsync.layout.box", "box_shape"),

@@ -105,7 +105,7 @@ def fastsync_engine_layout(engine: Any, rank: int) -> dict[str, EngineTensor] | 
 
     Called inside each inference worker (e.g. the vLLM worker extension) once at setup.
     Shapes are the engine's own: where it pads a tensor, give its allocated ``shape``, the
-    ``logical_shape`` and pieces in the padded coordinates (``fastsync.layout.padding.pad_tensor``).
+    ``logical_shape`` and pieces in the padded coordinates (``fastsync.pad_tensor``).
     Stops at first non-None result.
     """
 
