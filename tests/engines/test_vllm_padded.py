@@ -5,8 +5,8 @@ in a non-leading dim (here 100 -> 128: ``w13_weight`` [E, 200, H] -> [E, 256, H]
 fastsync writes the logical sub-box of each padded tensor and leaves the padding as the engine
 made it; ``describe`` and the plan record both shapes.
 
-Tiny Llama, Qwen3, Qwen3-MoE and Mixtral models with awkward sizes (vocab 1000, hidden 200 or
-224, 7 query heads over 1 KV head, MoE intermediate 100) sync into the REAL vLLM CPU engine and
+Tiny Llama, Qwen3, Qwen3-MoE and Mixtral models with awkward sizes (vocab 1000 or 1001, hidden 200
+or 224, 7 query heads over 1 KV head, MoE intermediate 100) sync into the REAL vLLM CPU engine and
 then generate exactly what the trainer's HF model does; for the MoE models every engine tensor's
 bytes, padding included, equal the plan's reference (SHA-256 per tensor). One engine per model,
 started one after the other and stopped after use.
@@ -50,8 +50,8 @@ MODELS = {
     "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(AWKWARD_MOE, head_dim=64, intermediate_size=300, moe_intermediate_size=100, num_experts=6,
                        num_experts_per_tok=2, norm_topk_prob=True)),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
-                dict(AWKWARD_MOE, intermediate_size=100, num_local_experts=5, num_experts_per_tok=2)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",  # an odd vocabulary too: 1001 -> 1024 rows
+                dict(AWKWARD_MOE, vocab_size=1001, intermediate_size=100, num_local_experts=5, num_experts_per_tok=2)),
 }
 MOE_PADDED = {  # what the live engine must report: logical and engine shapes
     "qwen3-moe": ("model.layers.0.mlp.experts.routed_experts", 6),
@@ -107,7 +107,8 @@ def test_padded_shapes_sync_into_real_vllm(which, tmp_path):
     try:
         described = engine.describe()
         hidden = kw["hidden_size"]
-        assert described[0]["padded"]["model.embed_tokens.weight"] == {"logical": [1000, hidden], "engine": [1024, hidden]}
+        assert described[0]["padded"]["model.embed_tokens.weight"] == {"logical": [kw["vocab_size"], hidden],
+                                                                        "engine": [1024, hidden]}
         if which in MOE_PADDED:
             e, n = MOE_PADDED[which]
             assert described[0]["padded"][f"{e}.w13_weight"] == {"logical": [n, 200, hidden], "engine": [n, 256, hidden]}
