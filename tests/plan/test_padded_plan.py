@@ -12,7 +12,6 @@ vLLM's own padding puts it, no padding element is ever written, and the plan rec
 from __future__ import annotations
 
 import itertools
-import threading
 
 import pytest
 
@@ -32,6 +31,7 @@ from fastsync.plan.fingerprint import engine_fingerprint, plan_hash  # noqa: E40
 from fastsync.plan.planner import build_plan  # noqa: E402
 from fastsync.plan.types import Plan  # noqa: E402
 from fastsync.testing.local import execute_plan_locally, split_full_params, write_counts  # noqa: E402
+from fastsync.testing.threads import run_ranks  # noqa: E402
 
 INTER, HIDDEN, EXPERTS = 20, 40, 5
 CFG = {
@@ -207,18 +207,10 @@ def test_sender_and_receiver_programs_over_nixl_leave_the_padding_alone(inv, nam
             tx.setup()
         for rx in rxs:
             rx.begin(1)
-        errors: list[BaseException] = []
-        served: list[int] = []
         # every rank on its own thread, as in separate processes (each agent makes progress)
-        threads = [threading.Thread(target=lambda tx=tx: _catch(errors, tx.sync, 1)) for tx in txs]
-        threads += [threading.Thread(target=lambda rx=rx: _catch(errors, lambda: served.append(rx.wait() and rx.finish())))
-                    for rx in rxs]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(40)
-        assert not errors, errors
-        assert served == [1] * tp
+        got = run_ranks([lambda tx=tx: tx.sync(1) for tx in txs] + [lambda rx=rx: rx.wait() and rx.finish() for rx in rxs],
+                        timeout_s=40)
+        assert got[len(txs):] == [1] * tp
     finally:
         for x in txs + rxs:
             x.close()
@@ -231,12 +223,6 @@ def test_sender_and_receiver_programs_over_nixl_leave_the_padding_alone(inv, nam
         assert torch.equal(emb[:n], full["model.embed_tokens.weight"][lo:lo + n])
         assert bool((emb[n:] == SENTINEL).all())  # padded vocab rows untouched too
 
-
-def _catch(errors: list, fn, *args) -> None:
-    try:
-        fn(*args)
-    except BaseException as e:  # re-raised by the test body
-        errors.append(e)
 
 
 def test_cli_plan_shows_both_shapes(tmp_path, capsys):
