@@ -211,19 +211,27 @@ class ReloadWorkerMixin:
     def fastsync_json(self, call: str) -> Any:
         """String-only entry for ``vllm serve``'s ``POST /collective_rpc`` (dev mode passes only
         strings): ``call`` is ``{"method": "fastsync_...", "args": [...]}`` as JSON; the result
-        is the method's (errors as ``{"error": [cls, msg]}``, as for every fastsync call)."""
+        is the method's (errors as ``{"error": [cls, msg]}``, as for every fastsync call).
+
+        With a ``"call_id"`` in ``call`` the result comes back as ``{"call_id": id, "result": r}``:
+        vLLM's executor answers ``collective_rpc`` calls strictly in order from one reply queue,
+        and a call it gave up on (its ``timeout`` passed) leaves its late reply in that queue, where
+        the next call reads it. The id lets the host tell such a stale reply from its own."""
         import json
 
         from fastsync.engines.vllm.extension import _result
 
+        body: dict = {}
+
         def run() -> Any:
-            body = json.loads(call)
+            body.update(json.loads(call))
             method = str(body.get("method", ""))
             if not method.startswith("fastsync_") or method == "fastsync_json" or not hasattr(self, method):
                 raise ConfigError(f"fastsync_json: unknown fastsync method {method!r}")
             return getattr(self, method)(*body.get("args", []))
 
-        return _result(run)
+        out = _result(run)
+        return {"call_id": body["call_id"], "result": out} if "call_id" in body else out
 
     def fastsync_digest(self) -> dict:
         from fastsync.engines.vllm.extension import _result
