@@ -6,7 +6,8 @@ Order (one process drives real vLLM CPU engines, each in its own engine-core pro
 1. the checkpoint (a preset is written once with random weights; or a local HF dir);
 2. holder H: ``load_format="dummy"``, then filled from the checkpoint by vLLM's own loader
    (``fastsync_load_checkpoint``): a live engine of version 1;
-3. joining engine J: started with ``load_format="dummy"`` (engine start timed), filled from H
+3. joining engine J: started with ``load_format="dummy"`` and described (engine start timed;
+   describing touches its staging arena and initialises NIXL in its worker), filled from H
    by :class:`~fastsync.reload.coordinator.PeerReload` (weights timed, NIXL registration
    reported separately), first request timed; verified: every engine tensor's SHA-256 equals H's;
 4. the same engine J loads the same checkpoint with vLLM's loader, after evicting every
@@ -167,8 +168,10 @@ def run_reload_bench(model: str, *, repeats: int = 3, workdir: str | None = None
 
         t0 = time.perf_counter()
         joiner = VllmReloadEngine(LLM(**_engine_kwargs(ckpt, "dummy")), name="joiner")
+        # part of its start: describing the engine also touches its staging arena and initialises
+        # NIXL in its worker (``prepare_s``), before it asks anyone for weights
+        prepared = joiner.describe()[0]
         start_dummy_s = time.perf_counter() - t0
-        joiner.describe()
         rep = coord.reload(joiner, [holder], 1)
         peer_first_s = rep.weights_s
         first_req_peer_s = _first_request(joiner)
@@ -226,7 +229,10 @@ def run_reload_bench(model: str, *, repeats: int = 3, workdir: str | None = None
                                        "peer_worker": {k: statistics.median(d[k] for d in detail_runs)
                                                        for k in ("connect_s", "begin_s", "wait_s", "postprocess_s", "close_s", "total_s")}}},
         "ready_seconds": {"peer": ready_peer, "checkpoint": ready_ckpt,
-                          "detail": {"engine_start_dummy": start_dummy_s, "peer_weights_first": peer_first_s,
+                          "detail": {"engine_start_dummy": start_dummy_s,
+                                     "of_which_prepare": prepared.get("prepare_s", 0.0),
+                                     "of_which_transport_warm_up": prepared.get("transport_warm_s", 0.0),
+                                     "peer_weights_first": peer_first_s,
                                      "first_request_peer": first_req_peer_s,
                                      "engine_start_with_checkpoint_cold": start_ckpt_s,
                                      "first_request_checkpoint": first_req_ckpt_s}},

@@ -54,11 +54,32 @@ except ImportError as _e:  # kept for a clear message when the transport is aske
     nixl_agent = nixl_agent_config = None  # type: ignore[assignment]
     IMPORT_ERROR = _e
 
-__all__ = ["NixlTransport", "IMPORT_ERROR"]
+__all__ = ["NixlTransport", "IMPORT_ERROR", "warm_up"]
 
 log = logging.getLogger("fastsync.transport.nixl")
 
 INSTALL_HINT = "pip install nixl-cu12==1.5.1 && pip install --no-deps nixl==1.5.1"
+
+
+_WARM: list = []  # the process's warm-up agent, kept alive: UCX stays initialised in this process
+
+
+def warm_up(net_devices_: str | None = None) -> float:
+    """Initialise NIXL/UCX in this process once (returns the seconds it took; 0.0 when already
+    done or NIXL is absent). The first agent of a process costs ~0.4 s here (UCX loads and probes
+    its transports), later ones ~0.02 s: an engine that will receive or send weights pays it at
+    start (``fastsync_describe``), not inside its first transfer."""
+    if _WARM or IMPORT_ERROR is not None:
+        return 0.0
+    os.environ["UCX_NET_DEVICES"] = net_devices(net_devices_)
+    t0 = time.perf_counter()
+    try:
+        _WARM.append(nixl_agent(f"fastsync-warm-{os.getpid()}-{uuid.uuid4().hex[:6]}",
+                                nixl_agent_config(enable_prog_thread=False, backends=["UCX"])))
+    except Exception as e:  # the transfer's own agent will report it, naming the rank
+        log.warning("nixl: warm-up agent failed: %s: %s", type(e).__name__, e)
+        _WARM.append(None)
+    return time.perf_counter() - t0
 
 
 def _mem(t: torch.Tensor) -> tuple[str, int]:
@@ -104,6 +125,7 @@ class NixlTransport(Transport):
         self.refused: Counter[str] = Counter()  # receiver: notifications refused, by reason
         self._relay: NixlRelay | None = None
         self.registration: dict = {}
+        self.agent_seconds = 0.0  # creating the agent (UCX context and workers), reported beside registration
 
     def _new_agent(self, role: str, rank: int, control: object) -> None:
         secret = getattr(control, "secret", None)
@@ -119,10 +141,12 @@ class NixlTransport(Transport):
         name = f"fastsync-{role}{rank}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.agent_name = name
         conf = nixl_agent_config(enable_prog_thread=self.progress_thread, backends=self.backends)
+        t0 = time.perf_counter()
         try:
             self.agent = nixl_agent(name, conf)
         except Exception as e:
             raise TransportError(f"nixl: cannot create agent for {role} rank {rank}: {e}") from e
+        self.agent_seconds = time.perf_counter() - t0
 
     def _register(self, tensors: list[torch.Tensor], who: str) -> None:
         """Register the distinct storages behind ``tensors`` in one call (views of one buffer,
@@ -144,7 +168,7 @@ class NixlTransport(Transport):
             raise TransportError(f"nixl: {who}: registering {len(seen)} buffer(s) failed: {e}") from e
         # reported by peer reload: how many regions one engine's weights took, and how long
         self.registration = {"regions": len(seen), "bytes": sum(v[1] for v in seen.values()),
-                             "seconds": time.perf_counter() - t0}
+                             "seconds": time.perf_counter() - t0, "agent_seconds": self.agent_seconds}
 
     # ---- receiver -----------------------------------------------------------------------
     def _setup_receiver(self, ctx: ReceiverContext) -> None:

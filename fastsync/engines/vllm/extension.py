@@ -107,11 +107,14 @@ class EngineLanding(Landing):
     none: the kernels' packed copies change only at the flip."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], backup_names: list[str],
-                 on_apply: Callable[[], None] | None = None) -> None:
+                 on_apply: Callable[[], None] | None = None, arena: torch.Tensor | None = None) -> None:
         super().__init__(tensors, mode="inplace", backup=False)
         self.on_apply = on_apply
         total = sum(self.infos[n].nbytes for n in backup_names)
-        self._backup_arena = torch.zeros(max(total, 1), dtype=torch.uint8)  # touched once, at setup
+        if arena is not None and arena.numel() >= total:  # the previous receiver's, already touched
+            self._backup_arena = arena
+        else:
+            self._backup_arena = torch.zeros(max(total, 1), dtype=torch.uint8)  # touched once, at setup
         off = 0
         for n in backup_names:
             nbytes = self.infos[n].nbytes
@@ -150,6 +153,7 @@ class _State:
         self.postprocess_ns = 0  # when the last post-processing (repack) began, for a trace
         self.plain = False  # staging tensors hold the served version's bytes (a holder for peer reload)
         self.arenas: list[torch.Tensor] = []  # the staging arena(s), one NIXL registration each
+        self.backup_arena: torch.Tensor | None = None  # the in-place snapshot's memory, reused by each receiver
 
 
 class _ModuleState:
@@ -186,6 +190,15 @@ def _result(fn: Any) -> Any:
         return error_reply(e)
 
 
+def _warm_transport() -> float:
+    """Initialise NIXL in this worker once (0.0 when done before or NIXL is not installed)."""
+    try:
+        from fastsync.transport.nixl import warm_up
+    except ImportError:
+        return 0.0
+    return warm_up()
+
+
 def _config_dict(hf_config: Any) -> dict:
     cfg = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
     if not cfg.get("architectures"):
@@ -211,7 +224,7 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
         from fastsync.layout.namemap import get_name_map
         from fastsync.models.inventory import inventory_from_config
 
-        unknown = set(options) - {"rank_offset", "config"}
+        unknown = set(options) - {"rank_offset", "config", "prepare"}
         if unknown:
             raise ConfigError(f"fastsync_describe: unknown option(s) {sorted(unknown)}")
         model = self.model_runner.model  # type: ignore[attr-defined]
@@ -239,8 +252,16 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
         old = getattr(self, "_fastsync", None)
         if old is not None:  # describing again keeps the served version and the live receiver
             st.version, st.receiver, st.staging = old.version, old.receiver, old.staging
-            st.plain, st.arenas = old.plain, old.arenas
+            st.plain, st.arenas, st.backup_arena = old.plain, old.arenas, old.backup_arena
         self._fastsync = st
+        prepare_s, agent_s = 0.0, 0.0
+        if options.get("prepare", True):
+            # what any transfer into or out of this engine needs, paid here (engine start) and
+            # once: the staging arena touched, and NIXL/UCX initialised in this worker process
+            t0 = time.perf_counter()
+            ensure_staging(st)
+            agent_s = _warm_transport()
+            prepare_s = time.perf_counter() - t0
         staged = {n: f"{lp.kind}: {lp.why}" for n, lp in live.items() if lp.kind in ("linear_repack", "moe_repack")}
         if staged:
             log.info("fastsync: engine rank %d stages %d of %d parameters (prepacked by the CPU kernels, "
@@ -260,6 +281,8 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
             # padding stays as the engine made it
             "padded": {n: {"logical": list(t.logical_shape), "engine": list(t.shape)}
                        for n, t in expected.items() if t.logical_shape is not None},
+            "prepare_s": prepare_s,
+            "transport_warm_s": agent_s,
         }
 
     def fastsync_connect(self, plan_json: str, options: dict) -> dict:
@@ -304,7 +327,12 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
             else:
                 dest[name] = lp.live
                 backup.append(name)
-        landing = EngineLanding(dest, backup if snapshot else [], on_apply=lambda: self._fastsync_postprocess(self._fastsync_state()))
+        # the snapshot arena outlives receivers (a reload or a new trainer set-up connects again):
+        # allocated and touched once per worker, not per connect
+        landing = EngineLanding(dest, backup if snapshot else [], on_apply=lambda: self._fastsync_postprocess(self._fastsync_state()),
+                                arena=st.backup_arena)
+        if snapshot:
+            st.backup_arena = landing._backup_arena
         control = TCPStoreControl.client(int(options["control_port"]), host=options.get("control_host", DEFAULT_HOST),
                                          prefix=options.get("control_prefix", "fs"),
                                          secret=options.get("control_secret"))
