@@ -108,6 +108,16 @@ def _digest(engine) -> dict:
     return d["tensors"]
 
 
+def test_describe_prepares_the_transport_once_per_worker(rig):
+    """A joining engine pays NIXL/UCX's first initialisation and its staging arena's touch when it
+    is described (engine start), once per worker process, not inside its first transfer."""
+    j = rig["engines"]["J"]
+    (first,) = j.describe()
+    (again,) = j.describe()
+    assert first["transport_warm_s"] > 0 and first["prepare_s"] >= first["transport_warm_s"], first
+    assert again["transport_warm_s"] == 0.0, again  # already initialised in this worker
+
+
 def test_joins_mid_run_from_a_live_peer_bit_identical(rig):
     e, coord = rig["engines"], rig["coord"]
     assert e["H1"].version() == 2
@@ -119,6 +129,8 @@ def test_joins_mid_run_from_a_live_peer_bit_identical(rig):
     reg = rep.registration["joiner"][0]
     # staged weights in one arena + the in-place tensors (embedding, norms), not one per parameter
     assert 0 < reg["regions"] < 20 and reg["seconds"] >= 0, reg
+    # H2's first describe (inside this reload) initialised NIXL: the receiver's agent was a warm one
+    assert 0 <= reg["agent_seconds"] < rep.weights_s, reg
     # the same layouts again: the plan comes from the cache
     rep2 = coord.reload(e["J"], [e["H1"]], 2)
     assert rep2.plan_cached and rep2.source == "peer"

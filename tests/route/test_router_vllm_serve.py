@@ -28,6 +28,7 @@ pytest.importorskip("aiohttp")
 from fastsync.demo.checkpoints import build_tiny_checkpoint  # noqa: E402
 from fastsync.engines.vllm import EXTENSION  # noqa: E402
 from fastsync.engines.vllm.http_host import HttpVllmEngine  # noqa: E402
+from fastsync.errors import SyncError  # noqa: E402
 from fastsync.route.http import RouterFront  # noqa: E402
 from fastsync.route.rolling import RollingUpdate  # noqa: E402
 from fastsync.route.router import VersionRouter  # noqa: E402
@@ -184,3 +185,16 @@ def _rolling_update_behind_the_router(handles, b):
         assert {h.version() for h in handles.values()} == {1}
     finally:
         front.stop()
+
+
+def test_a_collective_rpc_timed_out_inside_vllm_is_named_not_taken_for_the_next_reply(replicas):
+    """Why ``HttpVllmEngine`` never passes vLLM a ``collective_rpc`` timeout: vLLM's executor reads
+    the workers' replies in order, so a call it gave up on leaves its late reply queued, and the
+    next call reads that one. Runs last: it leaves replica r1 out of step."""
+    handles, _, _, _ = replicas
+    r1 = handles["r1"]
+    call = json.dumps({"method": "fastsync_describe", "args": [{}], "call_id": "timed-out-1"})
+    code, body, _ = _post(r1.base_url + "/collective_rpc", {"method": "fastsync_json", "args": [call], "timeout": 0.001})
+    assert code == 500, (code, body)  # vLLM: "RPC call to fastsync_json timed out"
+    with pytest.raises(SyncError, match=r"answered call 'timed-out-1'.*out of step"):
+        r1.version()
