@@ -55,6 +55,14 @@ class HandshakeError(TransportError):
     """The peer does not hold the job secret (or does not speak this protocol)."""
 
 
+def _no_delay(sock: socket.socket) -> None:
+    """Send small frames at once. Without it the client's handshake proof and its first request
+    are two small writes in a row: Nagle holds the request until the proof is ACKed, and the
+    server delays that ACK (~40 ms on Linux), so every new connection's first call took 40 ms."""
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
     view = memoryview(buf)
@@ -222,6 +230,7 @@ class StoreServer:
             threading.Thread(target=self._serve, args=(conn,), name="fastsync-store-conn", daemon=True).start()
 
     def _handshake(self, conn: socket.socket) -> _Channel:
+        _no_delay(conn)
         conn.settimeout(HANDSHAKE_TIMEOUT_S)
         hello = _recv_exact(conn, len(MAGIC) + NONCE_BYTES)
         if hello[:4] != MAGIC:
@@ -295,6 +304,7 @@ class StoreClient:
         auth = derive_key(secret, "control auth")
         try:
             sock = socket.create_connection((host, port), timeout=timeout_s)
+            _no_delay(sock)
         except OSError as e:
             raise TransportError(f"control plane: cannot reach the store at {host}:{port}: {e}") from e
         try:
