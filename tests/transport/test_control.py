@@ -75,3 +75,20 @@ def test_job_secret_sources_and_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
     assert job_secret("ab" * 16) == bytes.fromhex("ab" * 16)  # hex
     made = job_secret(create=True)  # the store's process: a fresh one, exported for its children
     assert len(made) == 32 and job_secret() == made and os.environ[SECRET_ENV] == made.hex()
+
+
+def test_store_connections_send_small_frames_at_once():
+    """TCP_NODELAY on the client's socket: without it a new connection's first request sat ~40 ms
+    behind the handshake proof (Nagle waiting on a delayed ACK), at every worker's connect."""
+    import socket
+
+    from fastsync.control import TCPStoreControl
+
+    srv = TCPStoreControl.server(port=0)
+    try:
+        c = TCPStoreControl.client(srv.port, prefix="nd", secret=srv.secret.hex())
+        assert c.backend.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+        c.set("k", b"v")
+        assert srv.with_prefix("nd").get("k", 5) == b"v"
+    finally:
+        srv.close()
