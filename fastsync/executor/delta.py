@@ -27,6 +27,7 @@ receiver never applies a delta against a base it does not hold. The worst-case s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -45,6 +46,8 @@ __all__ = [
     "chunk_spans",
     "stream_capacity",
     "encode_chunk",
+    "encode_transfer",
+    "encode_scanned",
     "write_stream_header",
     "read_stream",
     "decode_positions",
@@ -254,6 +257,70 @@ def encode_transfer(out_u8: torch.Tensor, pos: int, index: int, new: torch.Tenso
         n = int(lens[c_])
         pos, _ = encode_chunk(out_u8, pos, index, first, new[first: first + n], old[first: first + n],
                                 changed=mask[first: first + n])
+        records += 1
+    return pos, k_all, records
+
+
+def encode_scanned(out_u8: torch.Tensor, pos: int, index: int, r: Any, new: np.ndarray) -> tuple[int, int, int]:
+    """Encode one transfer from a fused scan (:func:`fastsync.executor.delta_scan.scan`) with the
+    same records and cost rules as :func:`encode_transfer`. ``new``: the transfer's new engine
+    bits (the base after :func:`~fastsync.executor.delta_scan.update_base`), read for the chunks
+    that go dense. Returns ``(new pos, changed elements, records written)``."""
+    from fastsync.executor import delta_scan
+
+    counts, chunk = r.counts, r.chunk
+    n_all = new.shape[0]
+    size = new.itemsize
+    num_chunks = counts.shape[0]
+    k_all = int(counts.sum())
+    if k_all == 0:
+        return pos, 0, 0
+    lens = np.full(num_chunks, chunk, dtype=np.int64)
+    lens[-1] = n_all - (num_chunks - 1) * chunk
+    cost_idx = 2 * counts + counts * size + 16
+    cost_bits = (lens + 7) // 8 + counts * size
+    sparse = (counts > 0) & (cost_idx <= cost_bits) & (cost_idx <= lens * size)
+    ids = np.flatnonzero(sparse)
+    records = 0
+    if ids.size:
+        m, k = ids.size, int(counts[ids].sum())
+        a, b, c = _align8(4 * m), _align8(2 * k), _align8(k * size)
+        payload = 2 * a + b + c
+        end = pos + HEADER_BYTES + payload
+        if end > out_u8.numel():
+            raise SyncError(f"delta stream overflows its {out_u8.numel()}-byte buffer at transfer {index}")
+        body = out_u8[pos + HEADER_BYTES: end].numpy()
+        body[: 4 * m].view(np.int32)[:] = ids
+        body[a: a + 4 * m].view(np.int32)[:] = counts[ids]
+        delta_scan.compact(r, ids, body[2 * a: 2 * a + 2 * k].view(np.uint16),
+                           body[2 * a + b: 2 * a + b + k * size].view(new.dtype))
+        hdr = torch.tensor([index, 0, n_all, KINDS["sparse"], m, payload, chunk, k], dtype=torch.int64)
+        out_u8[pos: pos + HEADER_BYTES].copy_(hdr.view(torch.uint8))
+        pos = end
+        records += 1
+    for c_ in np.flatnonzero((counts > 0) & ~sparse).tolist():  # many changed: bitmap or dense
+        first, n, k = c_ * chunk, int(lens[c_]), int(counts[c_])
+        costs = encoded_bytes(n, k, size)
+        kind = "dense" if costs["dense"] <= costs["bitmap"] else "bitmap"
+        payload = costs[kind]
+        end = pos + HEADER_BYTES + payload
+        if end > out_u8.numel():
+            raise SyncError(f"delta stream overflows its {out_u8.numel()}-byte buffer at transfer {index}")
+        body = out_u8[pos + HEADER_BYTES: end].numpy()
+        if kind == "dense":
+            body[: n * size].view(new.dtype)[:] = new[first: first + n]
+            count = n
+        else:
+            bits = np.zeros(n, dtype=bool)
+            bits[r.pos[first: first + k]] = True
+            nb = -(-n // 8)
+            body[:nb] = np.packbits(bits, bitorder="little")
+            off = _align8(nb)
+            body[off: off + k * size].view(new.dtype)[:] = r.val[first: first + k]
+            count = k
+        hdr = torch.tensor([index, first, n, KINDS[kind], count, payload, 0, 0], dtype=torch.int64)
+        out_u8[pos: pos + HEADER_BYTES].copy_(hdr.view(torch.uint8))
+        pos = end
         records += 1
     return pos, k_all, records
 

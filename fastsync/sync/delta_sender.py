@@ -30,8 +30,10 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 
 from fastsync import plugins
@@ -42,6 +44,7 @@ from fastsync.executor.delta import (
     MAX_SPARSE_CHUNK,
     chunk_spans,
     encode_chunk,
+    encode_scanned,
     encode_transfer,
     int_view,
     link_capacity,
@@ -49,8 +52,10 @@ from fastsync.executor.delta import (
     transfer_itemsize,
     write_stream_header,
 )
+from fastsync.executor import delta_scan
 from fastsync.executor.metrics import SyncMetrics
 from fastsync.executor.pack import source_view, transform_into
+from fastsync.executor.transforms import to_torch_dtype
 from fastsync.executor.staging import alloc_touched, wait_device
 from fastsync.executor.verify import crc_update
 from fastsync.sync.handshake import begun_key, flipped_key, sender_crc_key, sender_done_key
@@ -67,11 +72,13 @@ def delta_mode_key(engine_rank: int, version: int) -> str:
 
 class DeltaSender:
     """Delta sync on one trainer rank. Takes ``WeightSender``'s arguments (``transport`` must be
-    ``nixl``) plus ``chunk_elems`` (elements per delta chunk, the unit of the dense-vs-delta choice) and
-    ``page_bytes`` (NIXL write size of a stream; default: the outbox / 64, at least 64 KiB)."""
+    ``nixl``) plus ``chunk_elems`` (elements per delta chunk, the unit of the dense-vs-delta choice),
+    ``page_bytes`` (NIXL write size of a stream; default: the outbox / 64, at least 64 KiB) and
+    ``threads`` (threads of the fused CPU scan, default ``torch.get_num_threads()``: the same
+    threads a dense sync's cast gets)."""
 
     def __init__(self, *, chunk_elems: int = DELTA_CHUNK_ELEMS, page_bytes: int | None = None,
-                 **sender_kw: Any) -> None:
+                 threads: int | None = None, **sender_kw: Any) -> None:
         if not 1 <= chunk_elems <= MAX_SPARSE_CHUNK:
             raise ConfigError(f"chunk_elems must be in [1, {MAX_SPARSE_CHUNK}], got {chunk_elems}")
         if sender_kw.get("transport", "nixl") != "nixl":
@@ -79,6 +86,9 @@ class DeltaSender:
         self.inner = WeightSender(**sender_kw)
         self.chunk_elems = chunk_elems
         self.page_bytes = page_bytes
+        self.threads = max(1, torch.get_num_threads() if threads is None else int(threads))
+        self._pool: ThreadPoolExecutor | None = None
+        self._pos: np.ndarray | None = None  # positions scratch of the fused CPU scan
         self.rank = self.inner.rank
         self.plan = self.inner.plan
         self.mine = [(i, t) for i, t in enumerate(self.plan.transfers) if t.src_rank == self.rank]
@@ -92,13 +102,18 @@ class DeltaSender:
     def setup(self) -> None:
         self.inner.setup()
         device = next(iter(self.inner.sources.values())).device if self.inner.sources else torch.device("cpu")
-        total = sum(t.nbytes for _, t in self.mine)
+        total = sum(-(-t.nbytes // 8) * 8 for _, t in self.mine)  # 8-aligned: integer views
         self._base_arena = alloc_touched(total, device)
         off = 0
         for i, t in self.mine:
             self.base[i] = self._base_arena[off: off + t.nbytes]
-            off += t.nbytes
+            off += -(-t.nbytes // 8) * 8
         self._scratch = alloc_touched(max((t.nbytes for _, t in self.mine), default=1), device)
+        if device.type == "cpu" and delta_scan.available():  # positions scratch of the fused scan
+            most = max((t.nbytes // transfer_itemsize(t) for _, t in self.mine), default=1)
+            self._pos = alloc_touched(2 * most, device).numpy().view(np.uint16)
+            if self.threads > 1:
+                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="fastsync-delta-scan")
         boxes = {d: alloc_touched(link_capacity(self.plan, self.rank, d, self.chunk_elems), device)
                  for d in self.inner.dsts}
         tr = self.inner.transport
@@ -215,6 +230,12 @@ class DeltaSender:
         for i, t in self.mine:
             d = t.dst_rank
             size = transfer_itemsize(t)
+            k = self._scan(i, t, pos, records, crcs) if self._delta_ok[d] else None
+            if k is not None:
+                changed += k
+                elements += t.nbytes // size
+                dense_bytes += t.nbytes
+                continue
             new_u8 = self._scratch[: t.nbytes]
             self._pack(t, new_u8)
             wait_device(new_u8)
@@ -243,7 +264,37 @@ class DeltaSender:
                            "bytes_sent": sum(pos.values()), "dense_links": sorted(d for d, ok in self._delta_ok.items() if not ok)}
         return pos
 
+    def _scan(self, i: int, t: Any, pos: dict[int, int], records: dict[int, int],
+              crcs: dict[int, int] | None) -> int | None:
+        """Encode transfer ``i`` with the fused CPU scan (cast, compare, collect in one pass) and
+        return its changed elements; None when the scan does not cover it (then the plain
+        encoder runs)."""
+        if self._pos is None:
+            return None
+        dtype = to_torch_dtype(self.inner.program.dst_info[t.dst_rank][t.dst_tensor].dtype)
+        gathered = self.inner.gather.full if self.inner.gather is not None else None
+        src = source_view(t, self.inner.sources, self.inner.shards, gathered)
+        if not delta_scan.scannable(src, dtype, t.transform) or src.element_size() not in (2, 4):
+            return None
+        size = transfer_itemsize(t)
+        n = t.nbytes // size
+        uint = np.uint16 if size == 2 else np.uint32
+        base = self.base[i].numpy().view(uint)
+        val = self._scratch[: t.nbytes].numpy().view(uint)
+        r = delta_scan.scan(src, base, self.chunk_elems, self._pos, val, self.threads, self._pool)
+        delta_scan.update_base(base, r)
+        d = t.dst_rank
+        p, k, rec = encode_scanned(self.outbox.outboxes[d], pos[d], i, r, base[:n])
+        pos[d] = p
+        records[d] += rec
+        if crcs is not None:
+            crcs[i] = crc_update(0, self.base[i])
+        return k
+
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         if self.outbox is not None:
             self.outbox.close()
         self.inner.close()

@@ -1,0 +1,192 @@
+"""Fused delta scan on the CPU: cast, compare with the base and collect the changes in one pass.
+
+The plain encoder (:func:`fastsync.executor.delta.encode_transfer`) casts a transfer's source into
+a scratch buffer, compares it with the base, then finds the changed elements: four passes over the
+transfer and a two-pass ``nonzero``. This module does the same work in one streaming pass per
+delta chunk, compiled with numba (an optional dependency; without it, or for shapes and dtypes it
+does not cover, the plain encoder runs):
+
+* read each fp32 source element, round it to bf16 exactly as torch does (round to nearest even)
+  or take it as is when the engine holds the source dtype, compare the bits with the base;
+* per chunk of ``chunk_elems`` elements write the changed elements' uint16 positions and values
+  into per-chunk scratch (branch-free: always store, advance on a change) and count them.
+
+The base is not touched by the scan: :func:`update_base` writes the changed elements afterwards.
+Chunks are spread over ``threads`` Python threads (the kernels release the GIL).
+
+Every finite and infinite value rounds bit for bit as torch's cast does. A NaN becomes 0xFFFF, as
+torch's vectorised CPU cast of a contiguous tensor writes it (its scalar path, taken for strided
+sources, writes 0x7FC0): a NaN weight stays a NaN but its bits can differ from a dense sync's.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = ["available", "ScanResult", "scannable", "scan", "update_base", "compact"]
+
+_DISABLED = os.environ.get("FASTSYNC_DELTA_KERNEL", "").lower() in ("torch", "off", "0")
+
+try:  # numba is optional (vLLM pulls it in); everything works without it, only slower
+    if _DISABLED:
+        raise ImportError("FASTSYNC_DELTA_KERNEL=torch")
+    import numba as _nb
+except ImportError:  # pragma: no cover - depends on the environment
+    _nb = None
+
+
+def available() -> bool:
+    """Whether the fused kernels can run here (numba importable, not disabled by
+    ``FASTSYNC_DELTA_KERNEL=torch``)."""
+    return _nb is not None
+
+
+if _nb is not None:
+    _ONE, _BIAS, _SH = np.uint32(1), np.uint32(0x7FFF), np.uint32(16)
+    _ABS, _INF, _QNAN = np.uint32(0x7FFFFFFF), np.uint32(0x7F800000), np.uint16(0xFFFF)
+    _BLOCK = 4096  # elements per inner block: its XOR scratch stays in L1
+
+    @_nb.njit(nogil=True, cache=True)
+    def _scan(src, base, c0, c1, chunk, pos, val, counts, to_bf16):  # pragma: no cover - compiled
+        """Chunks [c0, c1): per inner block, XOR of the engine bits with the base into an L1
+        scratch (a vectorisable map), then a walk over its 64-bit words that stops only at words
+        holding a change. Returns the number of NaN sources seen (bf16 only)."""
+        rows, cols = src.shape
+        n = base.shape[0]
+        dif = np.zeros(_BLOCK + 8, dtype=base.dtype)
+        lanes = 8 // base.itemsize
+        dif64 = dif.view(np.uint64)
+        for c in range(c0, c1):
+            a = c * chunk
+            b = min(n, a + chunk)
+            k = 0
+            i0 = a
+            while i0 < b:
+                r = i0 // cols
+                col = i0 - r * cols
+                m = min(_BLOCK, b - i0, cols - col)
+                s = src[r, col: col + m]
+                bs = base[i0: i0 + m]
+                if to_bf16:
+                    for i in range(m):
+                        u = s[i]
+                        h = np.uint16((u + ((u >> _SH) & _ONE) + _BIAS) >> _SH)
+                        if (u & _ABS) > _INF:
+                            h = _QNAN
+                        dif[i] = h ^ bs[i]
+                else:
+                    for i in range(m):
+                        dif[i] = s[i] ^ bs[i]
+                mw = (m + lanes - 1) // lanes
+                for i in range(m, mw * lanes):
+                    dif[i] = 0
+                for j in range(mw):
+                    if dif64[j] != 0:
+                        for i in range(j * lanes, j * lanes + lanes):
+                            if dif[i] != 0:
+                                pos[a + k] = i0 - a + i
+                                val[a + k] = dif[i] ^ bs[i]
+                                k += 1
+                i0 += m
+            counts[c] = k
+
+    @_nb.njit(nogil=True, cache=True)
+    def _update(base, pos, val, counts, chunk):  # pragma: no cover - compiled
+        for c in range(counts.shape[0]):
+            a = c * chunk
+            for j in range(counts[c]):
+                base[a + np.int64(pos[a + j])] = val[a + j]
+
+    @_nb.njit(nogil=True, cache=True)
+    def _compact(pos, val, counts, ids, chunk, out_pos, out_val):  # pragma: no cover - compiled
+        o = 0
+        for j in range(ids.shape[0]):
+            c = ids[j]
+            a = c * chunk
+            k = counts[c]
+            out_pos[o: o + k] = pos[a: a + k]
+            out_val[o: o + k] = val[a: a + k]
+            o += k
+        return o
+
+
+_NP_UINT = {2: np.uint16, 4: np.uint32}
+_T_INT = {2: torch.int16, 4: torch.int32}
+
+
+@dataclass(slots=True)
+class ScanResult:
+    """What changed in one transfer: per chunk the count, and per chunk at ``c * chunk`` its
+    changed elements' positions (uint16, inside the chunk) and new values (engine bits)."""
+
+    counts: np.ndarray  # int64 per chunk
+    pos: np.ndarray  # uint16 scratch, n elements
+    val: np.ndarray  # engine-width unsigned scratch, n elements
+    chunk: int
+
+
+def _rows(src: torch.Tensor) -> torch.Tensor | None:
+    """``src`` as (rows, cols) with a unit inner stride, without copying; None when it cannot be."""
+    if src.dim() == 0:
+        src = src.reshape(1)
+    if src.dim() == 1:
+        return src.view(1, -1) if src.stride(0) == 1 or src.numel() <= 1 else None
+    if src.stride(-1) != 1 and src.shape[-1] > 1:
+        return None
+    try:
+        return src.view(-1, src.shape[-1])
+    except RuntimeError:
+        return None
+
+
+def scannable(src: torch.Tensor, dst_dtype: torch.dtype, transform: str) -> bool:
+    """Whether :func:`scan` covers this source (CPU, plain copy, fp32 -> bf16 or same-dtype
+    2/4-byte elements, rows with a unit inner stride)."""
+    if _nb is None or transform != "copy" or src.device.type != "cpu" or src.numel() == 0:
+        return False
+    same = src.dtype == dst_dtype and src.element_size() in _NP_UINT
+    if not same and not (src.dtype == torch.float32 and dst_dtype == torch.bfloat16):
+        return False
+    return _rows(src) is not None
+
+
+def scan(src: torch.Tensor, base: np.ndarray, chunk: int, pos: np.ndarray, val: np.ndarray,
+         threads: int = 1, pool: ThreadPoolExecutor | None = None) -> ScanResult:
+    """Compare ``src`` (cast as the engine holds it) with ``base`` (the engine-width unsigned
+    view of the last version sent), chunk by chunk; ``pos``/``val``: scratch of at least
+    ``base.size`` elements. Call only when :func:`scannable`."""
+    rows = _rows(src)
+    assert rows is not None and _nb is not None
+    width = src.element_size()
+    src_np = rows.view(_T_INT[width]).numpy().view(_NP_UINT[width])
+    n = base.shape[0]
+    nch = -(-n // chunk)
+    counts = np.empty(nch, dtype=np.int64)
+    to_bf16 = src_np.dtype != base.dtype
+    pos, val = pos[:n], val[:n]
+    if threads <= 1 or pool is None or nch < 2 * threads:
+        _scan(src_np, base, 0, nch, chunk, pos, val, counts, to_bf16)
+    else:
+        cuts = [nch * j // threads for j in range(threads + 1)]
+        futs = [pool.submit(_scan, src_np, base, cuts[j], cuts[j + 1], chunk, pos, val, counts, to_bf16)
+                for j in range(threads)]
+        for f in futs:
+            f.result()
+    return ScanResult(counts, pos, val, chunk)
+
+
+def update_base(base: np.ndarray, r: ScanResult) -> None:
+    """Move the base to the scanned version: write only the changed elements."""
+    assert _nb is not None
+    _update(base, r.pos, r.val, r.counts, r.chunk)
+
+
+def compact(r: ScanResult, ids: np.ndarray, out_pos: np.ndarray, out_val: np.ndarray) -> int:
+    """Gather the positions and values of chunks ``ids`` (in order) into ``out_pos``/``out_val``."""
+    assert _nb is not None
+    return int(_compact(r.pos, r.val, r.counts, ids, r.chunk, out_pos, out_val))
