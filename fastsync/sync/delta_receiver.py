@@ -25,11 +25,21 @@ import json
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from fastsync import plugins
 from fastsync.errors import ConfigError, FastSyncError, SyncError
-from fastsync.executor.delta import DELTA_CHUNK_ELEMS, decode_positions, int_view, link_capacity, read_stream, transfer_blocks
+from fastsync.executor import delta_apply
+from fastsync.executor.delta import (
+    DELTA_CHUNK_ELEMS,
+    MAX_SPARSE_CHUNK,
+    decode_positions,
+    int_view,
+    link_capacity,
+    read_stream,
+    transfer_blocks,
+)
 from fastsync.executor.metrics import SyncMetrics
 from fastsync.executor.staging import Landing, alloc_touched, as_bytes
 from fastsync.executor.verify import compare_checksums, receiver_checksums
@@ -170,28 +180,31 @@ class DeltaReceiver:
         version, m = self._open, self._metrics
         assert m is not None and self.inbox is not None
         undo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        undo_fast: list[tuple] = []
         try:
             if not self._complete:
                 missing = "; ".join(f"trainer rank {s}: {w}" for s, w in sorted(self.inbox.missing().items()))
                 raise SyncError(f"engine rank {self.rank}: version {version} incomplete, keeping version "
                                 f"{self.version}; {missing or 'delta streams incomplete'}")
             with m.stage("decode"):
-                writes = self._decode(version)
+                writes, fast = self._decode(version)
             with m.stage("apply"):
                 for flat, pos, vals in writes:
                     undo.append((flat, pos, _gather(flat, pos)))
                     _scatter(flat, pos, vals)
+                for flat, off, ids, counts, local, vals, chunk in fast:
+                    old = np.empty_like(vals)
+                    delta_apply.swap(flat, off, ids, counts, local, vals, chunk, old)
+                    undo_fast.append((flat, off, ids, counts, local, old, chunk))
             if self.inner.verify:
                 with m.stage("verify"):
                     self._verify(version)
         except FastSyncError as e:
-            for flat, pos, old in reversed(undo):
-                _scatter(flat, pos, old)
+            _undo(undo, undo_fast)
             self.abort(str(e))
             raise
         except Exception as e:
-            for flat, pos, old in reversed(undo):
-                _scatter(flat, pos, old)
+            _undo(undo, undo_fast)
             self.abort(f"{type(e).__name__}: {e}")
             raise SyncError(f"engine rank {self.rank}, version {version}: {type(e).__name__}: {e}") from e
         self.landing.mark_changed()
@@ -231,12 +244,14 @@ class DeltaReceiver:
         self.inner.close()
 
     # ---- helpers --------------------------------------------------------------------------
-    def _decode(self, version: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Parse and check every stream; returns ``(flat live tensor, positions, values)``."""
+    def _decode(self, version: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], list[tuple]]:
+        """Parse and check every stream; returns ``(flat live tensor, positions, values)`` per
+        tensor, and the sparse records the one-pass kernels apply (``delta_apply``)."""
         program = self.inner.program
         assert program is not None
         held = self.inner.version
         by_tensor: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        fast: list[tuple] = []
         changed = elements = nbytes = 0
         for s, inbox in self.landing.inboxes.items():
             who = f"engine rank {self.rank}, stream from trainer rank {s}"
@@ -260,14 +275,19 @@ class DeltaReceiver:
                 if first < 0 or first + n > numel:
                     raise SyncError(f"{who}: record covers elements [{first}, {first + n}) of transfer {index} "
                                     f"({t.dst_tensor!r}), which has {numel}")
+                if base == -1 and kind != "dense":
+                    raise SyncError(f"{who}: a stream with no base must be dense, record for transfer {index} is {kind}")
+                op = self._fast_op(who, it, first, n, count, payload, extra) if kind == "sparse" else None
+                if op is not None:
+                    fast.append(op)
+                    changed += op[4].shape[0]
+                    continue
                 blocks = None
                 if kind == "blocks":
                     if index not in self._blocks:
                         self._blocks[index] = transfer_blocks(t)
                     blocks = self._blocks[index]
                 idx, vals = decode_positions(kind, n, count, payload, size, blocks, who, extra)
-                if base == -1 and kind != "dense":
-                    raise SyncError(f"{who}: a stream with no base must be dense, record for transfer {index} is {kind}")
                 covered += n if kind == "dense" else 0
                 local = torch.arange(first, first + n) if idx is None else idx + first
                 pos = _dst_elements(it.dst_runs, size, local)
@@ -281,14 +301,42 @@ class DeltaReceiver:
             if base == -1 and covered != total:
                 raise SyncError(f"{who}: dense stream covers {covered} of {total} elements")
         self.last_stats = {"mode": "delta", "changed": changed, "elements": elements, "bytes": nbytes}
-        out = []
+        out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         for name, (poss, valss) in by_tensor.items():
             size = program.tensors[name].itemsize
             flat = int_view(as_bytes(self.landing.live[name]), size)
             pos = poss[0] if len(poss) == 1 else torch.cat(poss)
             vals = int_view(valss[0].clone() if len(valss) == 1 else torch.cat(valss), size)
             out.append((flat, pos, vals))
-        return out
+        return out, fast
+
+    def _fast_op(self, who: str, it: Any, first: int, n: int, count: int, payload: torch.Tensor,
+                 extra: tuple[int, int]) -> tuple | None:
+        """A checked ``sparse`` record for the one-pass kernels, or None when they do not cover
+        it (no numba, a GPU tensor, a transfer landing in several runs, odd element sizes)."""
+        t = it.transfer
+        info = self.inner.program.tensors[t.dst_tensor]
+        size = info.itemsize
+        live = self.landing.live[t.dst_tensor]
+        if not delta_apply.available() or live.device.type != "cpu" or len(it.dst_runs) != 1 or size not in (2, 4):
+            return None
+        chunk, k = extra
+        if not 0 < chunk <= MAX_SPARSE_CHUNK or k < 0:
+            raise SyncError(f"{who}: sparse record with chunk size {chunk} and {k} elements")
+        a, b = -(-4 * count // 8) * 8, -(-2 * k // 8) * 8
+        if payload.numel() < 2 * a + b + k * size:
+            raise SyncError(f"{who}: sparse record shorter than its {count} chunks and {k} elements")
+        body = payload.numpy()
+        uint = np.uint16 if size == 2 else np.uint32
+        ids = body[: 4 * count].view(np.int32)
+        counts = body[a: a + 4 * count].view(np.int32)
+        local = body[2 * a: 2 * a + 2 * k].view(np.uint16)
+        vals = body[2 * a + b: 2 * a + b + k * size].view(uint)
+        if not delta_apply.check(ids, counts, local, chunk, n):
+            raise SyncError(f"{who}: sparse record of transfer {t.dst_tensor!r}: chunk table or positions out of "
+                            f"order or outside its {n} elements")
+        flat = as_bytes(live).numpy().view(uint)
+        return flat, it.dst_runs[0][0] // size + first, ids, counts, local, vals, chunk
 
     def _verify(self, version: int) -> None:
         program = self.inner.program
@@ -316,6 +364,14 @@ def _dst_elements(dst_runs: list[tuple[int, int]], itemsize: int, local: torch.T
     offs = torch.tensor([o // itemsize for o, _ in dst_runs], dtype=torch.int64)
     r = torch.searchsorted(starts, local, right=True) - 1
     return offs[r] + (local - starts[r])
+
+
+def _undo(undo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], undo_fast: list[tuple]) -> None:
+    """Put back what the delta overwrote, newest first."""
+    for flat, off, ids, counts, local, old, chunk in reversed(undo_fast):
+        delta_apply.restore(flat, off, ids, counts, local, old, chunk)
+    for flat, pos, old in reversed(undo):
+        _scatter(flat, pos, old)
 
 
 def _gather(flat: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

@@ -98,3 +98,33 @@ def test_nan_sources_stay_nan() -> None:
     got = torch.from_numpy(base.view(np.int16)).view(torch.bfloat16).float()
     assert got[:2].isnan().all() and got[2] == 1.0
     assert np.array_equal(base, src.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
+
+
+def test_apply_kernels_swap_restore_and_refuse_bad_tables() -> None:
+    from fastsync.executor import delta_apply
+
+    g = np.random.default_rng(3)
+    n, chunk = 50_003, 4099
+    live = g.integers(0, 1 << 16, size=n + 17, dtype=np.uint16)  # the transfer lands at offset 17
+    before = live.copy()
+    pos = np.sort(g.choice(n, size=1234, replace=False))
+    ids, counts = np.unique(pos // chunk, return_counts=True)
+    ids, counts = ids.astype(np.int32), counts.astype(np.int32)
+    local = (pos - pos // chunk * chunk).astype(np.uint16)
+    vals = g.integers(0, 1 << 16, size=pos.size, dtype=np.uint16)
+    assert delta_apply.check(ids, counts, local, chunk, n)
+    old = np.empty_like(vals)
+    delta_apply.swap(live, 17, ids, counts, local, vals, chunk, old)
+    want = before.copy()
+    want[17 + pos] = vals
+    assert np.array_equal(live, want) and np.array_equal(old, before[17 + pos])
+    delta_apply.restore(live, 17, ids, counts, local, old, chunk)
+    assert np.array_equal(live, before)
+    # refused: chunk id outside, positions out of order or past the last chunk's end, counts off
+    assert not delta_apply.check(np.array([n // chunk + 1], np.int32), np.array([1], np.int32),
+                                 np.array([0], np.uint16), chunk, n)
+    assert not delta_apply.check(ids, counts, local[::-1].copy(), chunk, n)
+    assert not delta_apply.check(np.array([n // chunk], np.int32), np.array([1], np.int32),
+                                 np.array([n - n // chunk * chunk], np.uint16), chunk, n)
+    assert not delta_apply.check(ids, counts + 1, local, chunk, n)
+    assert not delta_apply.check(ids[::-1].copy(), counts[::-1].copy(), local, chunk, n)
