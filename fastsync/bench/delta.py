@@ -192,6 +192,7 @@ def run_delta_bench(cfg: DeltaBenchConfig, timeout_s: float = 1800.0) -> dict:
                           f"{cfg.rollouts}, {cfg.lr})")
     hf = scaled_config(cfg.model)
     _, _, _, plan = _layouts(hf, cfg.rollouts)  # refuse a bad model before spawning anything
+    load_before = os.getloadavg()[0]
     store = TCPStoreControl.server(port=0, timeout_s=cfg.timeout_s)
     cfg = replace(cfg, port=store.port)
     ctx = mp.get_context("spawn")
@@ -223,7 +224,10 @@ def run_delta_bench(cfg: DeltaBenchConfig, timeout_s: float = 1800.0) -> dict:
                 p.kill()
                 p.join(timeout=5)
         results.close()
-    return _summarise(cfg, hf, plan, rows)
+    rep = _summarise(cfg, hf, plan, rows)
+    rep["threads"] = cfg.threads
+    rep["load_avg_1min"] = [load_before, os.getloadavg()[0]]  # a shared machine: read figures beside it
+    return rep
 
 
 def _summarise(cfg: DeltaBenchConfig, hf: dict, plan: Any, rows: list[dict]) -> dict:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from fastsync.cli._args import int_in
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("delta-bench", help="real AdamW steps on a small model, then delta vs dense syncs over NIXL: "
@@ -17,6 +19,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int_in(1, 4096), default=1,
+                   help="torch threads per process, for both the dense cast and the delta scan (default 1)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed for the whole run")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
@@ -26,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     from fastsync.bench.delta import DeltaBenchConfig, run_delta_bench
 
     cfg = DeltaBenchConfig(model=args.model, steps=args.steps, lr=args.lr, rollouts=args.rollouts, batch=args.batch,
-                           seq=args.seq, seed=args.seed)
+                           seq=args.seq, seed=args.seed, threads=args.threads)
     rep = run_delta_bench(cfg, timeout_s=args.timeout)
     if args.json:
         print(json.dumps(rep, indent=2))

@@ -19,7 +19,7 @@ import numpy as np
 
 from fastsync.executor.delta_scan import available
 
-__all__ = ["available", "check", "swap", "restore"]
+__all__ = ["available", "warmup", "check", "swap", "restore"]
 
 try:
     import numba as _nb
@@ -84,3 +84,21 @@ def restore(flat: np.ndarray, off: int, ids: np.ndarray, counts: np.ndarray, loc
             old: np.ndarray, chunk: int) -> None:
     """Undo :func:`swap` (in reverse order)."""
     _restore(flat, off, ids, counts, local, old, chunk)
+
+
+def warmup() -> None:
+    """Compile (or load from numba's cache) the kernels for 2- and 4-byte elements, off the
+    first sync's path."""
+    if not available():
+        return
+    body = np.zeros(64, dtype=np.uint8)
+    ids, counts = body[:4].view(np.int32), body[8:12].view(np.int32)
+    local = body[16:18].view(np.uint16)
+    for uint in (np.uint16, np.uint32):
+        flat = np.zeros(8, dtype=uint)
+        vals = body[24: 24 + np.dtype(uint).itemsize].view(uint)
+        old = np.empty_like(vals)
+        counts[0] = 1
+        if check(ids, counts, local, 4, 8):
+            swap(flat, 0, ids, counts, local, vals, 4, old)
+            restore(flat, 0, ids, counts, local, old, 4)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["available", "ScanResult", "scannable", "scan", "update_base", "compact"]
+__all__ = ["available", "warmup", "ScanResult", "scannable", "scan", "update_base", "compact"]
 
 _DISABLED = os.environ.get("FASTSYNC_DELTA_KERNEL", "").lower() in ("torch", "off", "0")
 
@@ -190,3 +190,23 @@ def compact(r: ScanResult, ids: np.ndarray, out_pos: np.ndarray, out_val: np.nda
     """Gather the positions and values of chunks ``ids`` (in order) into ``out_pos``/``out_val``."""
     assert _nb is not None
     return int(_compact(r.pos, r.val, r.counts, ids, r.chunk, out_pos, out_val))
+
+
+def warmup() -> None:
+    """Compile (or load from numba's cache) every kernel signature a sender uses, so the first
+    sync does not pay for it: fp32 -> bf16 and same-width 2/4-byte sources, contiguous and
+    column-sliced."""
+    if _nb is None:
+        return
+    full = torch.zeros(4, 9)
+    for src_dtype, dst in ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+                           (torch.float32, torch.float32)):
+        for src in (full.to(src_dtype), full.to(src_dtype)[:, 1:8]):
+            width = dst.itemsize
+            n = src.numel()
+            base = np.ones(n, dtype=_NP_UINT[width])
+            pos, val = np.zeros(n, dtype=np.uint16), np.zeros(n, dtype=_NP_UINT[width])
+            r = scan(src, base, 8, pos, val)
+            update_base(base, r)
+            ids = np.flatnonzero(r.counts > 0)
+            compact(r, ids, np.zeros(n, dtype=np.uint16), np.zeros(n, dtype=_NP_UINT[width]))

@@ -45,7 +45,7 @@ from fastsync.executor.staging import Landing, alloc_touched, as_bytes
 from fastsync.executor.verify import compare_checksums, receiver_checksums
 from fastsync.sync.delta_sender import delta_mode_key
 from fastsync.sync.handshake import begun_key, flipped_key, sender_crc_key, sender_done_key
-from fastsync.sync.receiver import WeightReceiver
+from fastsync.sync.receiver import _FAILURE_CHECK_S, WeightReceiver
 from fastsync.transport.nixl_delta import DeltaInbox
 
 __all__ = ["DeltaReceiver", "DeltaLanding"]
@@ -99,6 +99,7 @@ class DeltaReceiver:
         self.last_metrics: SyncMetrics | None = None
         self.last_stats: dict[str, Any] = {}
         self._dense_open = False
+        self._last_check = 0.0
 
     @property
     def version(self) -> int:
@@ -114,6 +115,7 @@ class DeltaReceiver:
         self.inbox = DeltaInbox(tr.agent, self.rank, self.landing.inboxes, self.inner.control,
                                 getattr(tr, "poll_sleep_s", 0.001), key=tr._key)
         self._blocks: dict[int, torch.Tensor | None] = {}
+        delta_apply.warmup()
 
     # ---- one sync -------------------------------------------------------------------------
     def begin(self, version: int, *, dense: bool = False) -> None:
@@ -145,7 +147,9 @@ class DeltaReceiver:
         if not self._complete:
             assert self.inbox is not None
             self._complete = self.inbox.poll()
-            if not self._complete:
+            now = time.monotonic()
+            if not self._complete and now - self._last_check > _FAILURE_CHECK_S:
+                self._last_check = now  # a control-plane round trip per sender: not on every poll
                 for s in self.landing.inboxes:
                     got = self.inner.control.try_get(sender_done_key(s, self._open))
                     if got is not None and got.startswith(b"err:") and s in self.inbox.missing():
@@ -154,6 +158,14 @@ class DeltaReceiver:
                         self.abort(msg)
                         raise SyncError(f"engine rank {self.rank}: version {version} failed, keeping version "
                                         f"{self.version}: {msg}")
+                if self.inner.watch is not None:
+                    try:
+                        self.inner.watch.check(f"during version {self._open}")
+                    except FastSyncError as e:
+                        version = self._open
+                        self.abort(str(e))
+                        raise SyncError(f"engine rank {self.rank}: version {version} failed, keeping version "
+                                        f"{self.version}: {e}") from e
         return self._complete
 
     def wait(self, deadline: float | None = None) -> bool:

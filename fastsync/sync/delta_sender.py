@@ -112,6 +112,7 @@ class DeltaSender:
         if device.type == "cpu" and delta_scan.available():  # positions scratch of the fused scan
             most = max((t.nbytes // transfer_itemsize(t) for _, t in self.mine), default=1)
             self._pos = alloc_touched(2 * most, device).numpy().view(np.uint16)
+            delta_scan.warmup()
             if self.threads > 1:
                 self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="fastsync-delta-scan")
         boxes = {d: alloc_touched(link_capacity(self.plan, self.rank, d, self.chunk_elems), device)
