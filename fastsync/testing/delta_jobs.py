@@ -29,6 +29,8 @@ class DeltaJob:
     timeout_s: float = 60.0
     sync_timeout_s: float = 20.0
     abort_at: dict[int, int] = field(default_factory=dict)  # engine rank -> version it rolls back
+    # engine rank -> version whose post-processing fails after the delta was written (rollback)
+    fail_apply_at: dict[int, int] = field(default_factory=dict)
     kill_at: tuple[int, int, int] | None = None  # (trainer rank, version, page) at which it exits
     chunk_elems: int = 4099  # small chunks: many per tensor, the last one partial
     mode: str = "shadow"
@@ -153,6 +155,16 @@ def engine_job(job: DeltaJob, rank: int, results: Any) -> None:
         rx = DeltaReceiver(rank=rank, plan=model.plan, tensors=tensors, control=control, verify=job.verify,
                            timeout_s=job.timeout_s, chunk_elems=job.chunk_elems, mode=job.mode, backup=job.backup)
         rx.setup()
+        fail_v = job.fail_apply_at.get(rank)
+        if fail_v is not None:
+            from fastsync.errors import SyncError
+
+            def on_apply() -> None:  # a stand-in for an engine's post-processing (repack) failing
+                if rx._open == fail_v:
+                    raise SyncError(f"test: engine rank {rank}'s post-processing fails after version {fail_v} "
+                                    "was written")
+
+            rx.landing.on_apply = on_apply  # type: ignore[attr-defined]
         cache: dict = {}
         for version, mode in job.schedule:
             control.barrier(f"delta/{version}", job.trainers + job.rollouts, job.timeout_s)

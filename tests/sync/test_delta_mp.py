@@ -19,7 +19,9 @@ def _rows(rows: list[dict], role: str, version: int) -> list[dict]:
 def test_twenty_mixed_dense_and_delta_syncs_bit_exact_and_missed_version_resynced_densely() -> None:
     modes = {1: "dense", 7: "dense", 13: "dense"}
     schedule = [(v, modes.get(v, "delta")) for v in range(1, 21)]
-    job = DeltaJob(trainers=2, rollouts=2, port=0, schedule=schedule, abort_at={1: 9})
+    # engine rank 1 rolls back version 9 before writing; engine rank 0's post-processing fails after
+    # the delta of version 14 was written: it must restore exactly what that delta overwrote
+    job = DeltaJob(trainers=2, rollouts=2, port=0, schedule=schedule, abort_at={1: 9}, fail_apply_at={0: 14})
     rows = run_job(job)
     for v, mode in schedule:
         engines = _rows(rows, "engine", v)
@@ -28,6 +30,8 @@ def test_twenty_mixed_dense_and_delta_syncs_bit_exact_and_missed_version_resynce
             assert r["exact"], (v, r)
             if (r["rank"], v) == (1, 9):
                 assert not r["ok"] and r["served_version"] == 8
+            elif (r["rank"], v) == (0, 14):
+                assert not r["ok"] and r["served_version"] == 13 and "post-processing fails" in r["error"]
             else:
                 assert r["ok"] and r["served_version"] == v, r
         assert all(r["ok"] for r in _rows(rows, "trainer", v)), _rows(rows, "trainer", v)
@@ -42,6 +46,8 @@ def test_twenty_mixed_dense_and_delta_syncs_bit_exact_and_missed_version_resynce
     assert all(r["dense_links"] == [1] for r in t10), t10
     e10 = {r["rank"]: r for r in _rows(rows, "engine", 10)}
     assert e10[1]["changed"] == e10[1]["elements"] and e10[0]["changed"] < e10[0]["elements"]
+    # version 15: engine rank 0 restored 13 after 14's failed post-processing: its link goes dense
+    assert all(r["dense_links"] == [0] for r in _rows(rows, "trainer", 15)), _rows(rows, "trainer", 15)
 
 
 def test_fp8_engine_block_deltas_bit_exact() -> None:
