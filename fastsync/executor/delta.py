@@ -275,6 +275,7 @@ def encode_scanned(out_u8: torch.Tensor, pos: int, index: int, r: Any, new: np.n
     k_all = int(counts.sum())
     if k_all == 0:
         return pos, 0, 0
+    out_np = out_u8.numpy()  # the outbox is host memory here (the scan runs on CPU sources only)
     lens = np.full(num_chunks, chunk, dtype=np.int64)
     lens[-1] = n_all - (num_chunks - 1) * chunk
     cost_idx = 2 * counts + counts * size + 16
@@ -289,13 +290,12 @@ def encode_scanned(out_u8: torch.Tensor, pos: int, index: int, r: Any, new: np.n
         end = pos + HEADER_BYTES + payload
         if end > out_u8.numel():
             raise SyncError(f"delta stream overflows its {out_u8.numel()}-byte buffer at transfer {index}")
-        body = out_u8[pos + HEADER_BYTES: end].numpy()
+        body = out_np[pos + HEADER_BYTES: end]
         body[: 4 * m].view(np.int32)[:] = ids
         body[a: a + 4 * m].view(np.int32)[:] = counts[ids]
         delta_scan.compact(r, ids, body[2 * a: 2 * a + 2 * k].view(np.uint16),
                            body[2 * a + b: 2 * a + b + k * size].view(new.dtype))
-        hdr = torch.tensor([index, 0, n_all, KINDS["sparse"], m, payload, chunk, k], dtype=torch.int64)
-        out_u8[pos: pos + HEADER_BYTES].copy_(hdr.view(torch.uint8))
+        out_np[pos: pos + HEADER_BYTES].view(np.int64)[:] = (index, 0, n_all, KINDS["sparse"], m, payload, chunk, k)
         pos = end
         records += 1
     for c_ in np.flatnonzero((counts > 0) & ~sparse).tolist():  # many changed: bitmap or dense
@@ -306,7 +306,7 @@ def encode_scanned(out_u8: torch.Tensor, pos: int, index: int, r: Any, new: np.n
         end = pos + HEADER_BYTES + payload
         if end > out_u8.numel():
             raise SyncError(f"delta stream overflows its {out_u8.numel()}-byte buffer at transfer {index}")
-        body = out_u8[pos + HEADER_BYTES: end].numpy()
+        body = out_np[pos + HEADER_BYTES: end]
         if kind == "dense":
             body[: n * size].view(new.dtype)[:] = new[first: first + n]
             count = n
@@ -318,8 +318,7 @@ def encode_scanned(out_u8: torch.Tensor, pos: int, index: int, r: Any, new: np.n
             off = _align8(nb)
             body[off: off + k * size].view(new.dtype)[:] = r.val[first: first + k]
             count = k
-        hdr = torch.tensor([index, first, n, KINDS[kind], count, payload, 0, 0], dtype=torch.int64)
-        out_u8[pos: pos + HEADER_BYTES].copy_(hdr.view(torch.uint8))
+        out_np[pos: pos + HEADER_BYTES].view(np.int64)[:] = (index, first, n, KINDS[kind], count, payload, 0, 0)
         pos = end
         records += 1
     return pos, k_all, records

@@ -89,6 +89,8 @@ class DeltaSender:
         self.threads = max(1, torch.get_num_threads() if threads is None else int(threads))
         self._pool: ThreadPoolExecutor | None = None
         self._pos: np.ndarray | None = None  # positions scratch of the fused CPU scan
+        self._no_scan: dict[int, bool] = {}  # transfer -> the fused scan does not cover it
+        self._views: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # transfer -> (base, values scratch) views
         self.rank = self.inner.rank
         self.plan = self.inner.plan
         self.mine = [(i, t) for i, t in enumerate(self.plan.transfers) if t.src_rank == self.rank]
@@ -109,6 +111,8 @@ class DeltaSender:
             self.base[i] = self._base_arena[off: off + t.nbytes]
             off += -(-t.nbytes // 8) * 8
         self._scratch = alloc_touched(max((t.nbytes for _, t in self.mine), default=1), device)
+        self._no_scan.clear()
+        self._views.clear()  # views of the arenas just allocated are made at the first scan
         if device.type == "cpu" and delta_scan.available():  # positions scratch of the fused scan
             most = max((t.nbytes // transfer_itemsize(t) for _, t in self.mine), default=1)
             self._pos = alloc_touched(2 * most, device).numpy().view(np.uint16)
@@ -270,18 +274,19 @@ class DeltaSender:
         """Encode transfer ``i`` with the fused CPU scan (cast, compare, collect in one pass) and
         return its changed elements; None when the scan does not cover it (then the plain
         encoder runs)."""
-        if self._pos is None:
+        if self._pos is None or self._no_scan.get(i):
             return None
-        dtype = to_torch_dtype(self.inner.program.dst_info[t.dst_rank][t.dst_tensor].dtype)
         gathered = self.inner.gather.full if self.inner.gather is not None else None
-        src = source_view(t, self.inner.sources, self.inner.shards, gathered)
-        if not delta_scan.scannable(src, dtype, t.transform) or src.element_size() not in (2, 4):
-            return None
-        size = transfer_itemsize(t)
-        n = t.nbytes // size
-        uint = np.uint16 if size == 2 else np.uint32
-        base = self.base[i].numpy().view(uint)
-        val = self._scratch[: t.nbytes].numpy().view(uint)
+        src = source_view(t, self.inner.sources, self.inner.shards, gathered)  # per sync: never a stale view
+        if i not in self._no_scan:
+            dtype = to_torch_dtype(self.inner.program.dst_info[t.dst_rank][t.dst_tensor].dtype)
+            self._no_scan[i] = not delta_scan.scannable(src, dtype, t.transform) or src.element_size() not in (2, 4)
+            if self._no_scan[i]:
+                return None
+            uint = np.uint16 if transfer_itemsize(t) == 2 else np.uint32
+            self._views[i] = (self.base[i].numpy().view(uint), self._scratch[: t.nbytes].numpy().view(uint))
+        base, val = self._views[i]
+        n = base.shape[0]
         r = delta_scan.scan(src, base, self.chunk_elems, self._pos, val, self.threads, self._pool)
         delta_scan.update_base(base, r)
         d = t.dst_rank
