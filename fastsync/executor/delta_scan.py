@@ -64,15 +64,20 @@ def _define(_nb: Any) -> Any:  # pragma: no cover - compiled
     _ABS, _INF, _QNAN = np.uint32(0x7FFFFFFF), np.uint32(0x7F800000), np.uint16(0xFFFF)
     _BLOCK = 4096  # elements per inner block: its XOR scratch stays in L1
 
+    from numba.cpython.unsafe.numbers import trailing_zeros
+
     @_nb.njit(nogil=True, cache=True)
     def _scan(src, base, c0, c1, chunk, pos, val, counts, to_bf16):  # pragma: no cover - compiled
         """Chunks [c0, c1): per inner block, XOR of the engine bits with the base into an L1
-        scratch (a vectorisable map), then a walk over its 64-bit words that stops only at words
-        holding a change."""
+        scratch (a vectorisable map), then a walk over its 64-bit words that visits only the set
+        lanes (count trailing zeros), so unchanged words cost one compare."""
         rows, cols = src.shape
         n = base.shape[0]
         dif = np.zeros(_BLOCK + 8, dtype=base.dtype)
         lanes = 8 // base.itemsize
+        lane_shift = 4 if base.itemsize == 2 else 5  # trailing zeros -> lane
+        lane_bits = np.uint64(8 * base.itemsize)
+        lane_mask = np.uint64((1 << (8 * base.itemsize)) - 1)
         dif64 = dif.view(np.uint64)
         for c in range(c0, c1):
             a = c * chunk
@@ -98,13 +103,16 @@ def _define(_nb: Any) -> Any:  # pragma: no cover - compiled
                 mw = (m + lanes - 1) // lanes
                 for i in range(m, mw * lanes):
                     dif[i] = 0
+                off = i0 - a
                 for j in range(mw):
-                    if dif64[j] != 0:
-                        for i in range(j * lanes, j * lanes + lanes):
-                            if dif[i] != 0:
-                                pos[a + k] = i0 - a + i
-                                val[a + k] = dif[i] ^ bs[i]
-                                k += 1
+                    w = dif64[j]
+                    while w != 0:
+                        lane = trailing_zeros(w) >> lane_shift
+                        i = j * lanes + lane
+                        pos[a + k] = off + i
+                        val[a + k] = dif[i] ^ bs[i]
+                        k += 1
+                        w &= ~(lane_mask << (lane_bits * np.uint64(lane)))
                 i0 += m
             counts[c] = k
 
