@@ -157,6 +157,8 @@ def _rows(src: torch.Tensor) -> torch.Tensor | None:
     """``src`` as (rows, cols) with a unit inner stride, without copying; None when it cannot be."""
     if src.dim() == 0:
         src = src.reshape(1)
+    if src.is_contiguous():
+        return src.view(1, -1)  # one long row: inner blocks of the full size, not one per row
     if src.dim() == 1:
         return src.view(1, -1) if src.stride(0) == 1 or src.numel() <= 1 else None
     if src.stride(-1) != 1 and src.shape[-1] > 1:
