@@ -264,8 +264,7 @@ def encode_transfer(out_u8: torch.Tensor, pos: int, index: int, new: torch.Tenso
 def encode_scanned(out_u8: torch.Tensor, pos: int, index: int, r: Any, new: np.ndarray) -> tuple[int, int, int]:
     """Encode one transfer from a fused scan (:func:`fastsync.executor.delta_scan.scan`) with the
     same records and cost rules as :func:`encode_transfer`. ``new``: the transfer's new engine
-    bits (the base after :func:`~fastsync.executor.delta_scan.update_base`), read for the chunks
-    that go dense. Returns ``(new pos, changed elements, records written)``."""
+    bits (the base after the scan moved it), read for the chunks that go dense. Returns ``(new pos, changed elements, records written)``."""
     from fastsync.executor import delta_scan
 
     counts, chunk = r.counts, r.chunk

@@ -11,7 +11,8 @@ does not cover, the plain encoder runs):
 * per chunk of ``chunk_elems`` elements write the changed elements' uint16 positions and values
   into per-chunk scratch (branch-free: always store, advance on a change) and count them.
 
-The base is not touched by the scan: :func:`update_base` writes the changed elements afterwards.
+The walk also moves the base to the new version, writing only the changed elements (their
+cache lines were just read).
 Chunks are spread over ``threads`` Python threads (the kernels release the GIL).
 
 Every finite and infinite value rounds bit for bit as torch's cast does. A NaN becomes 0xFFFF, as
@@ -30,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["available", "warmup", "ScanResult", "scannable", "scan", "update_base", "compact"]
+__all__ = ["available", "warmup", "ScanResult", "scannable", "scan", "compact"]
 
 _DISABLED = os.environ.get("FASTSYNC_DELTA_KERNEL", "").lower() in ("torch", "off", "0")
 _K: Any = None  # the compiled kernels, once loaded; False when numba is missing or disabled
@@ -110,18 +111,13 @@ def _define(_nb: Any) -> Any:  # pragma: no cover - compiled
                         lane = trailing_zeros(w) >> lane_shift
                         i = j * lanes + lane
                         pos[a + k] = off + i
-                        val[a + k] = dif[i] ^ bs[i]
+                        h = dif[i] ^ bs[i]
+                        val[a + k] = h
+                        bs[i] = h  # the base moves to this version, only where it changed
                         k += 1
                         w &= ~(lane_mask << (lane_bits * np.uint64(lane)))
                 i0 += m
             counts[c] = k
-
-    @_nb.njit(nogil=True, cache=True)
-    def _update(base, pos, val, counts, chunk):  # pragma: no cover - compiled
-        for c in range(counts.shape[0]):
-            a = c * chunk
-            for j in range(counts[c]):
-                base[a + np.int64(pos[a + j])] = val[a + j]
 
     @_nb.njit(nogil=True, cache=True)
     def _compact(pos, val, counts, ids, chunk, out_pos, out_val):  # pragma: no cover - compiled
@@ -135,7 +131,7 @@ def _define(_nb: Any) -> Any:  # pragma: no cover - compiled
             o += k
         return o
 
-    return SimpleNamespace(scan=_scan, update=_update, compact=_compact)
+    return SimpleNamespace(scan=_scan, compact=_compact)
 
 
 _NP_UINT = {2: np.uint16, 4: np.uint32}
@@ -183,8 +179,9 @@ def scannable(src: torch.Tensor, dst_dtype: torch.dtype, transform: str) -> bool
 def scan(src: torch.Tensor, base: np.ndarray, chunk: int, pos: np.ndarray, val: np.ndarray,
          threads: int = 1, pool: ThreadPoolExecutor | None = None) -> ScanResult:
     """Compare ``src`` (cast as the engine holds it) with ``base`` (the engine-width unsigned
-    view of the last version sent), chunk by chunk; ``pos``/``val``: scratch of at least
-    ``base.size`` elements. Call only when :func:`scannable`."""
+    view of the last version sent), chunk by chunk, and move ``base`` to the new version (only
+    the changed elements are written); ``pos``/``val``: scratch of at least ``base.size``
+    elements. Call only when :func:`scannable`."""
     rows = _rows(src)
     k = _kernels()
     assert rows is not None and k
@@ -204,11 +201,6 @@ def scan(src: torch.Tensor, base: np.ndarray, chunk: int, pos: np.ndarray, val: 
         for f in futs:
             f.result()
     return ScanResult(counts, pos, val, chunk)
-
-
-def update_base(base: np.ndarray, r: ScanResult) -> None:
-    """Move the base to the scanned version: write only the changed elements."""
-    _kernels().update(base, r.pos, r.val, r.counts, r.chunk)
 
 
 def compact(r: ScanResult, ids: np.ndarray, out_pos: np.ndarray, out_val: np.ndarray) -> int:
@@ -231,6 +223,5 @@ def warmup() -> None:
             base = np.ones(n, dtype=_NP_UINT[width])
             pos, val = np.zeros(n, dtype=np.uint16), np.zeros(n, dtype=_NP_UINT[width])
             r = scan(src, base, 8, pos, val)
-            update_base(base, r)
             ids = np.flatnonzero(r.counts > 0)
             compact(r, ids, np.zeros(n, dtype=np.uint16), np.zeros(n, dtype=_NP_UINT[width]))

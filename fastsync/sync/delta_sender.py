@@ -287,8 +287,7 @@ class DeltaSender:
             self._views[i] = (self.base[i].numpy().view(uint), self._scratch[: t.nbytes].numpy().view(uint))
         base, val = self._views[i]
         n = base.shape[0]
-        r = delta_scan.scan(src, base, self.chunk_elems, self._pos, val, self.threads, self._pool)
-        delta_scan.update_base(base, r)
+        r = delta_scan.scan(src, base, self.chunk_elems, self._pos, val, self.threads, self._pool)  # moves the base
         d = t.dst_rank
         p, k, rec = encode_scanned(self.outbox.outboxes[d], pos[d], i, r, base[:n])
         pos[d] = p
