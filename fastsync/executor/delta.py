@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from fastsync.errors import SyncError
+from fastsync.executor import delta_scan
 from fastsync.layout.box import box_numel, box_shape
 from fastsync.layout.types import FP8_BLOCK
 from fastsync.plan.delta_sim import DELTA_CHUNK_ELEMS, HEADER_BYTES, MAX_SPARSE_CHUNK
@@ -265,8 +266,6 @@ def encode_scanned(out_u8: torch.Tensor, pos: int, index: int, r: Any, new: np.n
     """Encode one transfer from a fused scan (:func:`fastsync.executor.delta_scan.scan`) with the
     same records and cost rules as :func:`encode_transfer`. ``new``: the transfer's new engine
     bits (the base after the scan moved it), read for the chunks that go dense. Returns ``(new pos, changed elements, records written)``."""
-    from fastsync.executor import delta_scan
-
     counts, chunk = r.counts, r.chunk
     n_all = new.shape[0]
     size = new.itemsize
@@ -275,12 +274,21 @@ def encode_scanned(out_u8: torch.Tensor, pos: int, index: int, r: Any, new: np.n
     if k_all == 0:
         return pos, 0, 0
     out_np = out_u8.numpy()  # the outbox is host memory here (the scan runs on CPU sources only)
-    lens = np.full(num_chunks, chunk, dtype=np.int64)
-    lens[-1] = n_all - (num_chunks - 1) * chunk
-    cost_idx = 2 * counts + counts * size + 16
-    cost_bits = (lens + 7) // 8 + counts * size
-    sparse = (counts > 0) & (cost_idx <= cost_bits) & (cost_idx <= lens * size)
-    ids = np.flatnonzero(sparse)
+    shortest = min(chunk, n_all - (num_chunks - 1) * chunk)
+    most = int(counts.max())
+    cost = 2 * most + most * size + 16
+    if cost <= (shortest + 7) // 8 + most * size and cost <= shortest * size:
+        # the usual case: even the busiest chunk is cheapest as positions, so every changed one is
+        # (the costs below grow slower in the count than the bitmap's and dense's)
+        ids = np.flatnonzero(counts)
+        sparse = None
+    else:
+        lens = np.full(num_chunks, chunk, dtype=np.int64)
+        lens[-1] = n_all - (num_chunks - 1) * chunk
+        cost_idx = 2 * counts + counts * size + 16
+        cost_bits = (lens + 7) // 8 + counts * size
+        sparse = (counts > 0) & (cost_idx <= cost_bits) & (cost_idx <= lens * size)
+        ids = np.flatnonzero(sparse)
     records = 0
     if ids.size:
         m, k = ids.size, int(counts[ids].sum())
@@ -297,8 +305,10 @@ def encode_scanned(out_u8: torch.Tensor, pos: int, index: int, r: Any, new: np.n
         out_np[pos: pos + HEADER_BYTES].view(np.int64)[:] = (index, 0, n_all, KINDS["sparse"], m, payload, chunk, k)
         pos = end
         records += 1
-    for c_ in np.flatnonzero((counts > 0) & ~sparse).tolist():  # many changed: bitmap or dense
-        first, n, k = c_ * chunk, int(lens[c_]), int(counts[c_])
+    rest = [] if sparse is None else np.flatnonzero((counts > 0) & ~sparse).tolist()
+    for c_ in rest:  # many changed: bitmap or dense
+        first, k = c_ * chunk, int(counts[c_])
+        n = min(chunk, n_all - first)
         costs = encoded_bytes(n, k, size)
         kind = "dense" if costs["dense"] <= costs["bitmap"] else "bitmap"
         payload = costs[kind]
