@@ -105,6 +105,8 @@ CLI_CASES = [
     ("moe-tokens-0", ["moe-bench", "--model", "qwen3-30b-a3b", "--tokens", "0"], "--tokens: must be at least 1"),
     ("moe-timeout-inf", ["moe-bench", "--model", "qwen3-30b-a3b", "--timeout", "inf"], "--timeout: must be a finite number"),
     ("plugins-extra", ["plugins", "--bogus"], "unrecognized arguments"),
+    ("delta-threads-0", ["delta-bench", "--model", "qwen3-0.6b", "--steps", "1", "--threads", "0"],
+     "--threads: must be at least 1"),
 ]
 
 
@@ -144,6 +146,8 @@ def test_plan_prints_a_nonzero_baseline(capsys):
     (dict(transport=""), "transport must name a registered transport"),
     (dict(name=""), "name must be a non-empty string"),
     (dict(control_port=70000), "control_port = 70000 is over the limit"),
+    (dict(delta="yes"), "delta must be True or False"),
+    (dict(delta=True, transport="torch"), "delta=True writes over NIXL; transport='torch'"),
 ])
 def test_weightsync_arguments(kwargs, expect):
     from fastsync import WeightSync
