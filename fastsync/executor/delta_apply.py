@@ -102,15 +102,17 @@ def restore(flat: np.ndarray, off: int, ids: np.ndarray, counts: np.ndarray, loc
     _kernels().restore(flat, off, ids, counts, local, old, chunk)
 
 
-def warmup() -> None:
-    """Compile (or load from numba's cache) the kernels for 2- and 4-byte elements, off the
-    first sync's path."""
+def warmup(itemsizes: set[int] | None = None) -> None:
+    """Compile (or load from numba's cache) the kernels for the element sizes an engine rank holds
+    (2 and/or 4 bytes; None: both), off the first sync's path."""
     if not available():
         return
     body = np.zeros(64, dtype=np.uint8)
     ids, counts = body[:4].view(np.int32), body[8:12].view(np.int32)
     local = body[16:18].view(np.uint16)
     for uint in (np.uint16, np.uint32):
+        if itemsizes is not None and np.dtype(uint).itemsize not in itemsizes:
+            continue
         flat = np.zeros(8, dtype=uint)
         vals = body[24: 24 + np.dtype(uint).itemsize].view(uint)
         old = np.empty_like(vals)

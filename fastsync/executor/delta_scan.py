@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["available", "warmup", "ScanResult", "scannable", "scan", "compact"]
+__all__ = ["available", "warmup", "scan_kind", "ScanResult", "scannable", "scan", "compact"]
 
 _DISABLED = os.environ.get("FASTSYNC_DELTA_KERNEL", "").lower() in ("torch", "off", "0")
 _K: Any = None  # the compiled kernels, once loaded; False when numba is missing or disabled
@@ -208,20 +208,27 @@ def compact(r: ScanResult, ids: np.ndarray, out_pos: np.ndarray, out_val: np.nda
     return int(_kernels().compact(r.pos, r.val, r.counts, ids, r.chunk, out_pos, out_val))
 
 
-def warmup() -> None:
-    """Compile (or load from numba's cache) every kernel signature a sender uses, so the first
-    sync does not pay for it: fp32 -> bf16 and same-width 2/4-byte sources, contiguous and
-    column-sliced."""
+def warmup(kinds: set[tuple[torch.dtype, torch.dtype, bool]] | None = None) -> None:
+    """Compile (or load from numba's cache) the kernel signatures a sender will use, so its first
+    sync does not pay for it. ``kinds``: ``(source dtype, engine dtype, contiguous)`` of the
+    transfers (see :func:`scan_kind`); None: every kind the scan covers."""
     if not available():
         return
-    full = torch.zeros(4, 9)
-    for src_dtype, dst in ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
-                           (torch.float32, torch.float32)):
-        for src in (full.to(src_dtype), full.to(src_dtype)[:, 1:8]):
-            width = dst.itemsize
-            n = src.numel()
-            base = np.ones(n, dtype=_NP_UINT[width])
-            pos, val = np.zeros(n, dtype=np.uint16), np.zeros(n, dtype=_NP_UINT[width])
-            r = scan(src, base, 8, pos, val)
-            ids = np.flatnonzero(r.counts > 0)
-            compact(r, ids, np.zeros(n, dtype=np.uint16), np.zeros(n, dtype=_NP_UINT[width]))
+    if kinds is None:
+        kinds = {(a, b, c) for a, b in ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+                                        (torch.float32, torch.float32)) for c in (True, False)}
+    for src_dtype, dst, contiguous in sorted(kinds, key=str):
+        full = torch.zeros(4, 9, dtype=src_dtype)
+        src = full if contiguous else full[:, 1:8]
+        width = dst.itemsize
+        n = src.numel()
+        base = np.ones(n, dtype=_NP_UINT[width])
+        pos, val = np.zeros(n, dtype=np.uint16), np.zeros(n, dtype=_NP_UINT[width])
+        r = scan(src, base, 8, pos, val)
+        compact(r, np.flatnonzero(r.counts > 0), np.zeros(n, dtype=np.uint16), np.zeros(n, dtype=_NP_UINT[width]))
+
+
+def scan_kind(src: torch.Tensor, dst_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype, bool]:
+    """What :func:`warmup` needs to know of a scannable source."""
+    rows = _rows(src)
+    return src.dtype, dst_dtype, bool(rows is not None and rows.is_contiguous())

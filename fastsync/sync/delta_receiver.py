@@ -147,7 +147,7 @@ class DeltaReceiver:
         self.inbox = DeltaInbox(tr.agent, self.rank, self.landing.inboxes, self.inner.control,
                                 getattr(tr, "poll_sleep_s", 0.001), key=tr._key)
         self._blocks: dict[int, torch.Tensor | None] = {}
-        delta_apply.warmup()
+        delta_apply.warmup({info.itemsize for info in self.inner.program.tensors.values()})
 
     # ---- one sync -------------------------------------------------------------------------
     def begin(self, version: int, *, dense: bool = False) -> None:

@@ -116,7 +116,7 @@ class DeltaSender:
         if device.type == "cpu" and delta_scan.available():  # positions scratch of the fused scan
             most = max((t.nbytes // transfer_itemsize(t) for _, t in self.mine), default=1)
             self._pos = alloc_touched(2 * most, device).numpy().view(np.uint16)
-            delta_scan.warmup()
+            delta_scan.warmup(self._scan_kinds())
             if self.threads > 1:
                 self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="fastsync-delta-scan")
         boxes = {d: alloc_touched(link_capacity(self.plan, self.rank, d, self.chunk_elems), device)
@@ -268,6 +268,19 @@ class DeltaSender:
         self.last_stats = {"mode": "delta", "changed": changed, "elements": elements, "bytes_dense": dense_bytes,
                            "bytes_sent": sum(pos.values()), "dense_links": sorted(d for d, ok in self._delta_ok.items() if not ok)}
         return pos
+
+    def _scan_kinds(self) -> set:
+        """The fused-scan kernel signatures this rank's transfers need (gathered ones compile at
+        first use: their full tensors do not exist before a sync)."""
+        kinds = set()
+        for _, t in self.mine:
+            if t.gathered:
+                continue
+            dtype = to_torch_dtype(self.inner.program.dst_info[t.dst_rank][t.dst_tensor].dtype)
+            src = source_view(t, self.inner.sources, self.inner.shards, None)
+            if delta_scan.scannable(src, dtype, t.transform):
+                kinds.add(delta_scan.scan_kind(src, dtype))
+        return kinds
 
     def _scan(self, i: int, t: Any, pos: dict[int, int], records: dict[int, int],
               crcs: dict[int, int] | None) -> int | None:

@@ -269,7 +269,7 @@ def test_trace_dir_writes_each_ranks_phases_and_the_engines(rig, tmp_path):
 
 def test_delta_sync_into_the_live_engine_with_rollback_and_dense_resync(rig):
     """WeightSync(delta=True) into the same live engine (its receiver becomes a delta one): the
-    first sync dense, then deltas of sparse steps (3% of the elements move) written into the live
+    first sync dense, then a delta of a sparse step (3% of the elements move) written into the live
     and staging tensors and repacked at the flip, generating like the trainer; a delta whose
     second trainer rank never sends leaves the engine on its last version and tokens; the next
     sync goes dense, the one after that is a delta again."""
@@ -298,18 +298,17 @@ def test_delta_sync_into_the_live_engine_with_rollback_and_dense_resync(rig):
         sparse_step(11)
         sync()
         assert ws[0].last_kind == "dense" and rig.engine_tokens() == rig.hf_tokens()
-        for seed in (12, 13):
-            before = rig.engine_tokens()
-            sparse_step(seed)
-            sync()
-            assert ws[0].last_kind == "delta"
-            for w in ws:
-                st = w.sender.last_stats
-                assert st["mode"] == "delta" and 0 < st["bytes_sent"] < 0.2 * st["bytes_dense"], st
-            after = rig.engine_tokens()
-            assert after == rig.hf_tokens() and after != before
-            assert rig.engine.version() == rig.version
-        served, before = rig.engine.version(), rig.engine_tokens()
+        before = rig.engine_tokens()
+        sparse_step(12)
+        sync()
+        assert ws[0].last_kind == "delta"
+        for w in ws:
+            st = w.sender.last_stats
+            assert st["mode"] == "delta" and 0 < st["bytes_sent"] < 0.2 * st["bytes_dense"], st
+        after = rig.engine_tokens()
+        assert after == rig.hf_tokens() and after != before
+        assert rig.engine.version() == rig.version
+        served, before = rig.engine.version(), after
         sparse_step(14)
         with pytest.raises(SyncError):
             sync(ranks=(0,), timeout_s=4.0)  # a delta version trainer rank 1 never sends: refused
