@@ -38,6 +38,7 @@ import torch
 
 from fastsync import plugins
 from fastsync.errors import ConfigError, FastSyncError, SyncError
+from fastsync.executor import delta_scan
 from fastsync.executor.delta import (
     DELTA_CHUNK_ELEMS,
     HEADER_BYTES,
@@ -52,11 +53,10 @@ from fastsync.executor.delta import (
     transfer_itemsize,
     write_stream_header,
 )
-from fastsync.executor import delta_scan
 from fastsync.executor.metrics import SyncMetrics
 from fastsync.executor.pack import source_view, transform_into
-from fastsync.executor.transforms import to_torch_dtype
 from fastsync.executor.staging import alloc_touched, wait_device
+from fastsync.executor.transforms import to_torch_dtype
 from fastsync.executor.verify import crc_update
 from fastsync.sync.handshake import begun_key, flipped_key, sender_crc_key, sender_done_key
 from fastsync.sync.sender import WeightSender
@@ -117,7 +117,7 @@ class DeltaSender:
             most = max((t.nbytes // transfer_itemsize(t) for _, t in self.mine), default=1)
             self._pos = alloc_touched(2 * most, device).numpy().view(np.uint16)
             delta_scan.warmup(self._scan_kinds())
-            if self.threads > 1:
+            if self.threads > 1 and self._pool is None:
                 self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="fastsync-delta-scan")
         boxes = {d: alloc_touched(link_capacity(self.plan, self.rank, d, self.chunk_elems), device)
                  for d in self.inner.dsts}
@@ -293,7 +293,7 @@ class DeltaSender:
         src = source_view(t, self.inner.sources, self.inner.shards, gathered)  # per sync: never a stale view
         if i not in self._no_scan:
             dtype = to_torch_dtype(self.inner.program.dst_info[t.dst_rank][t.dst_tensor].dtype)
-            self._no_scan[i] = not delta_scan.scannable(src, dtype, t.transform) or src.element_size() not in (2, 4)
+            self._no_scan[i] = not delta_scan.scannable(src, dtype, t.transform)
             if self._no_scan[i]:
                 return None
             uint = np.uint16 if transfer_itemsize(t) == 2 else np.uint32
