@@ -349,7 +349,7 @@ def read_stream(buf_u8: torch.Tensor, who: str) -> tuple[int, int, list[tuple]]:
     Raises SyncError naming ``who`` on a malformed stream (checked before anything is applied)."""
     if buf_u8.numel() < HEADER_BYTES:
         raise SyncError(f"{who}: delta stream shorter than its header")
-    magic, version, base, num, nbytes = (int(x) for x in buf_u8[:HEADER_BYTES].view(torch.int64)[:5])
+    magic, version, base, num, nbytes = buf_u8[:HEADER_BYTES].view(torch.int64)[:5].tolist()
     if magic != _MAGIC or not HEADER_BYTES <= nbytes <= buf_u8.numel():
         raise SyncError(f"{who}: not a delta stream (magic {magic:#x}, {nbytes} bytes in a {buf_u8.numel()}-byte inbox)")
     out = []
@@ -357,9 +357,9 @@ def read_stream(buf_u8: torch.Tensor, who: str) -> tuple[int, int, list[tuple]]:
     for _ in range(num):
         if pos + HEADER_BYTES > nbytes:
             raise SyncError(f"{who}: delta stream truncated at byte {pos}")
-        index, first, n, kind, count, payload, x6, x7 = (int(x) for x in buf_u8[pos: pos + HEADER_BYTES].view(torch.int64))
+        index, first, n, kind, count, payload, x6, x7 = buf_u8[pos: pos + HEADER_BYTES].view(torch.int64).tolist()
         end = pos + HEADER_BYTES + payload
-        if kind not in _KIND_NAMES or end > nbytes or count < 0 or n < 0:
+        if kind not in _KIND_NAMES or end > nbytes or count < 0 or n < 0 or payload < 0:
             raise SyncError(f"{who}: bad delta record at byte {pos} (transfer {index}, kind {kind})")
         out.append((index, first, n, _KIND_NAMES[kind], count, buf_u8[pos + HEADER_BYTES: end], (x6, x7)))
         pos = end

@@ -92,6 +92,11 @@ def test_malformed_streams_are_refused_before_apply() -> None:
     write_stream_header(buf, 1, 0, 1, 200)
     with pytest.raises(SyncError, match="bad delta record|truncated"):
         read_stream(buf, "engine rank 0")
+    # a record claiming a negative payload (would step the parser backwards) is refused
+    write_stream_header(buf, 1, 0, 1, 200)
+    buf[64:128].view(torch.int64)[:] = torch.tensor([0, 0, 4, 1, 4, -64, 0, 0])
+    with pytest.raises(SyncError, match="bad delta record"):
+        read_stream(buf, "engine rank 0")
     with pytest.raises(SyncError, match="outside"):
         payload = torch.tensor([5, 0], dtype=torch.int32).view(torch.uint8)
         decode_positions("index", 4, 1, torch.cat([payload, torch.zeros(8, dtype=torch.uint8)]), 2, None, "x")
