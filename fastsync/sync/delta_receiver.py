@@ -190,15 +190,26 @@ class DeltaReceiver:
                         self.abort(msg)
                         raise SyncError(f"engine rank {self.rank}: version {version} failed, keeping version "
                                         f"{self.version}: {msg}")
-                if self.inner.watch is not None:
-                    try:
-                        self.inner.watch.check(f"during version {self._open}")
-                    except FastSyncError as e:
-                        version = self._open
-                        self.abort(str(e))
-                        raise SyncError(f"engine rank {self.rank}: version {version} failed, keeping version "
-                                        f"{self.version}: {e}") from e
+                self._check_liveness()
         return self._complete
+
+    def _check_liveness(self) -> None:
+        """Fail the open version at once when a trainer rank whose stream has not fully arrived
+        stopped beating (one that finished its stream may exit: it is not waited for)."""
+        watch = self.inner.watch
+        if watch is None or self.inbox is None:
+            return
+        missing = self.inbox.missing()
+        gone = [(r, s) for role, r, s in watch.dead() if role == "trainer" and r in missing]
+        if gone:  # confirm with a fresh read, as PeerWatch.check does
+            watch.sample()
+            gone = [(r, s) for role, r, s in watch.dead() if role == "trainer" and r in missing]
+        if gone:
+            version = self._open
+            names = ", ".join(f"trainer rank {r} (no heartbeat for {s:.1f} s)" for r, s in gone)
+            msg = f"{names} is dead or hung during version {version}: its process was killed or stopped responding"
+            self.abort(msg)
+            raise SyncError(f"engine rank {self.rank}: version {version} failed, keeping version {self.version}: {msg}")
 
     def wait(self, deadline: float | None = None) -> bool:
         if self._dense_open:
