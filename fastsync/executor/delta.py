@@ -72,6 +72,21 @@ def _align8(n: int) -> int:
     return -(-n // 8) * 8
 
 
+def _record_end(pos: int, payload: int, buf_bytes: int, index: int) -> int:
+    """Where a record with ``payload`` bytes written at ``pos`` ends; refused if past the buffer."""
+    end = pos + HEADER_BYTES + payload
+    if end > buf_bytes:
+        raise SyncError(f"delta stream overflows its {buf_bytes}-byte buffer at transfer {index}")
+    return end
+
+
+def _sparse_layout(m: int, k: int, size: int) -> tuple[int, int, int]:
+    """Offsets of a sparse record's parts: chunk ids and counts (``a`` bytes each), ``k`` uint16
+    positions (``b`` bytes), then ``k`` values; returns ``(a, b, payload)``."""
+    a, b, c = _align8(4 * m), _align8(2 * k), _align8(k * size)
+    return a, b, 2 * a + b + c
+
+
 def chunk_spans(t: Transfer, itemsize: int, chunk_elems: int = DELTA_CHUNK_ELEMS) -> list[tuple[int, int]]:
     """``(first element, element count)`` of each delta chunk of transfer ``t``."""
     n = t.nbytes // itemsize
@@ -154,9 +169,7 @@ def encode_chunk(out_u8: torch.Tensor, pos: int, index: int, first: int, new: to
         costs = encoded_bytes(n, k, size)
     kind = min(costs, key=lambda name: (costs[name], name != "dense"))
     payload = costs[kind]
-    end = pos + HEADER_BYTES + payload
-    if end > out_u8.numel():
-        raise SyncError(f"delta stream overflows its {out_u8.numel()}-byte buffer at transfer {index}")
+    end = _record_end(pos, payload, out_u8.numel(), index)
     body = out_u8[pos + HEADER_BYTES: end]
     if kind == "dense":
         body[: n * size].copy_(new.view(torch.uint8))
@@ -238,11 +251,8 @@ def encode_transfer(out_u8: torch.Tensor, pos: int, index: int, new: torch.Tenso
             local = (idx[sel] - cid[sel] * chunk_elems).to(torch.int32).to(torch.uint16)
             sv = vals[sel]
         m, k = ids.numel(), local.numel()
-        a, b, c = _align8(4 * m), _align8(2 * k), _align8(k * size)
-        payload = 2 * a + b + c
-        end = pos + HEADER_BYTES + payload
-        if end > out_u8.numel():
-            raise SyncError(f"delta stream overflows its {out_u8.numel()}-byte buffer at transfer {index}")
+        a, b, payload = _sparse_layout(m, k, size)
+        end = _record_end(pos, payload, out_u8.numel(), index)
         body = out_u8[pos + HEADER_BYTES: end]
         body[: 4 * m].copy_(ids.to(torch.int32).view(torch.uint8))
         body[a: a + 4 * m].copy_(counts[ids].to(torch.int32).view(torch.uint8))
@@ -292,11 +302,8 @@ def encode_scanned(out_u8: torch.Tensor, pos: int, index: int, r: Any, new: np.n
     records = 0
     if ids.size:
         m, k = ids.size, int(counts[ids].sum())
-        a, b, c = _align8(4 * m), _align8(2 * k), _align8(k * size)
-        payload = 2 * a + b + c
-        end = pos + HEADER_BYTES + payload
-        if end > out_u8.numel():
-            raise SyncError(f"delta stream overflows its {out_u8.numel()}-byte buffer at transfer {index}")
+        a, b, payload = _sparse_layout(m, k, size)
+        end = _record_end(pos, payload, out_u8.numel(), index)
         body = out_np[pos + HEADER_BYTES: end]
         body[: 4 * m].view(np.int32)[:] = ids
         body[a: a + 4 * m].view(np.int32)[:] = counts[ids]
@@ -312,9 +319,7 @@ def encode_scanned(out_u8: torch.Tensor, pos: int, index: int, r: Any, new: np.n
         costs = encoded_bytes(n, k, size)
         kind = "dense" if costs["dense"] <= costs["bitmap"] else "bitmap"
         payload = costs[kind]
-        end = pos + HEADER_BYTES + payload
-        if end > out_u8.numel():
-            raise SyncError(f"delta stream overflows its {out_u8.numel()}-byte buffer at transfer {index}")
+        end = _record_end(pos, payload, out_u8.numel(), index)
         body = out_np[pos + HEADER_BYTES: end]
         if kind == "dense":
             body[: n * size].view(new.dtype)[:] = new[first: first + n]
