@@ -398,13 +398,18 @@ class FastSyncCheckpointEngine(CheckpointEngine):
         sender = WeightSender(rank=rank, plan=self._plan.plan, sources=self._sources,
                               shards={n: [Shard(rank, b, 0)] for n, b in self._boxes.items()}, control=ctl,
                               transport=self.transport, staging_bytes=self.staging_bytes, timeout_s=self.timeout_s)
-        try:
-            await asyncio.to_thread(sender.setup)
-        except BaseException:
-            sender.close()
-            self._session = None  # the next sync opens a fresh session: every rank sets up again
-            raise
+        await self._set_up(sender)
         self._sender = sender
+
+    async def _set_up(self, endpoint: Any) -> None:
+        """``endpoint.setup()`` (a WeightSender or WeightReceiver) off the event loop; on failure
+        close it and drop the session, so the next sync opens a fresh one where every rank sets up."""
+        try:
+            await asyncio.to_thread(endpoint.setup)
+        except BaseException:
+            endpoint.close()
+            self._session = None
+            raise
         self.setups += 1
 
     def _copy_shards(self, module: Any, rank: int) -> None:
@@ -525,14 +530,8 @@ class FastSyncCheckpointEngine(CheckpointEngine):
             receiver = WeightReceiver(rank=rank, plan=self._plan.plan, tensors=self._tensors, control=ctl,
                                       transport=self.transport, mode="inplace", verify=self.verify,
                                       engine_hash=self._plan.engine.fingerprint(), timeout_s=self.timeout_s)
-            try:
-                await asyncio.to_thread(receiver.setup)
-            except BaseException:
-                receiver.close()
-                self._session = None  # the next sync opens a fresh session: every rank sets up again
-                raise
+            await self._set_up(receiver)
             self._receiver = receiver
-            self.setups += 1
         rx = self._receiver
         rx.begin(version)
         deadline = time.monotonic() + self.timeout_s
