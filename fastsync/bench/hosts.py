@@ -1,0 +1,416 @@
+"""A cluster on one machine: hosts as Linux network namespaces, each with one shaped NIC.
+
+Every figure that is about a cluster (all-to-all against the rank-0 funnel, relays, deltas, peer
+reload) depends on the NIC being the bottleneck, which one host's loopback never shows. This rig
+builds H "hosts" as network namespaces joined through a bridge that lives in a namespace of its
+own (so nothing is added to, or changed in, the namespace the rig was started from), gives each
+host one NIC (``nic0``, a veth) shaped to ``nic_gbps`` in both directions (``tbf``: the host's
+egress on its end, its ingress on the bridge's end), with optional loss and one-way latency, and
+runs processes inside a host. Loss (and a cut, which is 100 % loss) is a classic-BPF filter that
+sends packets at random to a class that drops them: it needs only ``htb``, ``pfifo`` and
+``cls_bpf``, which minimal kernels have. Loss counts the packets the qdisc sees, which on a veth
+are GSO segments of up to 64 KiB, not 1500-byte frames (with GSO off, this VM's CPU caps a veth
+at ~45 MB/s). Latency needs ``netem``; on a kernel without it (this project's VMs) a rig with
+``latency_ms > 0`` is refused, naming the missing qdisc.
+
+Addresses come from the benchmarking range 198.18.0.0/15 (RFC 2544) and exist only inside the
+namespaces the rig made; host ``i`` is ``198.18.0.{i+1}``. Names carry the owner's pid
+(``fsrig<pid>-h<i>``, ``fsrig<pid>-sw``). Teardown removes the namespaces (their veths and qdiscs
+go with them) and kills what the rig started in them; a guardian process (its own session, so a
+killed process group does not take it down) does the same when the owner dies without cleaning
+up, and :func:`sweep_stale` removes rigs whose owner pid is gone. Nothing else is touched.
+
+On one kernel, UCX reaches a process in another namespace through shared memory and CMA unless it
+is held to TCP, so processes run with ``UCX_TLS=tcp,self`` (checked: a sync then crosses the
+veth at the link's rate; without it only control traffic does), ``FASTSYNC_NET_DEVICES=nic0``
+and ``GLOO_SOCKET_IFNAME=nic0``. Processes on one host reach each other over TCP on ``nic0``'s
+address as well (the kernel keeps that traffic local): a GPU host would use NVLink or CUDA IPC.
+
+Example::
+
+    with HostRig(2, nic_gbps=2.0, latency_ms=0.1) as rig:
+        with rig.entered(0):                  # sockets made here live on host 0
+            store = TCPStoreControl.server(host=rig.addr(0))
+        p = rig.popen(1, [sys.executable, "engine.py", rig.addr(0)])
+        rig.cut(1); ...; rig.restore(1)
+        tx, rx = rig.nic_bytes(1)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fastsync.errors import ConfigError
+
+__all__ = ["HostRig", "Host", "rig_unavailable", "sweep_stale", "run_in_host", "PREFIX", "MAX_HOSTS",
+           "MAX_NIC_GBPS", "check_shape", "netem_available", "host_env"]
+
+PREFIX = "fsrig"
+NIC = "nic0"
+SUBNET = "198.18.0"
+MAX_HOSTS = 64
+MAX_NIC_GBPS = 400.0  # tbf on a veth is CPU-bound far below this; larger values are a typo
+_CLONE_NEWNET = 0x40000000
+_NAME_RE = re.compile(rf"^{PREFIX}(\d+)-")
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
+
+
+def _tc(ns: str, *args: str) -> None:
+    r = subprocess.run(["tc", "-n", ns, *args], capture_output=True, text=True, timeout=30)
+    if r.returncode:
+        raise ConfigError(f"host rig: tc {' '.join(args)} in namespace {ns} failed: {r.stderr.strip()}")
+
+
+def rig_unavailable() -> str | None:
+    """Why no rig can be built here (a sentence naming what is missing), or None when it can."""
+    for tool in ("ip", "tc"):
+        if subprocess.run(["which", tool], capture_output=True).returncode:
+            return f"'{tool}' (iproute2) is not installed"
+    if not os.path.exists("/proc/self/ns/net"):
+        return "this kernel has no network namespaces"
+    probe = f"{PREFIX}{os.getpid()}-probe"
+    r = _ip("netns", "add", probe, check=False)
+    if r.returncode:
+        return f"cannot create network namespaces (needs CAP_NET_ADMIN, e.g. root): {r.stderr.strip()}"
+    _ip("netns", "delete", probe, check=False)
+    return None
+
+
+_NETEM: list[bool] = []
+
+
+def netem_available() -> bool:
+    """Whether this kernel has the ``netem`` qdisc (latency); probed once in a scratch namespace."""
+    if not _NETEM:
+        probe = f"{PREFIX}{os.getpid()}-netem"
+        ok = False
+        if _ip("netns", "add", probe, check=False).returncode == 0:
+            r = subprocess.run(["tc", "-n", probe, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
+                               capture_output=True, timeout=30)
+            ok = r.returncode == 0
+            _ip("netns", "delete", probe, check=False)
+        _NETEM.append(ok)
+    return _NETEM[0]
+
+
+def check_shape(num_hosts: int, nic_gbps: float, latency_ms: float = 0.0, loss_pct: float = 0.0) -> None:
+    """ConfigError naming the parameter when a rig shape is not buildable or not meaningful."""
+    if not isinstance(num_hosts, int) or not 1 <= num_hosts <= MAX_HOSTS:
+        raise ConfigError(f"host rig: hosts must be an integer in 1..{MAX_HOSTS}, got {num_hosts!r}")
+    if not (isinstance(nic_gbps, (int, float)) and 0.001 <= nic_gbps <= MAX_NIC_GBPS):
+        raise ConfigError(f"host rig: nic_gbps must be in 0.001..{MAX_NIC_GBPS:g} (Gb/s), got {nic_gbps!r}")
+    if not (isinstance(latency_ms, (int, float)) and 0 <= latency_ms <= 10_000):
+        raise ConfigError(f"host rig: latency_ms must be in 0..10000, got {latency_ms!r}")
+    if not (isinstance(loss_pct, (int, float)) and 0 <= loss_pct <= 100):
+        raise ConfigError(f"host rig: loss_pct must be in 0..100, got {loss_pct!r}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _namespaces() -> list[str]:
+    r = _ip("netns", "list", check=False)
+    return [line.split()[0] for line in r.stdout.splitlines() if line.strip()]
+
+
+def _remove(names: Sequence[str]) -> None:
+    """Kill every process inside ``names`` and delete the namespaces (veths and qdiscs go too)."""
+    for ns in names:
+        pids = _ip("netns", "pids", ns, check=False).stdout.split()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, ValueError, PermissionError):
+                os.kill(int(pid), signal.SIGKILL)
+    for ns in names:
+        _ip("netns", "delete", ns, check=False)
+
+
+def sweep_stale(prefix: str = PREFIX) -> list[str]:
+    """Remove rigs left by owners that died (names ``<prefix><pid>-...`` whose pid is gone);
+    returns the namespaces removed. Rigs of live owners, and every other namespace, are kept."""
+    stale = []
+    for ns in _namespaces():
+        m = re.match(rf"^{re.escape(prefix)}(\d+)-", ns)
+        if m and not _alive(int(m.group(1))):
+            stale.append(ns)
+    _remove(stale)
+    return stale
+
+
+@dataclass(frozen=True, slots=True)
+class Host:
+    index: int
+    ns: str
+    addr: str
+    nic: str = NIC
+
+
+_libc: Any = None
+
+
+def _setns(path: str) -> None:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if _libc.setns(fd, _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns({path}): {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def host_env(host: Host, base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment of a process on ``host``: NIXL/UCX held to TCP on its NIC, gloo on its NIC."""
+    env = dict(os.environ if base is None else base)
+    env.update({"FASTSYNC_NET_DEVICES": host.nic, "UCX_NET_DEVICES": host.nic, "UCX_TLS": "tcp,self",
+                "GLOO_SOCKET_IFNAME": host.nic, "FASTSYNC_HOST_ADDR": host.addr})
+    return env
+
+
+_CLONE_NEWNS = 0x00020000
+_MS_REC, _MS_SLAVE, _MNT_DETACH = 0x4000, 0x80000, 2
+
+
+def _own_sysfs() -> None:
+    """A private mount namespace with a sysfs of this process's network namespace (what ``ip
+    netns exec`` does): UCX finds network devices under ``/sys/class/net``, which otherwise
+    still lists the devices of the namespace the process came from."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(_CLONE_NEWNS) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS) failed")
+    if libc.mount(None, b"/", None, _MS_REC | _MS_SLAVE, None) != 0:  # our mounts never leave this process
+        raise OSError(ctypes.get_errno(), "making / a slave mount failed")
+    libc.umount2(b"/sys", _MNT_DETACH)
+    if libc.mount(b"sysfs", b"/sys", b"sysfs", 0, None) != 0:
+        raise OSError(ctypes.get_errno(), "mounting sysfs for the host's network namespace failed")
+
+
+def run_in_host(ns: str, env: dict[str, str], target: Callable[..., Any], *args: Any) -> Any:
+    """A process entry point (e.g. a ``multiprocessing`` target) that first moves this process into
+    the network namespace ``ns`` (with a sysfs of its own, as ``ip netns exec`` gives) and takes
+    ``env``, then calls ``target(*args)``. Call it before any thread or socket exists in the
+    process: threads started later inherit the namespace."""
+    _setns(f"/run/netns/{ns}")
+    _own_sysfs()
+    os.environ.update(env)
+    return target(*args)
+
+
+class HostRig:
+    """``num_hosts`` hosts on one bridge, each NIC shaped to ``nic_gbps`` (both directions).
+
+    ``latency_ms``: one-way delay added on each host's egress (host to host: ``latency_ms``;
+    round trip ``2 * latency_ms``). ``loss_pct``: random loss on each host's egress.
+    """
+
+    def __init__(self, num_hosts: int, nic_gbps: float, latency_ms: float = 0.0, loss_pct: float = 0.0, *,
+                 guard: bool = True) -> None:
+        check_shape(num_hosts, nic_gbps, latency_ms, loss_pct)
+        why = rig_unavailable()
+        if why is not None:
+            raise ConfigError(f"host rig: {why}")
+        if latency_ms and not netem_available():
+            raise ConfigError("host rig: latency_ms needs the 'netem' qdisc (sch_netem), which this kernel does not "
+                              "have; run with latency_ms=0 (--latency-ms 0) or on a kernel with netem")
+        sweep_stale()
+        self.nic_gbps, self.latency_ms, self.loss_pct = float(nic_gbps), float(latency_ms), float(loss_pct)
+        self.owner = os.getpid()
+        self.tag = f"{PREFIX}{self.owner}-{os.urandom(2).hex()}"
+        self.switch = f"{self.tag}-sw"
+        self.hosts = [Host(i, f"{self.tag}-h{i}", f"{SUBNET}.{i + 1}") for i in range(num_hosts)]
+        self._procs: list[subprocess.Popen] = []
+        self._guard: subprocess.Popen | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+        try:
+            if guard:
+                self._start_guard()
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- building ------------------------------------------------------------------------
+    def _start_guard(self) -> None:
+        """A process in its own session that removes this rig when our end of its stdin closes
+        (we exited, cleanly or not) and the rig is still there."""
+        code = ("import sys; sys.stdin.read(); from fastsync.bench.hosts import _remove, _namespaces; "
+                f"_remove([n for n in _namespaces() if n.startswith({self.tag + '-'!r})])")
+        self._guard = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                       env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
+
+    def _build(self) -> None:
+        sw = self.switch
+        _ip("netns", "add", sw)
+        _ip("-n", sw, "link", "add", "br0", "type", "bridge")
+        _ip("-n", sw, "link", "set", "br0", "up")
+        _ip("-n", sw, "link", "set", "lo", "up")
+        for h in self.hosts:
+            _ip("netns", "add", h.ns)
+            port = f"p{h.index}"
+            # both ends are created inside the rig's namespaces: nothing appears in the caller's
+            _ip("-n", sw, "link", "add", port, "type", "veth", "peer", "name", h.nic, "netns", h.ns)
+            _ip("-n", sw, "link", "set", port, "master", "br0")
+            _ip("-n", sw, "link", "set", port, "up")
+            _ip("-n", h.ns, "link", "set", "lo", "up")
+            _ip("-n", h.ns, "addr", "add", f"{h.addr}/24", "dev", h.nic)
+            _ip("-n", h.ns, "link", "set", h.nic, "up")
+            self._shape(h.ns, h.nic, self.latency_ms, self.loss_pct)  # host -> switch
+            self._shape(sw, port, 0.0, self.loss_pct)  # switch -> host: the NIC's receive side
+        self._wait_links()
+
+    def _tbf_args(self) -> list[str]:
+        rate_bps = self.nic_gbps * 1e9
+        burst = max(64 << 10, int(rate_bps / 8 * 0.002))  # ~2 ms of line rate, at least 64 KiB
+        return ["tbf", "rate", f"{rate_bps / 1e6:.3f}mbit", "burst", str(burst), "latency", "200ms"]
+
+    def _shape(self, ns: str, dev: str, latency_ms: float, loss_pct: float) -> None:
+        """``tbf`` at the NIC rate as root; under it an ``htb`` with a pass class and a drop class
+        (a ``pfifo`` of length 0) that a classic-BPF filter feeds at random for loss, or always for
+        a cut; under the pass class ``netem`` for latency where the kernel has it."""
+        _tc(ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", *self._tbf_args())
+        _tc(ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "2:", "htb", "default", "10", "r2q", "1000")
+        _tc(ns, "class", "add", "dev", dev, "parent", "2:", "classid", "2:10", "htb", "rate", "100gbit",
+            "ceil", "100gbit", "burst", "500000", "cburst", "500000")
+        _tc(ns, "class", "add", "dev", dev, "parent", "2:", "classid", "2:20", "htb", "rate", "8kbit", "ceil", "8kbit")
+        _tc(ns, "qdisc", "add", "dev", dev, "parent", "2:20", "handle", "20:", "pfifo", "limit", "0")
+        if latency_ms:
+            _tc(ns, "qdisc", "add", "dev", dev, "parent", "2:10", "handle", "10:", "netem", "limit", "100000",
+                "delay", f"{latency_ms:.3f}ms")
+        self._set_loss(ns, dev, loss_pct)
+
+    @staticmethod
+    def _set_loss(ns: str, dev: str, loss_pct: float) -> None:
+        """Send ``loss_pct`` % of the packets the qdisc sees to the drop class (classic BPF: load
+        the kernel's per-packet random number, compare with a threshold)."""
+        subprocess.run(["tc", "-n", ns, "filter", "del", "dev", dev, "parent", "2:", "prio", "1"],
+                       capture_output=True, timeout=30)  # none yet: fine
+        if loss_pct <= 0:
+            return
+        if loss_pct >= 100:
+            code = "1,6 0 0 4294967295"  # ret -1: every packet to the drop class
+        else:
+            threshold = min(int(loss_pct / 100 * 2**32), 2**32 - 1)
+            code = f"4,32 0 0 4294963256,53 1 0 {threshold},6 0 0 4294967295,6 0 0 0"  # ld rand; jge T
+        _tc(ns, "filter", "add", "dev", dev, "parent", "2:", "prio", "1", "bpf", "bytecode", code, "classid", "2:20")
+
+    def _wait_links(self, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        for h in self.hosts:
+            while True:
+                out = _ip("-n", h.ns, "-j", "link", "show", "dev", h.nic).stdout
+                if json.loads(out)[0].get("operstate") in ("UP", "UNKNOWN"):
+                    break
+                if time.monotonic() > deadline:
+                    raise ConfigError(f"host rig: {h.nic} of host {h.index} did not come up within {timeout_s} s")
+                time.sleep(0.05)
+
+    # ---- using ---------------------------------------------------------------------------
+    def addr(self, i: int) -> str:
+        return self.hosts[i].addr
+
+    def env(self, i: int, base: dict[str, str] | None = None) -> dict[str, str]:
+        return host_env(self.hosts[i], base)
+
+    @contextlib.contextmanager
+    def entered(self, i: int) -> Iterator[Host]:
+        """Run the block with this thread in host ``i``'s namespace: sockets made inside stay
+        there (a listening store keeps serving host ``i`` after the block)."""
+        own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        try:
+            _setns(f"/run/netns/{self.hosts[i].ns}")
+            yield self.hosts[i]
+        finally:
+            try:
+                _setns(f"/proc/self/fd/{own}")
+            finally:
+                os.close(own)
+
+    def popen(self, i: int, cmd: Sequence[str], env: dict[str, str] | None = None, **kw: Any) -> subprocess.Popen:
+        """Start ``cmd`` on host ``i`` (killed at :meth:`close` if still running)."""
+        p = subprocess.Popen(["ip", "netns", "exec", self.hosts[i].ns, *cmd], env=self.env(i, env), **kw)
+        with self._lock:
+            self._procs.append(p)
+        return p
+
+    def run(self, i: int, cmd: Sequence[str], timeout_s: float = 60.0, **kw: Any) -> subprocess.CompletedProcess:
+        return subprocess.run(["ip", "netns", "exec", self.hosts[i].ns, *cmd], env=self.env(i, kw.pop("env", None)),
+                              capture_output=True, text=True, timeout=timeout_s, **kw)
+
+    def nic_bytes(self, i: int) -> tuple[int, int]:
+        """``(tx_bytes, rx_bytes)`` counted on host ``i``'s NIC since it was made."""
+        out = json.loads(_ip("-n", self.hosts[i].ns, "-s", "-j", "link", "show", "dev", NIC).stdout)[0]
+        stats = out["stats64"]
+        return int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])
+
+    def _both_ends(self, i: int) -> list[tuple[str, str]]:
+        h = self.hosts[i]
+        return [(h.ns, h.nic), (self.switch, f"p{h.index}")]
+
+    def degrade(self, i: int, *, loss_pct: float) -> None:
+        """Drop ``loss_pct`` % of host ``i``'s packets, both directions (100: a cut)."""
+        check_shape(1, self.nic_gbps, 0.0, loss_pct)
+        for ns, dev in self._both_ends(i):
+            self._set_loss(ns, dev, loss_pct)
+
+    def cut(self, i: int) -> None:
+        """Drop every packet to and from host ``i`` (a pulled cable: sockets stay open, nothing
+        arrives; TCP retransmits until :meth:`restore`)."""
+        self.degrade(i, loss_pct=100.0)
+
+    def restore(self, i: int) -> None:
+        """Back to the rig's own latency and loss."""
+        self.degrade(i, loss_pct=self.loss_pct)
+
+    def names(self) -> list[str]:
+        return [self.switch] + [h.ns for h in self.hosts]
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for p in self._procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self._procs:
+            with contextlib.suppress(Exception):
+                p.wait(timeout=10)
+        _remove([n for n in _namespaces() if n.startswith(self.tag + "-")])
+        if self._guard is not None:
+            with contextlib.suppress(Exception):
+                self._guard.stdin.close()  # the guardian finds nothing left and exits
+                self._guard.wait(timeout=10)
+
+    def __enter__(self) -> "HostRig":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # pragma: no cover - a forgotten rig still goes away
+        with contextlib.suppress(Exception):
+            self.close()
