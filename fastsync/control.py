@@ -25,12 +25,12 @@ import struct
 import time
 from abc import ABC, abstractmethod
 
-from fastsync.store.wire import (ABSENT, ADD, CMPSET, DEFAULT_MAX_VALUE_BYTES, DELETE, GET, SET, KVState,
-                                    StoreClient, StoreServer)
+from fastsync.store.wire import (ABSENT, ADD, CMPSET, DEFAULT_MAX_VALUE_BYTES, DELETE, GET, ON_CLOSE, SET, KVState,
+                                    StoreClient, StoreServer, StoreUnreachable)
 from fastsync.errors import ConfigError, SyncError, TransportError
 from fastsync.security import job_secret
 
-__all__ = ["ControlPlane", "TCPStoreControl", "DEFAULT_HOST"]
+__all__ = ["ControlPlane", "TCPStoreControl", "DEFAULT_HOST", "StoreUnreachable"]
 
 DEFAULT_HOST = "127.0.0.1"
 
@@ -38,8 +38,13 @@ DEFAULT_HOST = "127.0.0.1"
 class ControlPlane(ABC):
     """Key/value store with deadlines, counters and barriers, shared by all ranks of a sync.
 
-    Backends implement ``_set``, ``_try_get`` (None when absent), ``_add`` and ``_delete``; the
-    waiting, deadlines and barriers live here so every backend fails the same way.
+    Backends implement ``_set``, ``_try_get`` (None when absent), ``_add`` and ``_delete``, each
+    bounded by ``timeout_s`` (None: the backend's own default) and raising
+    :class:`~fastsync.store.wire.StoreUnreachable` when the store does not answer in time; the
+    waiting, deadlines and barriers live here so every backend fails the same way. A wait
+    (:meth:`get`, :meth:`barrier`) counts an unreachable store as "not there yet" until its deadline,
+    then names both the key and the store's last error: a link that flaps inside the deadline costs
+    nothing.
     """
 
     poll_interval_s: float = 0.0005
@@ -53,43 +58,65 @@ class ControlPlane(ABC):
 
     # ---- backend ------------------------------------------------------------------------
     @abstractmethod
-    def _set(self, key: str, value: bytes) -> None: ...
+    def _set(self, key: str, value: bytes, timeout_s: float | None = None) -> None: ...
 
     @abstractmethod
-    def _try_get(self, key: str) -> bytes | None: ...
+    def _try_get(self, key: str, timeout_s: float | None = None) -> bytes | None: ...
 
     @abstractmethod
-    def _add(self, key: str, amount: int) -> int: ...
+    def _add(self, key: str, amount: int, timeout_s: float | None = None) -> int: ...
 
     @abstractmethod
-    def _delete(self, key: str) -> None: ...
+    def _delete(self, key: str, timeout_s: float | None = None) -> None: ...
 
     # ---- public -------------------------------------------------------------------------
-    def set(self, key: str, value: bytes | str) -> None:
-        self._set(self._key(key), value.encode() if isinstance(value, str) else bytes(value))
+    def set(self, key: str, value: bytes | str, timeout_s: float | None = None) -> None:
+        self._set(self._key(key), value.encode() if isinstance(value, str) else bytes(value), timeout_s)
 
-    def try_get(self, key: str) -> bytes | None:
-        return self._try_get(self._key(key))
+    def try_get(self, key: str, timeout_s: float | None = None) -> bytes | None:
+        return self._try_get(self._key(key), timeout_s)
 
     def get(self, key: str, timeout_s: float, what: str = "") -> bytes:
         """The value of ``key``, waiting at most ``timeout_s``; SyncError naming the key (and
-        ``what`` it stands for, e.g. "receiver rank 1") when it does not appear."""
+        ``what`` it stands for, e.g. "receiver rank 1") when it does not appear. An unreachable
+        store is retried until the deadline, and then named."""
         deadline = time.monotonic() + timeout_s
         sleep = self.poll_interval_s
+        last: StoreUnreachable | None = None
         while True:
-            got = self._try_get(self._key(key))
+            try:
+                got = self._try_get(self._key(key), max(deadline - time.monotonic(), 0.05))
+                last = None
+            except StoreUnreachable as e:
+                got, last = None, e
             if got is not None:
                 return got
             if time.monotonic() >= deadline:
-                raise SyncError(f"control plane: {what or 'peer'} did not publish {key!r} within {timeout_s:.1f} s")
+                why = f"; the store was unreachable: {last}" if last is not None else ""
+                raise SyncError(f"control plane: {what or 'peer'} did not publish {key!r} within {timeout_s:.1f} s"
+                                + why)
             time.sleep(sleep)
             sleep = min(sleep * 2, 0.002)
 
-    def add(self, key: str, amount: int = 1) -> int:
-        return self._add(self._key(key), amount)
+    def add(self, key: str, amount: int = 1, timeout_s: float | None = None) -> int:
+        return self._add(self._key(key), amount, timeout_s)
 
-    def delete(self, key: str) -> None:
-        self._delete(self._key(key))
+    def delete(self, key: str, timeout_s: float | None = None) -> None:
+        self._delete(self._key(key), timeout_s)
+
+    def on_close(self, key: str, value: bytes) -> bool:
+        """Ask the store to set ``key`` to ``value`` when this connection ends without a clean
+        close (the process died). False where the backend cannot (the store's own process)."""
+        return False
+
+    def local_address(self) -> str:
+        """The address this process reaches the store from ("" where there is no connection)."""
+        return ""
+
+    def dedicated(self) -> "ControlPlane":
+        """A second connection to the same store (a heartbeat's own, so it never waits behind, or
+        holds up, the sync's requests); this plane itself where it has no connection."""
+        return self
 
     def barrier(self, name: str, num_ranks: int, timeout_s: float) -> None:
         """Block until ``num_ranks`` callers reached ``name`` (use a fresh name per barrier)."""
@@ -168,23 +195,47 @@ class TCPStoreControl(ControlPlane):
             self._store = TorchStore(self.backend, self.timeout_s)
         return self._store
 
-    def _set(self, key: str, value: bytes) -> None:
-        self.backend.request(SET, key, value)
+    def _set(self, key: str, value: bytes, timeout_s: float | None = None) -> None:
+        self.backend.request(SET, key, value, timeout_s)
 
-    def _try_get(self, key: str) -> bytes | None:
-        status, value = self.backend.request(GET, key)
+    def _try_get(self, key: str, timeout_s: float | None = None) -> bytes | None:
+        status, value = self.backend.request(GET, key, b"", timeout_s)
         return None if status == ABSENT else value
 
-    def _add(self, key: str, amount: int) -> int:
-        return struct.unpack(">q", self.backend.request(ADD, key, struct.pack(">q", amount))[1])[0]
+    def _add(self, key: str, amount: int, timeout_s: float | None = None) -> int:
+        return struct.unpack(">q", self.backend.request(ADD, key, struct.pack(">q", amount), timeout_s)[1])[0]
 
-    def _delete(self, key: str) -> None:
-        self.backend.request(DELETE, key)
+    def _delete(self, key: str, timeout_s: float | None = None) -> None:
+        self.backend.request(DELETE, key, b"", timeout_s)
 
-    def close(self) -> None:
-        """Drop the connection (and stop the store, on its own process)."""
+    def on_close(self, key: str, value: bytes) -> bool:
+        if self._server is not None or not isinstance(self.backend, StoreClient):
+            return False
+        self.backend.request(ON_CLOSE, self._key(key), bytes(value))
+        return True
+
+    def local_address(self) -> str:
+        if self._server is not None:
+            return self.host
+        sock = getattr(self.backend, "sock", None)
+        try:
+            return str(sock.getsockname()[0]) if sock is not None else ""
+        except OSError:
+            return ""
+
+    def dedicated(self) -> "TCPStoreControl":
+        if self._server is not None or not isinstance(self.backend, StoreClient):
+            return self
+        return TCPStoreControl.client(self.port, self.host, self.timeout_s, self.prefix, secret=self.secret,
+                                      max_value_bytes=self.backend.max_value_bytes)
+
+    def close(self, bye: bool = False) -> None:
+        """Drop the connection (and stop the store, on its own process). ``bye``: a clean close,
+        cancelling the connection's on-close keys."""
         if self._server is not None:
             self._server.close()
+        elif isinstance(self.backend, StoreClient):
+            self.backend.close(bye=bye)
         elif hasattr(self.backend, "close"):
             self.backend.close()
 
@@ -196,7 +247,7 @@ class _LocalBackend:
         self.state = state
         self.max_value_bytes = max_value_bytes
 
-    def request(self, op: bytes, key: str, value: bytes = b"") -> tuple[bytes, bytes]:
+    def request(self, op: bytes, key: str, value: bytes = b"", timeout_s: float | None = None) -> tuple[bytes, bytes]:
         if op in (SET, CMPSET) and len(value) > self.max_value_bytes:
             raise ConfigError(f"control plane: value for key {key!r} is {len(value)} bytes "
                               f"({len(value) / 2**20:.1f} MiB), over the limit of {self.max_value_bytes} bytes "

@@ -30,10 +30,25 @@ __all__ = ["Cluster", "run_bench", "summarize", "make_schedule"]
 
 
 class Cluster:
-    """A set of worker processes sharing one store. Use as a context manager."""
+    """A set of worker processes sharing one store. Use as a context manager.
 
-    def __init__(self, cfg: WorkerConfig, model: BenchModel | None = None) -> None:
-        self.control = TCPStoreControl.server(port=0, timeout_s=cfg.timeout_s)
+    With ``rig`` (a :class:`~fastsync.bench.hosts.HostRig`) every process runs on the rig host
+    ``placement[(role, rank)]`` and the store listens at the address of ``store_host`` (default:
+    the host of trainer rank 0).
+    """
+
+    def __init__(self, cfg: WorkerConfig, model: BenchModel | None = None, rig: Any = None,
+                 placement: dict[tuple[str, int], int] | None = None, store_host: int | None = None) -> None:
+        self.rig, self.placement = rig, placement
+        if rig is not None:
+            if placement is None:
+                raise ConfigError("Cluster(rig=...) needs placement= (role, rank) -> host index")
+            home = placement[("trainer", 0)] if store_host is None else store_host
+            with rig.entered(home):
+                self.control = TCPStoreControl.server(port=0, host=rig.addr(home), timeout_s=cfg.timeout_s)
+            cfg = replace(cfg, control_host=rig.addr(home))
+        else:
+            self.control = TCPStoreControl.server(port=0, timeout_s=cfg.timeout_s)
         self.cfg = replace(cfg, port=self.control.port)
         self.model = model or build_bench_model(trainers=cfg.trainers, rollouts=cfg.rollouts,
                                                 size_bytes=cfg.size_bytes, preset=cfg.preset, fp8=cfg.fp8,
@@ -52,8 +67,14 @@ class Cluster:
 
     def spawn(self, role: str, rank: int, cfg: WorkerConfig | None = None) -> Any:
         target = trainer_main if role == "trainer" else receiver_main
-        p = self.ctx.Process(target=target, args=(cfg or self.cfg, rank, self.results), daemon=True,
-                             name=f"fastsync-{role}{rank}")
+        args: tuple = (cfg or self.cfg, rank, self.results)
+        if self.rig is not None:
+            from fastsync.bench.hosts import run_in_host
+
+            host = self.placement[(role, rank)]
+            args = (self.rig.hosts[host].ns, self.rig.env(host, {}), target, *args)
+            target = run_in_host
+        p = self.ctx.Process(target=target, args=args, daemon=True, name=f"fastsync-{role}{rank}")
         p.start()
         self.procs[(role, rank, len(self.procs))] = p
         return p
@@ -247,7 +268,8 @@ def check_memory(model: BenchModel, cfg: WorkerConfig) -> None:
 
 
 def run_bench(cfg: WorkerConfig, transports: list[str], steps: int, warmup: int = 1,
-              progress: bool | None = None, trace_file: str | None = None, plot_file: str | None = None) -> dict:
+              progress: bool | None = None, trace_file: str | None = None, plot_file: str | None = None,
+              rig: Any = None, placement: dict[tuple[str, int], int] | None = None) -> dict:
     """Run the benchmark end to end; returns the JSON-able result. With ``trace_file`` /
     ``plot_file`` (``cfg.trace`` on) also writes the measured trace / its timeline figure."""
     schedule = make_schedule(transports, steps, warmup)
@@ -267,9 +289,9 @@ def run_bench(cfg: WorkerConfig, transports: list[str], steps: int, warmup: int 
 
     t0 = time.monotonic()
     model = build_bench_model(trainers=cfg.trainers, rollouts=cfg.rollouts, size_bytes=cfg.size_bytes,
-                              preset=cfg.preset, fp8=cfg.fp8)
+                              preset=cfg.preset, fp8=cfg.fp8, replicas=cfg.replicas, fanout=cfg.fanout)
     check_memory(model, cfg)
-    with Cluster(cfg, model) as cluster:
+    with Cluster(cfg, model, rig=rig, placement=placement) as cluster:
         setup.next(f"starting {num_procs} worker processes")
         cluster.start(schedule)
         per_sync = cfg.timeout_s

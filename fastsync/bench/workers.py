@@ -49,8 +49,10 @@ class WorkerConfig:
     trace: bool = False  # record every phase as a span (rows then carry "spans": fastsync bench --trace)
     replicas: int = 1  # the engine ranks form this many identical engines
     fanout: str = "chain"  # how replicas are fed (plan/relay.py): chain (relays), auto, direct
-    # fault injection for tests: (engine rank, version) at which that engine rank exits mid-sync
-    kill_engine_at: tuple[int, int] | None = None
+    # fault injection for tests: (engine rank, version) at which that engine rank exits mid-sync,
+    # with the version open (a relay dying before it forwards)
+    kill_engine_open_at: tuple[int, int] | None = None
+    control_host: str = "127.0.0.1"  # where the parent's store listens (a host address on a rig)
 
 
 def _env(cfg: WorkerConfig) -> None:
@@ -117,16 +119,32 @@ def _exit_now(results: Any) -> None:
     os._exit(1)
 
 
-def _barrier(cfg: WorkerConfig, control: Any, name: str, watch: Any) -> None:
-    """The version's barrier; a dead peer fails it within seconds, naming the peer."""
+def _barrier(cfg: WorkerConfig, control: Any, name: str, watch: Any, me: int) -> None:
+    """The version's barrier; a dead peer fails it within seconds, naming the peer. Each process
+    sets its own arrival key (a retry after a store timeout cannot count twice); process 0 (trainer
+    rank 0) sets ``go`` once every arrival is there. A store that does not answer is retried until
+    the barrier's deadline (a cut link that comes back costs nothing)."""
+    from fastsync.control import StoreUnreachable
+    from fastsync.errors import SyncError
     from fastsync.sync.liveness import wait_key
 
     n = cfg.trainers + cfg.rollouts
-    if control.add(f"barrier/{name}", 1) >= n:
-        control.set(f"barrier/{name}/go", b"1")
+    deadline = time.monotonic() + cfg.timeout_s
+    what = f"barrier {name!r} ({n} ranks)"
+    while True:
+        try:
+            control.set(f"barrier/{name}/{me}", b"1", timeout_s=max(min(deadline - time.monotonic(), 2.0), 0.05))
+            break
+        except StoreUnreachable as e:
+            if time.monotonic() >= deadline:
+                raise SyncError(f"control plane: {what}: the store did not answer by the deadline: {e}") from e
+    if me == 0:
+        for i in range(n):
+            wait_key(control, f"barrier/{name}/{i}", deadline, f"process {i} at {what}",
+                     watch if cfg.watch_peers else None)
+        control.set(f"barrier/{name}/go", b"1", timeout_s=max(deadline - time.monotonic(), 1.0))
         return
-    wait_key(control, f"barrier/{name}/go", time.monotonic() + cfg.timeout_s, f"barrier {name!r} ({n} ranks)",
-             watch if cfg.watch_peers else None)
+    wait_key(control, f"barrier/{name}/go", deadline, what, watch if cfg.watch_peers else None)
 
 
 def trainer_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
@@ -136,7 +154,7 @@ def trainer_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
     from fastsync.sync.sender import WeightSender
 
     try:
-        control = TCPStoreControl.client(cfg.port, timeout_s=cfg.timeout_s)
+        control = TCPStoreControl.client(cfg.port, host=cfg.control_host, timeout_s=cfg.timeout_s)
         watch = _liveness(cfg, control, "trainer", rank)
         model = _model(cfg, control)
         _world_if_gathers(cfg, control, model, rank)
@@ -165,13 +183,15 @@ def trainer_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
                 def on_chunk(k: int, _kc: int = kill_chunk) -> None:
                     if k >= _kc:
                         os._exit(17)  # a trainer dying mid-sync, some writes already landed
-            _barrier(cfg, control, f"bench/{name}/{version}", watch)
+            _barrier(cfg, control, f"bench/{name}/{version}", watch, rank)
+            t_start = time.time()
             try:
                 m = senders[name].sync(version, on_chunk=on_chunk, timeout_s=cfg.sync_timeout_s)
                 results.put({"kind": "sync", **m.to_json()})
             except Exception as e:  # reported, the run goes on to the next version
                 results.put({"kind": "sync", "role": "trainer", "rank": rank, "transport": name,
-                             "version": version, "ok": False, "error": f"{type(e).__name__}: {e}"})
+                             "version": version, "ok": False, "error": f"{type(e).__name__}: {e}",
+                             "start": t_start, "end": time.time()})
         for s in senders.values():
             s.close()
         results.put({"kind": "exit", "role": "trainer", "rank": rank})
@@ -191,7 +211,7 @@ def receiver_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
     from fastsync.executor.staging import Landing, as_bytes
 
     try:
-        control = TCPStoreControl.client(cfg.port, timeout_s=cfg.timeout_s)
+        control = TCPStoreControl.client(cfg.port, host=cfg.control_host, timeout_s=cfg.timeout_s)
         watch = _liveness(cfg, control, "engine", rank)
         model = _model(cfg, control)
         _world_if_gathers(cfg, control, model, cfg.trainers + rank)
@@ -213,13 +233,13 @@ def receiver_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
                 receivers[name] = rx
             rx = receivers[name]
             rx.verify = verify
-            _barrier(cfg, control, f"bench/{name}/{version}", watch)
+            _barrier(cfg, control, f"bench/{name}/{version}", watch, cfg.trainers + rank)
             if cfg.kill_engine_at == (rank, version):
                 results.put({"kind": "killed", "role": "engine", "rank": rank, "version": version, "time": time.time()})
                 time.sleep(0.2)  # let the queue's feeder thread hand the row over
                 os._exit(17)  # an engine rank dying as the others begin the version
             row: dict[str, Any]
-            if cfg.kill_engine_at == (rank, version):
+            if cfg.kill_engine_open_at == (rank, version):
                 rx.begin(version)  # an engine rank (a relay) dying with the version open, before it forwards
                 results.close()
                 results.join_thread()  # rows already put (earlier versions) reach the parent first

@@ -26,12 +26,14 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 
 from fastsync.errors import ConfigError, TransportError
 from fastsync.security import derive_key
 
-__all__ = ["StoreServer", "StoreClient", "KVState", "DEFAULT_MAX_VALUE_BYTES", "CHUNK_BYTES", "HandshakeError"]
+__all__ = ["StoreServer", "StoreClient", "KVState", "DEFAULT_MAX_VALUE_BYTES", "CHUNK_BYTES", "HandshakeError",
+           "StoreUnreachable"]
 
 log = logging.getLogger("fastsync.control")
 
@@ -46,13 +48,19 @@ MAX_KEY_BYTES = 4096
 HANDSHAKE_TIMEOUT_S = 5.0
 MAX_PENDING_HANDSHAKES = 64  # connections not yet authenticated; more are closed at once
 
-# request ops
-SET, GET, ADD, DELETE, CMPSET, NUMKEYS = b"S", b"G", b"A", b"D", b"C", b"N"
+# request ops. ON_CLOSE registers a key/value the server sets when this connection ends without a
+# BYE (its process died or was cut off for good): a heartbeat's death notice.
+SET, GET, ADD, DELETE, CMPSET, NUMKEYS, ON_CLOSE, BYE = b"S", b"G", b"A", b"D", b"C", b"N", b"E", b"X"
 OK, ABSENT, ERR = b"\x00", b"\x01", b"\x02"
 
 
 class HandshakeError(TransportError):
     """The peer does not hold the job secret (or does not speak this protocol)."""
+
+
+class StoreUnreachable(TransportError):
+    """The store did not answer a request within its deadline (a partitioned or overloaded link),
+    or the connection to it broke. The client reconnects on its next request."""
 
 
 def _no_delay(sock: socket.socket) -> None:
@@ -261,6 +269,7 @@ class StoreServer:
             return ConfigError(f"control store: value for key {_key_of(first)!r} is about {total} bytes, over the "
                                f"store's limit of {self.max_value_bytes} bytes (max_value_bytes=)")
 
+        on_close: dict[str, bytes] = {}  # set when this connection ends without a BYE
         try:
             while True:
                 try:
@@ -270,6 +279,17 @@ class StoreServer:
                     continue
                 op, (n,) = req[:1], struct.unpack_from(">H", req, 1)
                 key = req[3:3 + n].decode()
+                if op == ON_CLOSE:
+                    if len(on_close) >= 16 and key not in on_close:
+                        ch.send(ERR + b"at most 16 on-close keys per connection")
+                        continue
+                    on_close[key] = req[3 + n:]
+                    ch.send(OK)
+                    continue
+                if op == BYE:
+                    on_close.clear()
+                    ch.send(OK)
+                    continue
                 status, out = self.state.apply(op, key, req[3 + n:])
                 ch.send(status + out)
         except (OSError, ConnectionError, struct.error, UnicodeDecodeError):
@@ -279,6 +299,8 @@ class StoreServer:
         finally:
             self._conns.discard(conn)
             conn.close()
+            for key, value in on_close.items():
+                self.state.apply(SET, key, value)
 
     def close(self) -> None:
         self._closed = True
@@ -294,40 +316,63 @@ class StoreServer:
 
 
 class StoreClient:
-    """One authenticated connection to a :class:`StoreServer`; thread-safe (one request at a time)."""
+    """One authenticated connection to a :class:`StoreServer`; thread-safe (one request at a time).
+
+    Every request has a deadline (``timeout_s`` of the call, else the client's): the lock, the
+    send and the reply all count against it. A request that times out, or whose connection
+    breaks, raises :class:`StoreUnreachable` naming the store and the key, and closes the
+    connection (a late reply must not be read as the next request's); the next request connects
+    again (within its own deadline). A request may or may not have been applied when it timed out.
+    """
 
     def __init__(self, secret: bytes, host: str, port: int, timeout_s: float,
                  max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES) -> None:
         self.host, self.port = host, port
+        self.timeout_s = timeout_s
         self.max_value_bytes = max_value_bytes
         self.lock = threading.Lock()
-        auth = derive_key(secret, "control auth")
+        self._secret = secret
+        self._auth = derive_key(secret, "control auth")
+        self.reconnects = 0
+        self.sock: socket.socket | None = None
+        self.ch: _Channel | None = None
+        self._connect(time.monotonic() + timeout_s)
+
+    def _connect(self, deadline: float) -> None:
+        left = max(deadline - time.monotonic(), 0.001)
         try:
-            sock = socket.create_connection((host, port), timeout=timeout_s)
+            sock = socket.create_connection((self.host, self.port), timeout=left)
             _no_delay(sock)
         except OSError as e:
-            raise TransportError(f"control plane: cannot reach the store at {host}:{port}: {e}") from e
+            raise TransportError(f"control plane: cannot reach the store at {self.host}:{self.port}: {e}") from e
         try:
-            sock.settimeout(min(timeout_s, HANDSHAKE_TIMEOUT_S * 2))
+            sock.settimeout(max(min(deadline - time.monotonic(), HANDSHAKE_TIMEOUT_S * 2), 0.001))
             cn = os.urandom(NONCE_BYTES)
             sock.sendall(MAGIC + cn)
             got = _recv_exact(sock, NONCE_BYTES + 32)
             sn, proof = got[:NONCE_BYTES], got[NONCE_BYTES:]
-            if not hmac.compare_digest(proof, hmac.digest(auth, b"server" + cn + sn, "sha256")):
-                raise HandshakeError(f"control plane: the store at {host}:{port} does not hold this job's secret")
-            sock.sendall(hmac.digest(auth, b"client" + cn + sn, "sha256"))
-            sock.settimeout(timeout_s)  # no request waits on the store for longer
+            if not hmac.compare_digest(proof, hmac.digest(self._auth, b"server" + cn + sn, "sha256")):
+                raise HandshakeError(f"control plane: the store at {self.host}:{self.port} does not hold this job's secret")
+            sock.sendall(hmac.digest(self._auth, b"client" + cn + sn, "sha256"))
         except (OSError, ConnectionError) as e:
             sock.close()
-            raise HandshakeError(f"control plane: the store at {host}:{port} refused this client "
+            raise HandshakeError(f"control plane: the store at {self.host}:{self.port} refused this client "
                                  f"(wrong job secret?): {e}") from e
         except BaseException:
             sock.close()
             raise
         self.sock = sock
-        self.ch = _Channel(sock, secret, cn, sn, is_server=False)
+        self.ch = _Channel(sock, self._secret, cn, sn, is_server=False)
 
-    def request(self, op: bytes, key: str, value: bytes = b"") -> tuple[bytes, bytes]:
+    def _drop(self) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+        self.sock = self.ch = None
+
+    def request(self, op: bytes, key: str, value: bytes = b"", timeout_s: float | None = None) -> tuple[bytes, bytes]:
         if op in (SET, CMPSET) and len(value) > self.max_value_bytes:
             raise ConfigError(f"control plane: value for key {key!r} is {len(value)} bytes "
                               f"({len(value) / 2**20:.1f} MiB), over the limit of {self.max_value_bytes} bytes "
@@ -337,20 +382,44 @@ class StoreClient:
             return ConfigError(f"control plane: the store's reply for key {key!r} is {total} bytes, over the "
                                f"limit of {self.max_value_bytes} bytes (max_value_bytes=)")
 
-        with self.lock:
+        limit = self.timeout_s if timeout_s is None else max(float(timeout_s), 0.0)
+        deadline = time.monotonic() + limit
+        where = f"the store at {self.host}:{self.port} (request for key {key!r})"
+        if not self.lock.acquire(timeout=max(limit, 0.001)):
+            raise StoreUnreachable(f"control plane: {where}: another request of this process held the connection "
+                                   f"for {limit:.1f} s (the store is unreachable or slow)")
+        try:
+            if self.sock is None:
+                try:
+                    self._connect(deadline)
+                except (TransportError, OSError) as e:
+                    raise StoreUnreachable(f"control plane: cannot reconnect to {where}: {e}") from e
+                self.reconnects += 1
+            assert self.sock is not None and self.ch is not None
             try:
+                self.sock.settimeout(max(deadline - time.monotonic(), 0.001))
                 self.ch.send(_pack_req(op, key, value))
+                self.sock.settimeout(max(deadline - time.monotonic(), 0.001))
                 got = self.ch.recv(self.max_value_bytes + 1, too_big)
+            except socket.timeout as e:
+                self._drop()
+                raise StoreUnreachable(f"control plane: no answer from {where} within {limit:.1f} s") from e
             except (OSError, ConnectionError) as e:
-                raise TransportError(f"control plane: lost the store at {self.host}:{self.port} "
-                                     f"(request for key {key!r}): {e}") from e
+                self._drop()
+                raise StoreUnreachable(f"control plane: lost {where}: {e}") from e
+        finally:
+            self.lock.release()
         if got[:1] == ERR:
             raise ConfigError(f"control plane: store refused the request for key {key!r}: "
                               f"{got[1:].decode(errors='replace')}")
         return got[:1], got[1:]
 
-    def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+    def close(self, bye: bool = False) -> None:
+        """Close the connection; ``bye``: first cancel its on-close keys (a clean exit, not a death)."""
+        if bye and self.sock is not None:
+            try:
+                self.request(BYE, "", timeout_s=1.0)
+            except (TransportError, ConfigError):
+                pass
+        with self.lock:
+            self._drop()

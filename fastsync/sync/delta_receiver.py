@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from fastsync import plugins
+from fastsync.control import StoreUnreachable
 from fastsync.errors import ConfigError, FastSyncError, SyncError
 from fastsync.executor import delta_apply
 from fastsync.executor.delta import (
@@ -44,7 +45,7 @@ from fastsync.executor.metrics import SyncMetrics
 from fastsync.executor.staging import Landing, alloc_touched, as_bytes
 from fastsync.executor.verify import compare_checksums, receiver_checksums
 from fastsync.sync.delta_sender import delta_mode_key
-from fastsync.sync.handshake import begun_key, flipped_key, sender_crc_key, sender_done_key
+from fastsync.sync.handshake import begun_key, begun_value, flipped_key, sender_crc_key, sender_done_key
 from fastsync.sync.receiver import _FAILURE_CHECK_S, WeightReceiver
 from fastsync.transport.nixl_delta import DeltaInbox
 
@@ -145,7 +146,7 @@ class DeltaReceiver:
         self.inner.setup()
         tr = self.inner.transport
         self.inbox = DeltaInbox(tr.agent, self.rank, self.landing.inboxes, self.inner.control,
-                                getattr(tr, "poll_sleep_s", 0.001), key=tr._key)
+                                getattr(tr, "poll_sleep_s", 0.001), key=tr._key, transport=tr)
         self._blocks: dict[int, torch.Tensor | None] = {}
         delta_apply.warmup({info.itemsize for info in self.inner.program.tensors.values()})
 
@@ -166,10 +167,18 @@ class DeltaReceiver:
         inner.versions.spend(version)
         self._metrics = SyncMetrics(version, "engine", self.rank, "nixl-delta", start=time.time())
         plugins.hook().fastsync_before_sync(version=version, role="engine", rank=self.rank, plan=inner.plan)
+        inner.transport.renew_if_pending()  # the last version did not complete: a fresh endpoint
         self.inbox.begin(version)
         self._open, self._complete = version, False
-        inner.control.set(delta_mode_key(self.rank, version), f"delta:{inner.version}".encode())
-        inner.control.set(begun_key(self.rank, version), b"verify" if inner.verify else b"1")
+        try:
+            inner.control.set(delta_mode_key(self.rank, version), f"delta:{inner.version}".encode(),
+                              timeout_s=inner.timeout_s)
+            inner.control.set(begun_key(self.rank, version), begun_value(inner.verify, inner.transport.endpoint()),
+                              timeout_s=inner.timeout_s)
+        except StoreUnreachable as e:
+            self.abort(f"cannot announce the version: {e}")
+            raise SyncError(f"engine rank {self.rank}: version {version} not begun, keeping version "
+                            f"{self.version}: {e}") from e
 
     def poll(self) -> bool:
         if self._dense_open:
@@ -183,7 +192,10 @@ class DeltaReceiver:
             if not self._complete and now - self._last_check > _FAILURE_CHECK_S:
                 self._last_check = now  # a control-plane round trip per sender: not on every poll
                 for s in self.landing.inboxes:
-                    got = self.inner.control.try_get(sender_done_key(s, self._open))
+                    try:
+                        got = self.inner.control.try_get(sender_done_key(s, self._open), timeout_s=1.0)
+                    except StoreUnreachable:  # cut off from the store: keep polling until the deadline
+                        break
                     if got is not None and got.startswith(b"err:") and s in self.inbox.missing():
                         version = self._open
                         msg = f"trainer rank {s} failed ({got[4:].decode(errors='replace')})"
@@ -195,19 +207,17 @@ class DeltaReceiver:
 
     def _check_liveness(self) -> None:
         """Fail the open version at once when a trainer rank whose stream has not fully arrived
-        stopped beating (one that finished its stream may exit: it is not waited for)."""
+        died (one that finished its stream may exit: it is not waited for)."""
         watch = self.inner.watch
         if watch is None or self.inbox is None:
             return
         missing = self.inbox.missing()
-        gone = [(r, s) for role, r, s in watch.dead() if role == "trainer" and r in missing]
-        if gone:  # confirm with a fresh read, as PeerWatch.check does
-            watch.sample()
-            gone = [(r, s) for role, r, s in watch.dead() if role == "trainer" and r in missing]
+        gone = [r for role, r in watch.dead() if role == "trainer" and r in missing]
         if gone:
             version = self._open
-            names = ", ".join(f"trainer rank {r} (no heartbeat for {s:.1f} s)" for r, s in gone)
-            msg = f"{names} is dead or hung during version {version}: its process was killed or stopped responding"
+            names = ", ".join(f"trainer rank {r}" for r in gone)
+            msg = (f"{names} died during version {version}: its process ended (its heartbeat connection to the "
+                   "control store closed)")
             self.abort(msg)
             raise SyncError(f"engine rank {self.rank}: version {version} failed, keeping version {self.version}: {msg}")
 
@@ -272,7 +282,10 @@ class DeltaReceiver:
         m.ok = True
         m.end = time.time()
         self.last_metrics = m
-        self.inner.control.set(flipped_key(self.rank, version), b"ok")
+        try:
+            self.inner.control.set(flipped_key(self.rank, version), b"ok", timeout_s=2.0)
+        except StoreUnreachable as e:  # serving a complete version; the trainers' wait ends at their deadline
+            m.error = f"flipped, but could not tell the control store: {e}"
         plugins.hook().fastsync_after_sync(version=version, role="engine", rank=self.rank, metrics=m.to_json(), ok=True)
         return version
 
@@ -289,7 +302,12 @@ class DeltaReceiver:
         m.error = reason
         m.end = time.time()
         self.last_metrics = m
-        self.inner.control.set(flipped_key(self.rank, version), f"err:{reason}")
+        if self.inbox is not None and self.inbox.missing():  # pages may still be in flight: fresh endpoint next
+            self.inner.transport.mark_incomplete()
+        try:
+            self.inner.control.set(flipped_key(self.rank, version), f"err:{reason}", timeout_s=2.0)
+        except StoreUnreachable:  # rolled back already; the trainers' deadline covers them
+            pass
         plugins.hook().fastsync_after_sync(version=version, role="engine", rank=self.rank, metrics=m.to_json(), ok=False)
 
     def sync(self, version: int, *, dense: bool = False, timeout_s: float | None = None) -> int:

@@ -58,7 +58,7 @@ from fastsync.executor.pack import source_view, transform_into
 from fastsync.executor.staging import alloc_touched, wait_device
 from fastsync.executor.transforms import to_torch_dtype
 from fastsync.executor.verify import crc_update
-from fastsync.sync.handshake import begun_key, flipped_key, sender_crc_key, sender_done_key
+from fastsync.sync.handshake import begun_key, flipped_key, parse_begun, sender_crc_key, sender_done_key
 from fastsync.sync.sender import WeightSender
 from fastsync.transport.nixl_delta import DeltaOutbox
 
@@ -123,7 +123,8 @@ class DeltaSender:
                  for d in self.inner.dsts}
         tr = self.inner.transport
         self.outbox = DeltaOutbox(tr.agent, self.rank, boxes, tr._remote, self.inner.control, self.inner.timeout_s,
-                                  self.page_bytes, key=tr._key, agent_name=tr.agent_name)
+                                  self.page_bytes, key=tr._key, agent_name=tr.agent_name,
+                                  transport=tr)
         self._blocks = {i: transfer_blocks(t) for i, t in self.mine if t.transform == "fp8_block"}
 
     @property
@@ -146,15 +147,18 @@ class DeltaSender:
         deadline = time.monotonic() + timeout
         modes: dict[int, str] = {}
         asked = False
+        endpoints: dict[int, str] = {}
         for d in inner.dsts:
-            got = inner.control.get(begun_key(d, version), max(0.0, deadline - time.monotonic()),
-                                    what=f"engine rank {d} (begin of version {version})")
-            asked = asked or got == b"verify"
-            raw = inner.control.try_get(delta_mode_key(d, version))
+            verify_d, endpoints[d] = parse_begun(inner.control.get(
+                begun_key(d, version), max(0.0, deadline - time.monotonic()),
+                what=f"engine rank {d} (begin of version {version})"))
+            asked = asked or verify_d
+            raw = inner.control.try_get(delta_mode_key(d, version), timeout_s=max(0.05, deadline - time.monotonic()))
             modes[d] = "dense" if raw is None else raw.decode()
         dense = [d for d, m in modes.items() if m == "dense"]
         if len(dense) == len(modes):
             return self._dense(version, verify, timeout_s, wait_receivers)
+        inner.transport.expect_endpoints(endpoints)  # an engine rank that renewed its endpoint: reconnect first
         inner.versions.spend(version)
         m = SyncMetrics(version, "trainer", self.rank, "nixl-delta", start=time.time())
         hook = plugins.hook()

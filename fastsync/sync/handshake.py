@@ -7,8 +7,10 @@ Keys (under the control plane's prefix; transports keep their own ``nixl/``, ``t
 * ``{name}/setup{n}/plan``, ``{name}/setup{n}/connected``: WeightSync's n-th set-up (trainer
   rank 0 publishes the plan, then "ok" once engines connected, or ``err:{Type}:{message}``).
 * ``recv/{engine_rank}/info``: plan hash, engine-layout hash and landing tensors of one engine rank.
-* ``recv/{engine_rank}/begun/{version}``: the engine rank is armed for ``version`` ("verify"
-  asks senders for checksums).
+* ``recv/{engine_rank}/begun/{version}``: the engine rank is armed for ``version``: ``1`` or
+  ``verify`` (asks senders for checksums), then ``;endpoint=NAME`` when its transport names the
+  endpoint it receives on (NIXL: its agent; a new one after a version that did not complete, so
+  senders reconnect before writing). See :func:`begun_value` / :func:`parse_begun`.
 * ``send/{trainer_rank}/crc/{version}``, ``send/{trainer_rank}/done/{version}``: a trainer rank's
   checksums and its "ok" / ``err:...`` for ``version``.
 * ``recv/{engine_rank}/flipped/{version}``: the engine rank serves ``version`` ("ok") or rolled
@@ -36,6 +38,8 @@ __all__ = [
     "sender_crc_key",
     "sender_done_key",
     "delta_choice_key",
+    "begun_value",
+    "parse_begun",
 ]
 
 
@@ -92,3 +96,16 @@ def delta_choice_key(version: int) -> str:
     """``dense`` or ``delta``: what ``WeightSync(delta=True)`` on trainer rank 0 chose for
     ``version``, set before the engines begin it (every engine rank asks for the same kind)."""
     return f"send/delta/{version}"
+
+
+def begun_value(verify: bool, endpoint: str = "") -> bytes:
+    """What an engine rank publishes under :func:`begun_key`."""
+    head = b"verify" if verify else b"1"
+    return head + (b";endpoint=" + endpoint.encode() if endpoint else b"")
+
+
+def parse_begun(raw: bytes) -> tuple[bool, str]:
+    """``(verify, endpoint)`` from a :func:`begun_value` (endpoint "" when none was named)."""
+    head, _, rest = raw.partition(b";")
+    endpoint = rest[len(b"endpoint="):].decode(errors="replace") if rest.startswith(b"endpoint=") else ""
+    return head == b"verify", endpoint

@@ -21,16 +21,18 @@ Example (inside the inference worker)::
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 import torch
 
 from fastsync import plugins
-from fastsync.control import ControlPlane
+from fastsync.control import ControlPlane, StoreUnreachable
 from fastsync.errors import ConfigError, FastSyncError, PlanError, SyncError
 from fastsync.sync.handshake import (
     Versions,
     begun_key,
+    begun_value,
     flipped_key,
     receiver_info_key,
     sender_crc_key,
@@ -48,7 +50,14 @@ from fastsync.transport.base import ReceiverContext, Transport, World
 
 __all__ = ["WeightReceiver"]
 
+log = logging.getLogger(__name__)
+
 _FAILURE_CHECK_S = 0.05
+#: Longest one control-plane read may take inside a wait: the wait keeps driving the transport
+#: (a link that comes back must let the writes complete) and keeps its own deadline.
+_CHECK_TIMEOUT_S = 1.0
+#: Bound on publishing a rollback: the engine has already restored its last version.
+_PUBLISH_FAILURE_S = 2.0
 
 
 class WeightReceiver:
@@ -99,6 +108,8 @@ class WeightReceiver:
         self._metrics: SyncMetrics | None = None
         self._complete = False
         self._last_check = 0.0
+        self._deadline: float | None = None  # of the open version's wait, on this rank's own clock
+        self._store_error: str = ""  # the last control-plane read that failed during the open version
         self.last_metrics: SyncMetrics | None = None
         self.heartbeat: Heartbeat | None = None
         self.watch: PeerWatch | None = None
@@ -132,6 +143,7 @@ class WeightReceiver:
         if version <= self.version:
             raise SyncError(f"engine rank {self.rank}: version {version} is not newer than held {self.version}")
         self.versions.spend(version)
+        self._deadline, self._store_error = None, ""
         m = SyncMetrics(version, "engine", self.rank, self.transport.name, start=time.time())
         plugins.hook().fastsync_before_sync(version=version, role="engine", rank=self.rank, plan=self.plan)
         with m.stage("backup"):
@@ -139,7 +151,13 @@ class WeightReceiver:
         self.transport.begin_receive(version)
         self._open, self._metrics, self._complete = version, m, False
         # the receiver decides whether this version is verified: senders checksum when asked
-        self.control.set(begun_key(self.rank, version), b"verify" if self.verify else b"1")
+        try:
+            self.control.set(begun_key(self.rank, version),
+                             begun_value(self.verify, self.transport.endpoint()), timeout_s=self.timeout_s)
+        except StoreUnreachable as e:  # nothing was asked of the trainers: give the version up now
+            self.abort(f"cannot announce the version: {e}")
+            raise SyncError(f"engine rank {self.rank}: version {version} not begun, keeping version {self.version}: "
+                            f"{e}") from e
 
     def poll(self) -> bool:
         """Drive the transport once; True when every expected write of the open version landed.
@@ -166,6 +184,7 @@ class WeightReceiver:
         """Poll until complete or ``deadline`` (``time.monotonic()``; default: now + timeout_s)."""
         if deadline is None:
             deadline = time.monotonic() + self.timeout_s
+        self._deadline = deadline
         assert self._metrics is not None
         with self._metrics.stage("wait"):
             while not self.poll():
@@ -203,7 +222,11 @@ class WeightReceiver:
             for child, units in relay.children.items():
                 m.bytes_per_link[f"r{self.rank}->r{child}"] = sum(
                     it.transfer.nbytes for items in units.values() for it in items)
-        self.control.set(flipped_key(self.rank, version), b"ok")
+        try:
+            self.control.set(flipped_key(self.rank, version), b"ok", timeout_s=self._left(_PUBLISH_FAILURE_S))
+        except StoreUnreachable as e:  # serving a complete version; the trainers' wait for it ends at their deadline
+            m.error = f"flipped, but could not tell the control store: {e}"
+            log.warning("engine rank %d: version %d flipped but not published: %s", self.rank, version, e)
         self.last_metrics = m
         plugins.hook().fastsync_after_sync(version=version, role="engine", rank=self.rank, metrics=m.to_json(), ok=True)
         return version
@@ -223,7 +246,10 @@ class WeightReceiver:
             m.error = reason + note
             m.end = time.time()
             self.last_metrics = m
-            self.control.set(flipped_key(self.rank, version), f"err:{reason}{note}")
+            try:
+                self.control.set(flipped_key(self.rank, version), f"err:{reason}{note}", timeout_s=_PUBLISH_FAILURE_S)
+            except StoreUnreachable as e:  # rolled back already; the trainers' deadline covers them
+                log.warning("engine rank %d: version %d rolled back, not published: %s", self.rank, version, e)
             plugins.hook().fastsync_after_sync(version=version, role="engine", rank=self.rank, metrics=m.to_json(),
                                                ok=False)
 
@@ -255,10 +281,22 @@ class WeightReceiver:
         self.transport.close()
 
     # ---- helpers --------------------------------------------------------------------------
+    def _left(self, at_least: float = 0.05) -> float:
+        """Seconds left in the open version's wait (``timeout_s`` when no wait set one)."""
+        if self._deadline is None:
+            return self.timeout_s
+        return max(self._deadline - time.monotonic(), at_least)
+
     def _check_senders(self) -> None:
         assert self.program is not None
         for s in self.program.by_src:
-            got = self.control.try_get(sender_done_key(s, self._open))
+            try:
+                got = self.control.try_get(sender_done_key(s, self._open),
+                                           timeout_s=min(self._left(), _CHECK_TIMEOUT_S))
+            except StoreUnreachable as e:  # cut off from the store: keep driving the writes until the deadline
+                self._store_error = str(e)
+                return
+            self._store_error = ''
             if got is not None and got.startswith(b"err:"):
                 missing = self.transport.missing()
                 if s in missing:
@@ -277,8 +315,14 @@ class WeightReceiver:
         missing = self.transport.missing()
         parts = [f"trainer rank {s}: {what} (tensors {self._names(s)})" if isinstance(s, int) else f"{s}: {what}"
                  for s, what in sorted(missing.items(), key=lambda kv: (isinstance(kv[0], str), str(kv[0])))]
+        notes = []
+        if self.watch is not None and self.watch.silent_note():
+            notes.append(self.watch.silent_note())
+        if self._store_error:
+            notes.append(f"the control store did not answer: {self._store_error}")
         return (f"engine rank {self.rank}: version {version} incomplete, keeping version {self.version}; "
-                + ("; ".join(parts) if parts else "transport reported incomplete delivery"))
+                + ("; ".join(parts) if parts else "transport reported incomplete delivery")
+                + (f" ({'; '.join(notes)})" if notes else ""))
 
     def _verify(self, version: int) -> None:
         assert self.program is not None

@@ -19,11 +19,12 @@ from collections.abc import Callable
 import torch
 
 from fastsync import plugins
-from fastsync.control import ControlPlane
+from fastsync.control import ControlPlane, StoreUnreachable
 from fastsync.errors import ConfigError, FastSyncError, PlanError, SyncError
 from fastsync.sync.handshake import (
     Versions,
     begun_key,
+    parse_begun,
     flipped_key,
     receiver_info_key,
     sender_crc_key,
@@ -182,18 +183,22 @@ class WeightSender:
         hook.fastsync_before_sync(version=version, role="trainer", rank=self.rank, plan=self.plan)
         try:
             asked = False
+            endpoints: dict[int, str] = {}
             with m.stage("wait_receivers"):
                 for d in self._waits_for():
-                    got = wait_key(self.control, begun_key(d, version), deadline,
-                                   f"engine rank {d} (begin of version {version})", self.watch)
-                    asked = asked or got == b"verify"
+                    verify_d, endpoints[d] = parse_begun(wait_key(
+                        self.control, begun_key(d, version), deadline, f"engine rank {d} (begin of version {version})",
+                        self.watch))
+                    asked = asked or verify_d
+            self.transport.expect_endpoints(endpoints)  # an engine rank that renewed its endpoint: reconnect first
             crcs: dict[int, int] | None = {} if (verify or (verify is None and asked)) else None
             if self.gather is not None and self.transport.uses_staging:  # rank0 assembles its own full tensors
                 self.gather.run(deadline, m)
             self.transport.send(version, deadline, m, crcs, self._watched(on_chunk, version))
+            left = max(deadline - time.monotonic(), 1.0)  # the writes are done: telling the engines may take a moment
             if crcs is not None:
-                self.control.set(sender_crc_key(self.rank, version), json.dumps(crcs))
-            self.control.set(sender_done_key(self.rank, version), b"ok")
+                self.control.set(sender_crc_key(self.rank, version), json.dumps(crcs), timeout_s=left)
+            self.control.set(sender_done_key(self.rank, version), b"ok", timeout_s=left)
             for d, n in self.program.bytes_per_dst().items():
                 m.bytes_per_link[f"t{self.rank}->r{d}"] = n
             if wait_receivers:
@@ -205,18 +210,28 @@ class WeightSender:
                             raise SyncError(f"engine rank {d} refused version {version}: {got}")
             m.ok = True
         except FastSyncError as e:
-            m.error = str(e)
-            self.control.set(sender_done_key(self.rank, version), f"err:{e}")
+            note = self.watch.silent_note() if self.watch is not None else ""
+            m.error = f"{e} ({note})" if note and note not in str(e) else str(e)
+            self._publish_failure(version, m.error)
+            if m.error != str(e):
+                e.args = (m.error,)  # same error type, with who went silent appended
             raise
         except Exception as e:
             m.error = f"{type(e).__name__}: {e}"
-            self.control.set(sender_done_key(self.rank, version), f"err:{m.error}")
+            self._publish_failure(version, m.error)
             raise SyncError(f"trainer rank {self.rank}, version {version}: {m.error}") from e
         finally:
             m.end = time.time()
             self.last_metrics = m
             hook.fastsync_after_sync(version=version, role="trainer", rank=self.rank, metrics=m.to_json(), ok=m.ok)
         return m
+
+    def _publish_failure(self, version: int, error: str) -> None:
+        """Tell the engines this rank failed ``version`` (bounded: they keep their own deadline)."""
+        try:
+            self.control.set(sender_done_key(self.rank, version), f"err:{error}", timeout_s=2.0)
+        except StoreUnreachable:
+            pass
 
     def _waits_for(self) -> list[int]:
         """Receivers that must have begun before this rank moves bytes: the ones it writes to

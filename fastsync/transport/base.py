@@ -117,6 +117,17 @@ class Transport(ABC):
             raise TransportError(f"transport {self.name!r}: send() before setup_sender()")
         self._send(version, deadline, metrics, crcs, on_chunk)
 
+    def expect_endpoints(self, endpoints: dict[int, str]) -> None:
+        """Sender, before ``send``: the endpoint each engine rank announced for this version (its
+        ``begun`` value; "" where it named none). A transport whose peers renew their endpoint
+        (NIXL after a failed version) reconnects to a changed one here; others ignore it."""
+        return None
+
+    def endpoint(self) -> str:
+        """Receiver: the name of the endpoint it receives on, announced with ``begun`` ("" when
+        the transport has nothing to announce)."""
+        return ""
+
     def checksum_ranks(self, program: RecvProgram) -> list[int]:
         """Trainer ranks whose published checksums cover what this receiver gets (relayed too)."""
         return sorted({s for s, _ in program.by_origin()})

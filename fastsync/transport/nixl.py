@@ -36,6 +36,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from fastsync.control import StoreUnreachable
 from fastsync.errors import ConfigError, SyncError, TransportError
 from fastsync.executor.metrics import SyncMetrics
 from fastsync.executor.pipeline import run_pipelined
@@ -45,6 +46,7 @@ from fastsync.security import check_mac, derive_key, loopback_mismatch, mac, net
 from fastsync.transport.base import ReceiverContext, SenderContext, Transport
 from fastsync.transport.nixl_relay import NixlRelay, batches_key
 from fastsync.transport.nixl_teardown import quiesce, release
+from fastsync.transport.nixl_writes import PreparedWrite, settle
 
 try:
     from nixl._api import nixl_agent, nixl_agent_config
@@ -59,6 +61,8 @@ __all__ = ["NixlTransport", "IMPORT_ERROR", "warm_up"]
 log = logging.getLogger("fastsync.transport.nixl")
 
 INSTALL_HINT = "pip install nixl-cu12==1.5.1 && pip install --no-deps nixl==1.5.1"
+#: Bound on a control-plane read made while a receiver polls (it must keep driving UCX progress).
+_READ_TIMEOUT_S = 1.0
 
 
 _WARM: list = []  # the process's warm-up agent, kept alive: UCX stays initialised in this process
@@ -114,7 +118,13 @@ class NixlTransport(Transport):
         self.agent = None
         self.agent_name = ""
         self._reg = None
-        self._handles: dict[int, list[tuple[int, object, int]]] = {}  # chunk -> [(dst, handle, k)]
+        self._handles: dict[int, list[tuple[int, PreparedWrite, int]]] = {}  # chunk -> [(dst, write, k)]
+        self._unsettled = False  # a failed version may have left writes in flight (see nixl_writes.settle)
+        self._broken: set[int] = set()  # engine ranks a post to failed
+        self.settled: dict[str, int] = {}  # what the last settle() did (tests, logs)
+        self.remote_gen: dict[int, int] = {}  # engine rank -> times reconnected (delta outboxes follow it)
+        self._renew_pending = False  # receiver: the last version did not complete (see renew_endpoint)
+        self.renewals = 0  # receiver: endpoints renewed after incomplete versions
         self._num_posts: dict[int, int] = {}
         self._remote: dict[int, str] = {}
         self._got: dict[int, set[int]] = {}
@@ -172,8 +182,13 @@ class NixlTransport(Transport):
 
     # ---- receiver -----------------------------------------------------------------------
     def _setup_receiver(self, ctx: ReceiverContext) -> None:
-        self._new_agent("recv", ctx.rank, ctx.control)
         self._control = ctx.control
+        self._open_endpoint(ctx)
+
+    def _open_endpoint(self, ctx: ReceiverContext) -> None:
+        """A new agent over the landing memory: register it, publish addresses and metadata, and
+        prepare this rank's relays."""
+        self._new_agent("recv", ctx.rank, ctx.control)
         self._senders = {}
         self._register(ctx.landing.buffers(), f"engine rank {ctx.rank}")
         addrs = {}
@@ -187,8 +202,38 @@ class NixlTransport(Transport):
                                     agent_name=self.agent_name, refuse=self._refuse)
             self._relay.setup()
 
+    def endpoint(self) -> str:
+        return self.agent_name
+
+    def renew_endpoint(self) -> None:
+        """After a version that did not complete: drop this rank's agent and open a fresh one.
+
+        Writes of the failed version may still be in flight (a link that was cut holds them in
+        TCP buffers and retransmits them when it returns). Over UCX's TCP transport a WRITE lands
+        when this rank's worker reads it, so a late one could reach memory the next version has
+        already written, over another connection, in any order. Destroying the agent closes its
+        UCX worker and every connection it had: nothing of the failed version can land any more.
+        The new agent registers the same memory; its name goes out with the next ``begun`` and
+        trainer ranks (and an upstream relay, through ``armed``) reconnect before they write.
+        """
+        ctx = self.receiver
+        assert ctx is not None
+        if self._relay is not None:
+            self._relay.close()
+            self._relay = None
+        release(self.agent, (), self._reg, ())
+        self._reg = None
+        self.agent = None  # the last reference: NIXL destroys the agent and its UCX worker here
+        self._open_endpoint(ctx)
+        self.renewals += 1
+        self._renew_pending = False
+        log.info("nixl: engine rank %d renewed its endpoint after an incomplete version (now %s)", ctx.rank,
+                 self.agent_name)
+
     def _begin_receive(self, version: int) -> None:
         assert self.receiver is not None
+        if self._renew_pending:
+            self.renew_endpoint()
         self._got = {src: set() for src in self.receiver.program.by_src}
         self._load_senders()
         self._expect = {src: (self._senders[src]["posts"] if src in self._senders else None)
@@ -205,7 +250,10 @@ class NixlTransport(Transport):
         for src, items in self.receiver.program.by_src.items():
             if src in self._senders:
                 continue
-            raw = self._control.try_get(f"nixl/send/{src}/to/{me}")
+            try:
+                raw = self._control.try_get(f"nixl/send/{src}/to/{me}", timeout_s=_READ_TIMEOUT_S)
+            except StoreUnreachable:
+                continue  # cut off from the store for now: read it again at its next notification
             if raw is None:
                 continue  # not set up yet: its notifications cannot have been sent either
             info = json.loads(raw)
@@ -283,8 +331,21 @@ class NixlTransport(Transport):
         return out
 
     def _end_receive(self) -> None:
+        complete = all(n is not None and len(self._got[s]) >= n for s, n in self._expect.items())
         if self._relay is not None:  # no relay may still read this rank's memory once the version closes
+            complete = complete and self._relay.incoming_done()
             self._relay.quiesce(time.monotonic() + 5.0)
+        if not complete:  # writes of this version may still be in flight: a fresh endpoint next time
+            self._renew_pending = True
+
+    def mark_incomplete(self) -> None:
+        """A version another path (delta pages) received on this agent did not complete."""
+        self._renew_pending = True
+
+    def renew_if_pending(self) -> None:
+        """:meth:`renew_endpoint` when the last version on this agent did not complete."""
+        if self._renew_pending:
+            self.renew_endpoint()
 
     # ---- sender -------------------------------------------------------------------------
     def _setup_sender(self, ctx: SenderContext) -> None:
@@ -325,13 +386,9 @@ class NixlTransport(Transport):
             for d in sorted(local):
                 ldesc = self.agent.get_xfer_descs(np.array(local[d], dtype=np.uint64), lmem)
                 rdesc = self.agent.get_xfer_descs(np.array(remote[d], dtype=np.uint64), addrs[d][next(iter(addrs[d]))][2])
-                try:
-                    h = self.agent.initialize_xfer("WRITE", ldesc, rdesc, self._remote[d], b"")
-                except Exception as e:
-                    raise TransportError(
-                        f"nixl: trainer rank {ctx.rank} cannot prepare writes to engine rank {d}: {e}"
-                    ) from e
-                entries.append((d, h, counts.get(d, 0)))
+                w = PreparedWrite(self.agent, ldesc, rdesc, self._remote[d], d,
+                                  what=f"from trainer rank {ctx.rank} to engine rank {d}")
+                entries.append((d, w, counts.get(d, 0)))
                 counts[d] = counts.get(d, 0) + 1
                 batches.setdefault(d, []).append(sorted({it.index for it in c.items if it.transfer.dst_rank == d}))
             self._handles[c.index] = entries
@@ -360,24 +417,31 @@ class NixlTransport(Transport):
             wait_device(ctx.packer.staging)  # NIXL reads VRAM on its own streams: packing must be done
 
         def post(c: Chunk) -> None:
-            for d, h, k in self._handles[c.index]:
+            for d, w, k in self._handles[c.index]:
                 n = self._num_posts[d]
                 tag = mac(self._key, "fs", self.agent_name, str(d), str(version), str(rank), str(k), str(n)).hex()
                 msg = f"fs|{version}|{rank}|{k}|{n}|{tag}".encode()
-                state = self.agent.transfer(h, msg)
-                if state == "ERR":
+                if w.post(msg) == "ERR":
+                    self._broken.add(d)
                     raise TransportError(
                         f"nixl: trainer rank {rank} failed to post writes to engine rank {d} "
                         f"({_tensors(c, d)})"
                     )
 
         def drain(c: Chunk, dl: float) -> None:
-            for d, h, _ in self._handles[c.index]:
+            for d, w, _ in self._handles[c.index]:
+                h = w.handle
                 while True:
-                    state = self.agent.check_xfer_state(h)
+                    try:
+                        state = self.agent.check_xfer_state(h)
+                    except Exception as e:  # e.g. NIXL_ERR_REMOTE_DISCONNECT: the connection broke
+                        self._broken.add(d)
+                        raise TransportError(f"nixl: writes from trainer rank {rank} to engine rank {d} failed: "
+                                             f"{type(e).__name__}: {e} ({_tensors(c, d)})") from e
                     if state == "DONE":
                         break
                     if state == "ERR":
+                        self._broken.add(d)
                         raise TransportError(
                             f"nixl: writes from trainer rank {rank} to engine rank {d} failed ({_tensors(c, d)})"
                         )
@@ -389,17 +453,72 @@ class NixlTransport(Transport):
                     time.sleep(0.0002)
 
         wait_device(ctx.packer.staging)  # the sources' pending updates (staging shares their device)
+        if self._unsettled:  # the last version failed: no handle may be reposted while still in flight
+            self._settle()
         try:
             run_pipelined(ctx.program.chunks, pack=pack, post=post, drain=drain, deadline=deadline,
                           metrics=metrics, overlap=self.overlap, on_chunk=on_chunk)
         except BaseException:
             # Let writes already posted finish (bounded) before the failure is reported, so none
-            # lands after the receivers rolled back.
+            # lands after the receivers rolled back; what is still in flight then is settled
+            # before the next version posts (nixl_writes.settle).
             self._quiesce(min(deadline, time.monotonic() + 5.0))
+            self._unsettled = True
             raise
 
+    def _writes(self) -> list[PreparedWrite]:
+        return [w for entries in self._handles.values() for _, w, _ in entries]
+
+    def _settle(self) -> None:
+        """Before posting after a failed version: replace handles still in flight, reconnect
+        engine ranks whose connection broke (their agent metadata read again from the store)."""
+        ctx = self.sender
+        assert ctx is not None
+        self.settled = settle(self._writes(), self.reconnect, self._broken)
+        if self.settled["renewed"] or self.settled["reconnected"]:
+            log.info("nixl: trainer rank %d: %d write handle(s) renewed, %d engine rank(s) reconnected after a "
+                     "failed version", ctx.rank, self.settled["renewed"], self.settled["reconnected"])
+        self._broken.clear()
+        self._unsettled = False
+
+    def reconnect(self, d: int) -> str:
+        """Forget engine rank ``d``'s agent and add it again from the metadata it published (its
+        connection broke, or it renewed its endpoint); every write to it is prepared afresh.
+        Returns the remote name."""
+        ctx = self.sender
+        assert ctx is not None
+        for w in self._writes():
+            if w.peer == d:  # release first: a handle must not outlive its remote agent
+                try:
+                    self.agent.release_xfer_handle(w.handle)
+                except Exception:
+                    pass
+        try:
+            self.agent.remove_remote_agent(self._remote[d])
+        except Exception:
+            pass
+        meta = ctx.control.get(f"nixl/recv/{d}/meta", ctx.timeout_s, what=f"engine rank {d}")
+        try:
+            self._remote[d] = self.agent.add_remote_agent(meta)
+        except Exception as e:
+            raise TransportError(f"nixl: trainer rank {ctx.rank} cannot reconnect to engine rank {d}: {e}") from e
+        for w in self._writes():
+            if w.peer == d:
+                w.remote = self._remote[d]
+                w.make()
+        self.remote_gen[d] = self.remote_gen.get(d, 0) + 1
+        return self._remote[d]
+
+    def expect_endpoints(self, endpoints: dict[int, str]) -> None:
+        for d, name in endpoints.items():
+            if name and d in self._remote and self._remote[d] != name:
+                log.info("nixl: trainer rank %s: engine rank %d listens on a new agent (%s): reconnecting",
+                         self.sender.rank if self.sender else "?", d, name)
+                self.reconnect(d)
+                self._broken.discard(d)
+
     def _quiesce(self, deadline: float) -> None:
-        quiesce(self.agent, (h for entries in self._handles.values() for _, h, _ in entries), deadline)
+        quiesce(self.agent, (w.handle for w in self._writes()), deadline)
 
     def _close(self) -> None:
         if self.agent is None:
@@ -407,8 +526,7 @@ class NixlTransport(Transport):
         if self._relay is not None:
             self._relay.close()
             self._relay = None
-        release(self.agent, (h for entries in self._handles.values() for _, h, _ in entries),
-                self._reg, self._remote.values())
+        release(self.agent, (w.handle for w in self._writes()), self._reg, self._remote.values())
         self._handles.clear()
         self._reg = None
         self._remote.clear()

@@ -22,14 +22,16 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 
-from fastsync.control import ControlPlane
+from fastsync.control import ControlPlane, StoreUnreachable
 from fastsync.errors import ConfigError, SyncError, TransportError
 from fastsync.security import check_mac, mac
 from fastsync.transport.nixl_teardown import quiesce, release
+from fastsync.transport.nixl_writes import PreparedWrite, rebind, settle
 
 __all__ = ["DeltaOutbox", "DeltaInbox", "inbox_key", "page_bytes"]
 
@@ -57,16 +59,24 @@ class DeltaOutbox:
 
     def __init__(self, agent: object, rank: int, outboxes: dict[int, torch.Tensor], remote_names: dict[int, str],
                  control: ControlPlane, timeout_s: float, page: int | None = None, *, key: bytes = b"",
-                 agent_name: str = "") -> None:
+                 agent_name: str = "", transport: Any = None) -> None:
+        """``transport``: the dense :class:`~fastsync.transport.nixl.NixlTransport` whose agent and
+        connections this outbox shares; when it reconnects an engine rank (``remote_gen``), the
+        pages to that rank are prepared again before the next post."""
         if page is not None and (page <= 0 or page % 64):
             raise ConfigError(f"delta page_bytes must be a positive multiple of 64, got {page}")
         self.agent = agent
+        self._tr = transport
+        self._remote_names = remote_names
+        self._gen: dict[int, int] = {}
         self.rank = rank
         self.outboxes = outboxes
         self._key = key
         self._agent_name = agent_name
-        self._handles: dict[int, list[object]] = {}
+        self._handles: dict[int, list[PreparedWrite]] = {}
         self._page: dict[int, int] = {}
+        self._unsettled = False  # a failed version may have left pages in flight (nixl_writes.settle)
+        self._broken: set[int] = set()
         bufs = [b for b in outboxes.values() if b.numel()]
         self._reg = None
         if bufs:
@@ -88,10 +98,8 @@ class DeltaOutbox:
                 n = min(page, size - off)
                 ldesc = agent.get_xfer_descs(np.array([(box.data_ptr() + off, n, ldev)], dtype=np.uint64), lmem)
                 rdesc = agent.get_xfer_descs(np.array([(ptr + off, n, rdev)], dtype=np.uint64), rmem)
-                try:
-                    handles.append(agent.initialize_xfer("WRITE", ldesc, rdesc, remote_names[d], b""))
-                except Exception as e:
-                    raise TransportError(f"nixl delta: trainer rank {rank} cannot prepare writes to engine rank {d}: {e}") from e
+                handles.append(PreparedWrite(agent, ldesc, rdesc, remote_names[d], d,
+                                             what=f"of delta pages from trainer rank {rank} to engine rank {d}"))
             self._handles[d] = handles
             self._page[d] = page
 
@@ -100,6 +108,11 @@ class DeltaOutbox:
         """Write the first ``nbytes[d]`` bytes of each outbox; returns when every write is done."""
         posted: list[tuple[int, object]] = []
         count = 0
+        if self._unsettled:  # the last version failed: replace pages still in flight before reposting
+            settle((w for ws in self._handles.values() for w in ws), self._reconnect_peer, self._broken)
+            self._broken.clear()
+            self._unsettled = False
+        self._follow_reconnects()
         try:
             for d, n in nbytes.items():
                 m = -(-n // self._page[d])
@@ -107,12 +120,13 @@ class DeltaOutbox:
                     if on_page is not None:
                         on_page(count)  # fault injection: called before each page is posted
                     count += 1
-                    h = self._handles[d][k]
+                    w = self._handles[d][k]
                     tag = mac(self._key, "fsd", self._agent_name, str(d), str(version), str(self.rank), str(k),
                               str(m)).hex()
-                    if self.agent.transfer(h, f"fsd|{version}|{self.rank}|{k}|{m}|{tag}".encode()) == "ERR":
+                    if w.post(f"fsd|{version}|{self.rank}|{k}|{m}|{tag}".encode()) == "ERR":
+                        self._broken.add(d)
                         raise TransportError(f"nixl delta: trainer rank {self.rank} failed to post to engine rank {d}")
-                    posted.append((d, h))
+                    posted.append((d, w.handle))
             for d, h in posted:
                 while True:
                     state = self.agent.check_xfer_state(h)
@@ -125,12 +139,31 @@ class DeltaOutbox:
                                         "not done by the deadline")
                     time.sleep(0.0002)
         except BaseException:
-            # let posted writes finish before the failure is reported
+            # let posted writes finish before the failure is reported; what is still in flight then
+            # is settled before the next post
             quiesce(self.agent, (h for _, h in posted), min(deadline, time.monotonic() + 5.0))
+            self._unsettled = True
             raise
 
+    def _reconnect_peer(self, d: object) -> None:
+        if self._tr is None:
+            raise TransportError(f"nixl delta: trainer rank {self.rank}: the connection to engine rank {d} broke "
+                                 "and this outbox cannot reconnect")
+        self._tr.reconnect(int(d))  # type: ignore[arg-type]
+        self._follow_reconnects()
+
+    def _follow_reconnects(self) -> None:
+        """Pages to an engine rank the dense transport connected afresh are prepared again."""
+        if self._tr is None:
+            return
+        for d, ws in self._handles.items():
+            gen = self._tr.remote_gen.get(d, 0)
+            if self._gen.get(d, 0) != gen:
+                rebind(ws, d, self._remote_names[d])
+                self._gen[d] = gen
+
     def close(self) -> None:
-        release(self.agent, (h for hs in self._handles.values() for h in hs), self._reg)
+        release(self.agent, (w.handle for ws in self._handles.values() for w in ws), self._reg)
         self._handles.clear()
         self._reg = None
 
@@ -139,8 +172,9 @@ class DeltaInbox:
     """Receiver side: publishes the inbox addresses, counts page notifications per sender."""
 
     def __init__(self, agent: object, rank: int, inboxes: dict[int, torch.Tensor], control: ControlPlane,
-                 poll_sleep_s: float = 0.001, *, key: bytes = b"") -> None:
-        self.agent = agent
+                 poll_sleep_s: float = 0.001, *, key: bytes = b"", transport: Any = None) -> None:
+        self._agent = agent
+        self._tr = transport  # when given, its current agent (renewed after an incomplete version)
         self._key = key
         self._control = control
         self._agents: dict[int, str] = {}
@@ -154,6 +188,10 @@ class DeltaInbox:
         self._expect: dict[int, int | None] = {}
         self._version: int | None = None
 
+    @property
+    def agent(self) -> Any:
+        return self._tr.agent if self._tr is not None else self._agent
+
     def begin(self, version: int) -> None:
         self._version = version
         self._got = {s: set() for s in self.inboxes}
@@ -162,7 +200,10 @@ class DeltaInbox:
     def _agent_of(self, src: int) -> str | None:
         """The agent trainer rank ``src`` announced at set-up (authenticated control plane)."""
         if src not in self._agents:
-            raw = self._control.try_get(f"nixl/send/{src}/to/{self.rank}")
+            try:
+                raw = self._control.try_get(f"nixl/send/{src}/to/{self.rank}", timeout_s=1.0)
+            except StoreUnreachable:
+                return None  # cut off from the store for now
             if raw is None:
                 return None
             self._agents[src] = str(json.loads(raw)["agent"])

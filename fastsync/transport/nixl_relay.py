@@ -28,11 +28,15 @@ from typing import Any
 
 import numpy as np
 
+from fastsync.control import StoreUnreachable
 from fastsync.errors import TransportError
 from fastsync.security import check_mac, mac
 from fastsync.transport.nixl_teardown import quiesce, release
+from fastsync.transport.nixl_writes import PreparedWrite, settle
 
 __all__ = ["NixlRelay", "armed_key", "batches_key", "relay_key"]
+
+_READ_TIMEOUT_S = 1.0  # one control-plane read while the engine rank polls
 
 
 def armed_key(rank: int, version: int) -> str:
@@ -58,7 +62,9 @@ class NixlRelay:
         self._upstream: dict | None = None  # what the upstream relay announced at set-up (agent, units)
         # units: (origin trainer rank, trainer batches the unit waits for, {base transfer index})
         self.units: list[tuple[int, frozenset[int], set[int]]] = []
-        self._handles: dict[tuple[int, int], Any] = {}  # (child, unit) -> prepared WRITE
+        self._handles: dict[tuple[int, int], PreparedWrite] = {}  # (child, unit) -> prepared WRITE
+        self._unsettled = False  # a failed version may have left forwards in flight (nixl_writes.settle)
+        self._broken: set[int] = set()
         self._remote: dict[int, str] = {}
         self._version: int | None = None
         self._got: set[int] = set()
@@ -133,18 +139,19 @@ class NixlRelay:
                     raise TransportError(f"nixl: relay unit {u} of engine rank {ctx.rank} to {child} is empty")
                 ldesc = self.agent.get_xfer_descs(np.array(local, dtype=np.uint64), lmem)
                 rdesc = self.agent.get_xfer_descs(np.array(remote, dtype=np.uint64), rmem)
-                try:
-                    self._handles[(child, u)] = self.agent.initialize_xfer(
-                        "WRITE", ldesc, rdesc, self._remote[child], b"")
-                except Exception as e:
-                    raise TransportError(f"nixl: engine rank {ctx.rank} cannot prepare relays to engine rank "
-                                         f"{child}: {e}") from e
+                self._handles[(child, u)] = PreparedWrite(self.agent, ldesc, rdesc, self._remote[child], child,
+                                                          what=f"of relays from engine rank {ctx.rank} to {child}")
 
     # ---- one version ----------------------------------------------------------------------
     def begin(self, version: int) -> None:
+        if self._unsettled:  # the last version failed: no forward may be reposted while still in flight
+            settle(self._handles.values(), self._reconnect, self._broken)
+            self._broken.clear()
+            self._unsettled = False
         self._version, self._got, self._expect = version, set(), None
         self._posted, self._armed, self.failed = {}, set(), {}
-        self.ctx.control.set(armed_key(self.ctx.rank, version), b"1")
+        # the agent this rank receives on: an upstream relay reconnects when it changed (renewed endpoint)
+        self.ctx.control.set(armed_key(self.ctx.rank, version), self._agent_name.encode(), timeout_s=self.ctx.timeout_s)
 
     def on_message(self, agent: str, parts: list[str], raw: bytes) -> bool:
         """Take a ``fr|version|src|unit|n|mac`` notification; True when it was a relay one (counted
@@ -164,7 +171,10 @@ class NixlRelay:
             self._refuse(f"engine rank {src} does not relay into this rank", agent, raw)
             return True
         if self._upstream is None or agent != self._upstream["agent"]:
-            got = self.ctx.control.try_get(relay_key(up, self.ctx.rank))
+            try:
+                got = self.ctx.control.try_get(relay_key(up, self.ctx.rank), timeout_s=_READ_TIMEOUT_S)
+            except StoreUnreachable:
+                got = None
             self._upstream = json.loads(got) if got is not None else None
         if self._upstream is None or agent != self._upstream["agent"]:
             self._refuse(f"not engine rank {up}'s agent", agent, raw)
@@ -187,29 +197,35 @@ class NixlRelay:
         ``batches_landed(origin)``: the write batches of that trainer rank that arrived here."""
         v = self._version
         total = len(self.units)
-        for (child, u), h in self._handles.items():
+        for (child, u), w in self._handles.items():
             if (child, u) in self._posted or child in self.failed:
                 continue
             if child not in self._armed:
-                if self.ctx.control.try_get(armed_key(child, v)) is None:
+                try:
+                    armed = self.ctx.control.try_get(armed_key(child, v), timeout_s=_READ_TIMEOUT_S)
+                except StoreUnreachable:
+                    return  # cut off from the store: try again at the next poll, within the deadline
+                if armed is None:
                     continue
+                name = armed.decode(errors="replace")
+                if name not in ("1", self._remote.get(child)):  # the child renewed its endpoint: connect afresh
+                    try:
+                        self._reconnect(child)
+                    except Exception as e:
+                        self.failed[child] = f"cannot reconnect to its new endpoint: {e}"
+                        continue
                 self._armed.add(child)
             origin, deps, _ = self.units[u]
             ready = u in self._got if self.prog.upstream is not None else deps <= set(batches_landed(origin))
             if not ready:
                 continue
-            try:
-                tag = mac(self._key, "fr", self._agent_name, str(child), str(v), str(self.ctx.rank), str(u),
-                          str(total)).hex()
-                state = self.agent.transfer(h, f"fr|{v}|{self.ctx.rank}|{u}|{total}|{tag}".encode())
-            except Exception as e:  # e.g. the child's agent disconnected (a dead engine rank)
-                state, why = "ERR", f": {e}"
-            else:
-                why = ""
-            if state == "ERR":
-                self.failed[child] = f"posting relay unit {u} (trainer rank {origin}'s bytes) failed{why}"
+            tag = mac(self._key, "fr", self._agent_name, str(child), str(v), str(self.ctx.rank), str(u),
+                      str(total)).hex()
+            if w.post(f"fr|{v}|{self.ctx.rank}|{u}|{total}|{tag}".encode()) == "ERR":  # e.g. a dead child's agent
+                self.failed[child] = f"posting relay unit {u} (trainer rank {origin}'s bytes) failed"
+                self._broken.add(child)
                 continue
-            self._posted[(child, u)] = h
+            self._posted[(child, u)] = w.handle
 
     def incoming_done(self) -> bool:
         return self.prog.upstream is None or (self._expect is not None and len(self._got) >= self._expect)
@@ -245,9 +261,38 @@ class NixlRelay:
         return out
 
     def quiesce(self, deadline: float) -> None:
+        """When the version closes: let posted forwards finish (bounded); any still in flight, or
+        any that failed, are settled before the next version forwards again."""
         quiesce(self.agent, self._posted.values(), deadline)
+        if self.failed or any(w.state() != "DONE" for k, w in self._handles.items() if k in self._posted):
+            self._unsettled = True
+
+    def _reconnect(self, child: object) -> None:
+        """The child's connection broke, or it renewed its endpoint: forget its agent, add it again
+        from its published metadata, and prepare every forward to it afresh."""
+        child = int(child)  # type: ignore[arg-type]
+        for (c, _), w in self._handles.items():
+            if c == child:
+                try:
+                    self.agent.release_xfer_handle(w.handle)
+                except Exception:
+                    pass
+        try:
+            self.agent.remove_remote_agent(self._remote[child])
+        except Exception:
+            pass
+        meta = self.ctx.control.get(f"nixl/recv/{child}/meta", self.ctx.timeout_s,
+                                    what=f"engine rank {child} (relay target of engine rank {self.ctx.rank})")
+        try:
+            self._remote[child] = self.agent.add_remote_agent(meta)
+        except Exception as e:
+            raise TransportError(f"nixl: engine rank {self.ctx.rank} cannot reconnect to engine rank {child}: {e}") from e
+        for (c, _), w in self._handles.items():
+            if c == child:
+                w.remote = self._remote[child]
+                w.make()
 
     def close(self) -> None:
-        release(self.agent, self._handles.values(), remotes=self._remote.values())
+        release(self.agent, (w.handle for w in self._handles.values()), remotes=self._remote.values())
         self._handles.clear()
         self._remote.clear()

@@ -92,3 +92,46 @@ def test_store_connections_send_small_frames_at_once():
         assert srv.with_prefix("nd").get("k", 5) == b"v"
     finally:
         srv.close()
+
+
+_STORE = """
+import sys, time
+from fastsync.control import TCPStoreControl
+s = TCPStoreControl.server(port=0, secret=sys.argv[1])
+s.set("k", b"v")
+print(s.port, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_store_that_stops_answering_is_a_named_error_within_the_call_deadline_then_reconnects() -> None:
+    """A partitioned store (here: its process stopped) never hangs a caller past its deadline:
+    the request raises StoreUnreachable naming store and key, and once the store answers again the
+    next request reconnects. A wait counts the silence as "not yet" until its own deadline."""
+    import signal
+    import subprocess
+    import sys
+
+    from fastsync.control import StoreUnreachable
+
+    secret = os.urandom(32).hex()
+    p = subprocess.Popen([sys.executable, "-c", _STORE, secret], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(p.stdout.readline())
+        c = TCPStoreControl.client(port, secret=secret, timeout_s=30)
+        assert c.try_get("k", timeout_s=2) == b"v"
+        os.kill(p.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(StoreUnreachable, match=rf"no answer from the store at 127.0.0.1:{port} \(request for "
+                                                   r"key 'fs/k'\) within 0.5 s"):
+            c.try_get("k", timeout_s=0.5)
+        assert time.monotonic() - t0 < 1.5
+        t0 = time.monotonic()
+        with pytest.raises(SyncError, match=r"did not publish 'k' within 0.8 s; the store was unreachable"):
+            c.get("k", timeout_s=0.8)
+        assert time.monotonic() - t0 < 2.5
+        os.kill(p.pid, signal.SIGCONT)
+        assert c.try_get("k", timeout_s=5) == b"v" and c.backend.reconnects >= 1
+    finally:
+        p.kill()
+        p.wait(10)

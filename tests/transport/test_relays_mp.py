@@ -53,7 +53,7 @@ def test_chain_relays_each_trainer_shard_leaves_once_and_every_receiver_is_exact
 
 def test_killed_relay_fails_downstream_by_name_and_every_receiver_keeps_a_complete_version() -> None:
     schedule = [("nixl", 1, True), ("nixl", 2, False)]
-    with Cluster(_cfg(kill_engine_at=(1, 2))) as cluster:
+    with Cluster(_cfg(kill_engine_open_at=(1, 2))) as cluster:
         cluster.start(schedule)
         rows = cluster.collect(
             lambda rs: sum(r.get("kind") == "sync" and r["role"] == "engine" and r["version"] == 2 for r in rs) == 3,

@@ -278,6 +278,7 @@ def test_a_replayed_or_tampered_frame_drops_the_connection_not_the_store() -> No
         real_send = tamperer.backend.sock.sendall
         tamperer.backend.sock = type("Flip", (), {"sendall": lambda self, b: real_send(b[:-1] + bytes([b[-1] ^ 1])),
                                                   "recv_into": tamperer.backend.sock.recv_into,
+                                                  "settimeout": tamperer.backend.sock.settimeout,
                                                   "close": tamperer.backend.sock.close})()
         tamperer.backend.ch.sock = tamperer.backend.sock
         with pytest.raises(TransportError, match="lost the store"):
