@@ -291,6 +291,9 @@ def run_bench(cfg: WorkerConfig, transports: list[str], steps: int, warmup: int 
     model = build_bench_model(trainers=cfg.trainers, rollouts=cfg.rollouts, size_bytes=cfg.size_bytes,
                               preset=cfg.preset, fp8=cfg.fp8, replicas=cfg.replicas, fanout=cfg.fanout)
     check_memory(model, cfg)
+    per_version_nic: dict[int, int] = {}
+    if rig is not None:
+        cfg = replace(cfg, gate=True)
     with Cluster(cfg, model, rig=rig, placement=placement) as cluster:
         setup.next(f"starting {num_procs} worker processes")
         cluster.start(schedule)
@@ -298,8 +301,14 @@ def run_bench(cfg: WorkerConfig, transports: list[str], steps: int, warmup: int 
         error: str | None = None
         worker_errors: list[str] = []
         try:
-            rows = cluster.collect(lambda rs: sum(r.get("kind") == "exit" for r in rs) == num_procs,
-                                   timeout_s=120 + per_sync * len(schedule), on_row=on_row)
+            if rig is not None:
+                from fastsync.bench.cluster import gated_collect
+
+                per_version_nic = gated_collect(cluster, schedule, num_procs, 120 + per_sync * len(schedule), on_row)
+                rows = cluster.rows
+            else:
+                rows = cluster.collect(lambda rs: sum(r.get("kind") == "exit" for r in rs) == num_procs,
+                                       timeout_s=120 + per_sync * len(schedule), on_row=on_row)
         except SyncError as e:  # a worker died or crashed: keep what the finished syncs measured
             error = str(e).split("\n", 1)[0]
             worker_errors = cluster.drain(grace_s=10.0, on_row=on_row)
@@ -332,7 +341,16 @@ def run_bench(cfg: WorkerConfig, transports: list[str], steps: int, warmup: int 
         "all_ended_s_after_kill": (ended - killed[0]["time"]) if killed else None,
         "killed_at_exit": alive,
     }
+    cluster_info: dict[str, Any] = {}
+    if rig is not None:
+        from fastsync.bench.cluster import nic_summary
+
+        for name, n in nic_summary(per_version_nic, schedule, warmup).items():
+            if name in result:
+                result[name]["nic_bytes"] = n
+        cluster_info["nic_bytes_per_version"] = {str(v): n for v, n in sorted(per_version_nic.items())}
     return {
+        **cluster_info,
         "error": failure,
         "completed_versions": completed,
         "model": model.description,

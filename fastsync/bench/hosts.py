@@ -386,6 +386,13 @@ class HostRig:
         """Back to the rig's own latency and loss."""
         self.degrade(i, loss_pct=self.loss_pct)
 
+    def set_rate(self, gbps: float) -> None:
+        """Reshape every NIC to ``gbps`` (calibration probes lift the limit, then put it back)."""
+        self.nic_gbps = float(gbps)
+        for h in self.hosts:
+            for ns, dev in self._both_ends(h.index):
+                _tc(ns, "qdisc", "change", "dev", dev, "root", "handle", "1:", *self._tbf_args())
+
     def names(self) -> list[str]:
         return [self.switch] + [h.ns for h in self.hosts]
 

@@ -53,6 +53,9 @@ class WorkerConfig:
     # with the version open (a relay dying before it forwards)
     kill_engine_open_at: tuple[int, int] | None = None
     control_host: str = "127.0.0.1"  # where the parent's store listens (a host address on a rig)
+    # the parent lets each version through its barrier (``gate/{barrier}``) after reading the NIC
+    # counters, so per-version NIC bytes are exact (fastsync.bench.cluster.gated_collect)
+    gate: bool = False
 
 
 def _env(cfg: WorkerConfig) -> None:
@@ -142,6 +145,8 @@ def _barrier(cfg: WorkerConfig, control: Any, name: str, watch: Any, me: int) ->
         for i in range(n):
             wait_key(control, f"barrier/{name}/{i}", deadline, f"process {i} at {what}",
                      watch if cfg.watch_peers else None)
+        if cfg.gate:
+            wait_key(control, f"gate/{name}", deadline, f"the parent's gate at {what}", None)
         control.set(f"barrier/{name}/go", b"1", timeout_s=max(deadline - time.monotonic(), 1.0))
         return
     wait_key(control, f"barrier/{name}/go", deadline, what, watch if cfg.watch_peers else None)

@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 
+from fastsync.bench.hosts import MAX_HOSTS, MAX_NIC_GBPS
 from fastsync.cli._args import float_in, int_in, nonempty, seconds
 from fastsync.errors import ConfigError
 from fastsync.trace.progress import auto
@@ -47,7 +48,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="write every process's measured phases as Chrome trace-event JSON (ui.perfetto.dev)")
     p.add_argument("--plot", metavar="FILE.png", default=None,
                    help="write a timeline figure of the measured phases (.png, .svg or .pdf)")
+    p.add_argument("--hosts", type=_hosts_arg, default=None, metavar="T:E",
+                   help="run on a cluster made on this machine: trainer ranks spread over T hosts, engine ranks over "
+                        "E more, each host a network namespace with one NIC of --nic-gbps (needs root / "
+                        "CAP_NET_ADMIN); adds measured NIC bytes and the simulator's prediction for that cluster")
+    p.add_argument("--nic-gbps", type=float_in(0.0, MAX_NIC_GBPS), default=2.0,
+                   help="with --hosts: each host's NIC rate in Gb/s, both directions (default 2)")
+    p.add_argument("--latency-ms", type=float_in(0.0, 10000.0, lo_open=False), default=0.0,
+                   help="with --hosts: one-way latency added on each host's NIC (needs the netem qdisc)")
     p.set_defaults(func=run)
+
+
+def _hosts_arg(text: str) -> tuple[int, int]:
+    parts = text.split(":")
+    if len(parts) != 2 or not all(x.strip().isdigit() for x in parts):
+        raise argparse.ArgumentTypeError(f"expected T:E (trainer hosts:engine hosts), e.g. 2:2, got {text!r}")
+    t, e = int(parts[0]), int(parts[1])
+    if not (1 <= t and 1 <= e and t + e <= MAX_HOSTS):
+        raise argparse.ArgumentTypeError(f"T and E must be at least 1 and T + E at most {MAX_HOSTS}, got {text!r}")
+    return t, e
 
 
 def _transports(spec: str) -> list[str]:
@@ -119,8 +138,13 @@ def run(args: argparse.Namespace) -> int:
         fp8=args.fp8, trace=bool(args.trace or args.plot), replicas=args.replicas, fanout=args.fanout,
     )
     progress = auto(json=args.json, force=None if args.progress == "auto" else args.progress == "on")
-    result = run_bench(cfg, transports, steps=args.steps, warmup=args.warmup, progress=progress,
-                       trace_file=args.trace, plot_file=args.plot)
+    if args.hosts is not None:
+        result = _run_on_hosts(args, cfg, transports, progress)
+    else:
+        if args.latency_ms:
+            raise ConfigError("--latency-ms needs --hosts (latency is added on the hosts' NICs)")
+        result = run_bench(cfg, transports, steps=args.steps, warmup=args.warmup, progress=progress,
+                           trace_file=args.trace, plot_file=args.plot)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -129,6 +153,50 @@ def run(args: argparse.Namespace) -> int:
         r["verified"] and r["seconds_median"] is not None and r.get("exact") is not False
         for r in result["transports"].values())
     return 0 if ok else 1
+
+
+def _run_on_hosts(args: argparse.Namespace, cfg, transports: list[str], progress: bool) -> dict:
+    """The benchmark on a rig of ``--hosts`` network-namespace hosts; every check before the rig
+    is built, the rig removed afterwards whatever happens."""
+    from fastsync.bench.cluster import calibrate, predict
+    from fastsync.bench.harness import run_bench
+    from fastsync.bench.hosts import HostRig, check_shape, netem_available, rig_unavailable
+    from fastsync.plan.hosts import HostMap
+
+    t_hosts, e_hosts = args.hosts
+    hosts = HostMap.spread(args.trainers, args.rollouts, t_hosts, e_hosts)
+    check_shape(hosts.num_hosts, args.nic_gbps, args.latency_ms)
+    why = rig_unavailable()
+    if why is not None:
+        raise ConfigError(f"--hosts: {why}")
+    if args.latency_ms and not netem_available():
+        raise ConfigError("--latency-ms needs the 'netem' qdisc (sch_netem), which this kernel does not have; "
+                          "use --latency-ms 0")
+    with HostRig(hosts.num_hosts, args.nic_gbps, args.latency_ms) as rig:
+        pairs = [(a, b) for a in hosts.trainer_host for b in hosts.engine_host if a != b]  # one per connection
+        cal = calibrate(rig, pairs)
+        result = run_bench(cfg, transports, steps=args.steps, warmup=args.warmup, progress=progress,
+                           trace_file=args.trace, plot_file=args.plot, rig=rig, placement=hosts.placement())
+    from fastsync.bench.model import build_bench_model
+
+    model = build_bench_model(trainers=cfg.trainers, rollouts=cfg.rollouts, size_bytes=cfg.size_bytes,
+                              preset=cfg.preset, fp8=cfg.fp8, replicas=cfg.replicas, fanout=cfg.fanout)
+    preds = predict(model, hosts, transports, nic_gbps=args.nic_gbps, latency_ms=args.latency_ms, cal=cal,
+                    rank0_bucket_bytes=cfg.rank0_bucket_bytes, staging_bytes=cfg.staging_bytes)
+    for name, r in result["transports"].items():
+        p = preds.get(name, {})
+        r["predicted_seconds"] = p.get("predicted_seconds")
+        r["planned_cross_host_bytes"] = p.get("cross_host_bytes")
+        r["prediction"] = p
+        med = r.get("seconds_median")
+        r["prediction_error"] = (med / p["predicted_seconds"] - 1) if med and p.get("predicted_seconds") else None
+    base = preds.get("rank0", {}).get("predicted_seconds")
+    result["predicted_speedup_vs_rank0"] = {n: base / p["predicted_seconds"] for n, p in preds.items()
+                                            if n != "rank0" and base and p.get("predicted_seconds")}
+    result["hosts"] = {"trainer_hosts": t_hosts, "engine_hosts": e_hosts,
+                       "trainer_host_of_rank": list(hosts.trainer_host), "engine_host_of_rank": list(hosts.engine_host)}
+    result["nic_gbps"], result["latency_ms"], result["calibration"] = args.nic_gbps, args.latency_ms, cal
+    return result
 
 
 def print_table(result: dict, out=sys.stdout) -> None:
@@ -152,6 +220,21 @@ def print_table(result: dict, out=sys.stdout) -> None:
         for e in r["errors"][:3]:
             print(f"{'':10} error: {e}", file=out)
     print("(prepare_between_syncs: in-place backup refresh, done between syncs while trainers train)", file=out)
+    if result.get("hosts"):
+        h = result["hosts"]
+        print(f"cluster: {h['trainer_hosts']} trainer host(s), {h['engine_hosts']} engine host(s), NIC "
+              f"{result['nic_gbps']:g} Gb/s (the sync's TCP connections measured {result['calibration']['efficiency']:.2f} of it together)",
+              file=out)
+        print(f"{'transport':10} {'measured s':>11} {'predicted s':>12} {'error':>7} {'NIC MB/sync':>12} "
+              f"{'planned MB':>11}", file=out)
+        for name, r in result["transports"].items():
+            def f(x, fmt):  # noqa: E306
+                return format(x, fmt) if x is not None else "-"
+            print(f"{name:10} {f(r['seconds_median'], '11.3f')} {f(r.get('predicted_seconds'), '12.3f')} "
+                  f"{f(r['prediction_error'] * 100 if r.get('prediction_error') is not None else None, '+6.1f')}% "
+                  f"{f(r.get('nic_bytes', 0) / 1e6 if r.get('nic_bytes') is not None else None, '12.1f')} "
+                  f"{f(r['planned_cross_host_bytes'] / 1e6 if r.get('planned_cross_host_bytes') else None, '11.1f')}",
+                  file=out)
     for key, what in (("trace_file", "trace"), ("plot_file", "figure")):
         if result.get(key):
             print(f"{what}: {result[key]}", file=out)

@@ -225,6 +225,7 @@ def compile_send(
     direct: bool = True,
     direct_chunk_bytes: int = 256 << 20,
     min_direct_run_bytes: int = 16 << 10,
+    max_chunk_bytes: int | None = None,
 ) -> SendProgram:
     """Compile ``plan`` for trainer ``rank``.
 
@@ -233,12 +234,17 @@ def compile_send(
     regions of a local shard skip staging and are written from the shard's own memory, provided
     the source's contiguous runs average at least ``min_direct_run_bytes`` (many tiny runs, as a
     row-parallel slice of a row-sharded tensor gives, are cheaper packed than posted one by one).
+    ``max_chunk_bytes`` caps every chunk (write batch): a relay forwards what one batch completes,
+    so batches of a whole share make each hop store-and-forward all of it.
     """
     if num_slots < 1:
         raise ConfigError(f"num_slots must be >= 1, got {num_slots}")
     slot_bytes = (staging_bytes // num_slots) // ALIGN_BYTES * ALIGN_BYTES
     if slot_bytes <= 0:
         raise ConfigError(f"staging_bytes={staging_bytes} too small for {num_slots} slots")
+    fill_bytes = slot_bytes if max_chunk_bytes is None else max(ALIGN_BYTES, min(slot_bytes, max_chunk_bytes))
+    if max_chunk_bytes is not None:
+        direct_chunk_bytes = min(direct_chunk_bytes, max_chunk_bytes)
     # with a fanout, every copy this rank writes itself (flat indices; relayed copies are engine ranks')
     mine = sender_copies(plan, rank)
     direct_items: list[SendItem] = []
@@ -258,7 +264,7 @@ def compile_send(
         if runs is not None:
             direct_items.append(SendItem(index, t, byte_runs(t.dst_box, info), src_runs=runs))
             continue
-        for piece in split_transfer(t, slot_bytes):
+        for piece in split_transfer(t, fill_bytes):
             if piece.nbytes > slot_bytes:
                 raise ConfigError(
                     f"transfer of {piece.src_param!r} ({piece.transform}, {piece.nbytes} bytes) does not fit a "
@@ -280,7 +286,7 @@ def compile_send(
     num_staged = 0
     for it in staged_items:
         size = -(-it.transfer.nbytes // ALIGN_BYTES) * ALIGN_BYTES
-        if cur is None or used + size > slot_bytes:
+        if cur is None or (used + size > fill_bytes and cur.items):
             cur = Chunk(len(chunks), num_staged % num_slots)
             chunks.append(cur)
             num_staged += 1
