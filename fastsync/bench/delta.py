@@ -45,6 +45,9 @@ class DeltaBenchConfig:
     timeout_s: float = 120.0
     seed: int = 0
     threads: int = 1
+    control_host: str = "127.0.0.1"
+    hosts: int = 0  # 2: the trainer on one network-namespace host, the engine ranks on another
+    nic_gbps: float = 0.0
 
 
 def scaled_config(model: str) -> dict:
@@ -101,7 +104,7 @@ def _trainer(cfg: DeltaBenchConfig, results: Any) -> None:
     from fastsync.testing.local import reference_engine_tensors
 
     try:
-        control = TCPStoreControl.client(cfg.port, timeout_s=cfg.timeout_s)
+        control = TCPStoreControl.client(cfg.port, host=cfg.control_host, timeout_s=cfg.timeout_s)
         hf = scaled_config(cfg.model)
         inv, trainer, engine, plan = _layouts(hf, cfg.rollouts)
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -158,7 +161,7 @@ def _engine(cfg: DeltaBenchConfig, rank: int, results: Any) -> None:
     from fastsync.sync.delta_receiver import DeltaReceiver
 
     try:
-        control = TCPStoreControl.client(cfg.port, timeout_s=cfg.timeout_s)
+        control = TCPStoreControl.client(cfg.port, host=cfg.control_host, timeout_s=cfg.timeout_s)
         _, _, engine, plan = _layouts(scaled_config(cfg.model), cfg.rollouts)
         tensors = {n: torch.zeros(t.shape, dtype=getattr(torch, t.dtype)) for n, t in engine.tensors[rank].items()}
         rx = DeltaReceiver(rank=rank, plan=plan, tensors=tensors, control=control, timeout_s=cfg.timeout_s,
@@ -193,13 +196,46 @@ def run_delta_bench(cfg: DeltaBenchConfig, timeout_s: float = 1800.0) -> dict:
     hf = scaled_config(cfg.model)
     _, _, _, plan = _layouts(hf, cfg.rollouts)  # refuse a bad model before spawning anything
     load_before = os.getloadavg()[0]
-    store = TCPStoreControl.server(port=0, timeout_s=cfg.timeout_s)
-    cfg = replace(cfg, port=store.port)
+    rig = None
+    if cfg.hosts:
+        from fastsync.bench.hosts import HostRig
+
+        if cfg.hosts != 2:
+            raise ConfigError(f"delta-bench --hosts {cfg.hosts}: only 2 is supported (the trainer on one host, the "
+                              "engine ranks on the other)")
+        rig = HostRig(2, cfg.nic_gbps)
+    try:
+        return _run(cfg, hf, plan, rig, load_before, timeout_s)
+    finally:
+        if rig is not None:
+            rig.close()
+
+
+def _run(cfg: DeltaBenchConfig, hf: dict, plan: Any, rig: Any, load_before: float, timeout_s: float) -> dict:
+    from fastsync.control import TCPStoreControl
+
+    if rig is not None:
+        with rig.entered(0):
+            store = TCPStoreControl.server(port=0, host=rig.addr(0), timeout_s=cfg.timeout_s)
+        cfg = replace(cfg, port=store.port, control_host=rig.addr(0))
+    else:
+        store = TCPStoreControl.server(port=0, timeout_s=cfg.timeout_s)
+        cfg = replace(cfg, port=store.port)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_trainer, args=(cfg, results), daemon=True)]
-    procs += [ctx.Process(target=_engine, args=(cfg, r, results), daemon=True) for r in range(cfg.rollouts)]
+
+    def proc(target: Any, host: int, *args: Any) -> Any:
+        if rig is None:
+            return ctx.Process(target=target, args=args, daemon=True)
+        from fastsync.bench.hosts import run_in_host
+
+        return ctx.Process(target=run_in_host, args=(rig.hosts[host].ns, rig.env(host, {}), target, *args),
+                           daemon=True)
+
+    procs = [proc(_trainer, 0, cfg, results)]
+    procs += [proc(_engine, 1, cfg, r, results) for r in range(cfg.rollouts)]
     rows: list[dict] = []
+    nic0 = rig.nic_bytes(0)[0] if rig is not None else 0
     try:
         for p in procs:
             p.start()
@@ -225,6 +261,10 @@ def run_delta_bench(cfg: DeltaBenchConfig, timeout_s: float = 1800.0) -> dict:
                 p.join(timeout=5)
         results.close()
     rep = _summarise(cfg, hf, plan, rows)
+    if rig is not None:  # what crossed the trainer host's NIC, all syncs together
+        rep["hosts"], rep["nic_gbps"] = cfg.hosts, cfg.nic_gbps
+        rep["trainer_nic_tx_bytes"] = rig.nic_bytes(0)[0] - nic0
+        rep["planned_bytes_all_syncs"] = sum(s["bytes_dense"] + s["bytes_delta"] for s in rep["steps"]) + plan.bytes_total
     rep["threads"] = cfg.threads
     rep["load_avg_1min"] = [load_before, os.getloadavg()[0]]  # a shared machine: read figures beside it
     return rep
