@@ -32,8 +32,8 @@ from fastsync.plan.hosts import HostMap, rank0_on_hosts, simulate_on_hosts
 
 __all__ = ["calibrate", "rank0_buckets", "predict", "gated_collect"]
 
-_PROBE_BYTES = 32 << 20
-_REPEATS = 3  # medians: these machines are shared
+_PROBE_BYTES = 48 << 20
+_REPEATS = 5  # medians: these machines are shared
 
 
 def _streams(rig: HostRig, pairs: list[tuple[int, int]], nbytes: int) -> float:
@@ -83,8 +83,8 @@ def _streams(rig: HostRig, pairs: list[tuple[int, int]], nbytes: int) -> float:
     return max(done) - t0
 
 
-def calibrate(rig: HostRig, pairs: list[tuple[int, int]] | None = None) -> dict[str, float]:
-    """Measured once per rig, with TCP streams like the sync's (medians of 3):
+def calibrate(rig: HostRig, pairs: list[tuple[int, int]] | None = None) -> dict[str, Any]:
+    """Measured once per rig, with TCP streams like the sync's (medians of 5):
 
     * ``efficiency``: what the sync's connections achieve together through the NICs, as a share
       of the line rate: one stream per ``pairs`` entry (``(src host, dst host)``, one per trainer
@@ -92,6 +92,7 @@ def calibrate(rig: HostRig, pairs: list[tuple[int, int]] | None = None) -> dict[
       busiest NIC port would take at line rate;
     * ``efficiency_one_stream``: the same for a single stream;
     * ``intra_gbps``: one stream over a host's loopback;
+    * ``pack_bytes_per_s``: one thread's packing rate per transform (:func:`pack_rates`);
     * ``cpu_gbps``: what this machine's CPUs move through the kernel's TCP stack and the veths over
       ``pairs`` at once with the NIC limit lifted: on a rig every host shares the same few cores,
       which a real cluster's NICs do not.
@@ -115,7 +116,9 @@ def calibrate(rig: HostRig, pairs: list[tuple[int, int]] | None = None) -> dict[
         cpu = med(len(pairs) * each * 8 / _streams(rig, pairs, each) / 1e9 for _ in range(_REPEATS))
     finally:
         rig.set_rate(rate)
-    return {"efficiency": eff, "efficiency_one_stream": one, "intra_gbps": intra, "cpu_gbps": cpu}
+    out: dict[str, Any] = {"efficiency": eff, "efficiency_one_stream": one, "intra_gbps": intra, "cpu_gbps": cpu}
+    out["pack_bytes_per_s"] = pack_rates()  # before the workers start: a quiet machine
+    return out
 
 
 def rank0_buckets(model: BenchModel, bucket_bytes: int) -> tuple[list[int], list[dict[int, int]]]:
@@ -144,8 +147,8 @@ def rank0_buckets(model: BenchModel, bucket_bytes: int) -> tuple[list[int], list
 
 
 def pack_rates() -> dict[str, float]:
-    """Source bytes per second one thread packs, per transform, measured here on an 8 MiB bf16
-    tensor (median of 5): the trainer's CPU-bound part of a sync that needs casts or FP8."""
+    """Source bytes per second one thread packs, per transform, measured here on a 16 MiB bf16
+    tensor (median of 7): the trainer's CPU-bound part of a sync that needs casts or FP8."""
     import torch
 
     from fastsync.executor.pack import transform_into
@@ -154,7 +157,7 @@ def pack_rates() -> dict[str, float]:
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        src = torch.randn(2048, 2048, dtype=torch.bfloat16)
+        src = torch.randn(4096, 2048, dtype=torch.bfloat16)
         rates = {}
         for name in sorted(transforms()):
             if name == "copy":
@@ -165,7 +168,7 @@ def pack_rates() -> dict[str, float]:
                 out = torch.empty(reg.obj(src, torch.float8_e4m3fn).contiguous().view(torch.uint8).numel(),
                                   dtype=torch.uint8)
                 times = []
-                for _ in range(5):
+                for _ in range(7):
                     t0 = time.perf_counter()
                     transform_into(out, src, name, "float8_e4m3fn")
                     times.append(time.perf_counter() - t0)
@@ -178,13 +181,12 @@ def pack_rates() -> dict[str, float]:
 
 
 def pack_estimate(model: BenchModel, rates: dict[str, float], slot_bytes: int) -> tuple[list[float], list[int]]:
-    """Per trainer rank: seconds of packing (its transformed sources at the measured rate, slowed
-    by the trainer ranks sharing this machine's cores) and the chunks it is cut into."""
-    import os
-
+    """Per trainer rank: seconds of packing (its transformed sources at the measured one-thread
+    rate) and the chunks it is cut into. Four trainer ranks on two cores packed as fast as one
+    (FP8 quantisation waits on memory more than on the cores), so no contention factor."""
     from fastsync.plan.replicate import sender_copies
 
-    share = max(1.0, model.plan.num_trainers / (os.cpu_count() or 1))
+    share = 1.0
     secs, chunks = [], []
     for r in range(model.plan.num_trainers):
         t_s, staged = 0.0, 0
@@ -200,13 +202,13 @@ def pack_estimate(model: BenchModel, rates: dict[str, float], slot_bytes: int) -
 
 
 def predict(model: BenchModel, hosts: HostMap, transports: list[str], *, nic_gbps: float, latency_ms: float,
-            cal: dict[str, float], rank0_bucket_bytes: int, staging_bytes: int = 256 << 20,
+            cal: dict[str, Any], rank0_bucket_bytes: int, staging_bytes: int = 256 << 20,
             num_slots: int = 2) -> dict[str, dict[str, Any]]:
     """Per transport: the simulator's prediction on this cluster and the bytes it plans across NICs."""
     from fastsync.sync.sender import RELAY_CHUNK_BYTES
 
     out: dict[str, dict[str, Any]] = {}
-    rates = pack_rates() if any(t.transform != "copy" for t in model.plan.transfers) else {}
+    rates = cal.get("pack_bytes_per_s") or {} if any(t.transform != "copy" for t in model.plan.transfers) else {}
     slot = staging_bytes // num_slots
     if model.plan.has_relays:
         slot = min(slot, RELAY_CHUNK_BYTES)

@@ -175,7 +175,8 @@ def simulate_on_hosts(plan: Plan, hosts: HostMap, *, nic_gbps: float, efficiency
     those cores move bytes through the network stack, for all hosts together (None: unlimited,
     as on a cluster of real machines whose NICs do the moving). ``relay_unit_bytes``: the most a
     relay forwards at once (it forwards what one trainer write batch completes), so a hop costs
-    the larger of it and the biggest relayed transfer. ``pack_seconds[r]``: trainer rank ``r``'s
+    the larger of it and the biggest relayed transfer, once per trainer rank (their last batches
+    land together and leave a relay together). ``pack_seconds[r]``: trainer rank ``r``'s
     packing compute (casts, FP8 quantisation) in ``pack_chunks[r]`` chunks; the first chunk is
     packed before anything is written, the rest overlaps the writes. ``fair_share``: the
     trainer -> engine connections share each host's NIC max-min fairly, as TCP does
@@ -190,8 +191,11 @@ def simulate_on_hosts(plan: Plan, hosts: HostMap, *, nic_gbps: float, efficiency
     fair_s = fair_share_seconds(list(flow_bytes(plan, hosts).values()), bw) if fair_share else 0.0
     intra_s = max((b / intra_bw for b in tr.intra), default=0.0)
     posting_s = max(tr.posts, default=0) * per_transfer_s
-    relay_s = tr.relay_hops * (max(tr.biggest_relayed, relay_unit_bytes if tr.relay_hops else 0) / bw
-                               + per_transfer_s)
+    # each hop ends one unit per trainer rank after the previous one: the trainer ranks' last
+    # batches land together (they share their hosts' NICs fairly), so the last hop carries them at once
+    origins = len({t.src_rank for t in plan.transfers}) if tr.relay_hops else 0
+    unit = max(tr.biggest_relayed, relay_unit_bytes) if tr.relay_hops else 0
+    relay_s = tr.relay_hops * (origins * unit / bw + per_transfer_s)
     latency_s = round_trips * 2 * latency_ms / 1e3
     cpu_s = (tr.cross_host_bytes + sum(tr.intra)) / gbps_to_bytes_per_s(cpu_gbps) if cpu_gbps else 0.0
     body = max(nic_s, fair_s, intra_s, posting_s, cpu_s)
