@@ -16,6 +16,8 @@ import time
 
 SIZE_BYTES = 3_000_003  # awkward on purpose
 TIMEOUT_S = 60.0
+#: where the store listens: loopback, or the store host's address on a host rig (tests/net)
+STORE_HOST = os.environ.get("FASTSYNC_STORE_HOST", "127.0.0.1")
 
 
 def _model():
@@ -41,7 +43,7 @@ def receiver(port: int) -> None:
     from fastsync.sync.receiver import WeightReceiver
     from fastsync.executor.staging import Landing, as_bytes
 
-    control = TCPStoreControl.client(port, timeout_s=TIMEOUT_S)
+    control = TCPStoreControl.client(port, host=STORE_HOST, timeout_s=TIMEOUT_S)
     model = _model()
     tensors = {n: torch.zeros(t.shape, dtype=getattr(torch, t.dtype)) for n, t in model.engine.tensors[0].items()}
     rx = WeightReceiver(rank=0, plan=model.plan, tensors=tensors, control=control, transport="nixl",
@@ -89,7 +91,7 @@ def sender(port: int) -> None:
     from fastsync.control import TCPStoreControl
     from fastsync.sync.sender import WeightSender
 
-    control = TCPStoreControl.client(port, timeout_s=TIMEOUT_S)
+    control = TCPStoreControl.client(port, host=STORE_HOST, timeout_s=TIMEOUT_S)
     model = _model()
     flat, views, _ = trainer_buffers(model, 0)
     tx = WeightSender(rank=0, plan=model.plan, sources=views, shards=model.trainer, control=control,
@@ -123,7 +125,7 @@ def attacker(port: int, args: dict) -> None:
     out: dict = {"has_secret": "FASTSYNC_JOB_SECRET" in os.environ}
     # 1. the store, with a guessed secret: refused at the handshake
     try:
-        c = TCPStoreControl.client(port, timeout_s=5, secret=os.urandom(32).hex())
+        c = TCPStoreControl.client(port, host=STORE_HOST, timeout_s=5, secret=os.urandom(32).hex())
         out["store_read"] = repr(c.try_get(args.get("read_key", "nixl/recv/0/meta")))
     except FastSyncError as e:
         out["store_refused"] = str(e)
@@ -132,7 +134,7 @@ def attacker(port: int, args: dict) -> None:
     raw_got = []
     for payload in (b"\x02" + len(b"fs/nixl/recv/0/meta").to_bytes(8, "little") + b"fs/nixl/recv/0/meta",
                     b"FSC1" + os.urandom(32)):
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        with socket.create_connection((STORE_HOST, port), timeout=10) as s:
             s.sendall(payload)
             data = b""
             try:
@@ -147,7 +149,7 @@ def attacker(port: int, args: dict) -> None:
             raw_got.append(len(data))
     out["raw_bytes_received"] = raw_got
     # 3. NIXL: without the receiver's metadata there is no agent to write to
-    os.environ["UCX_NET_DEVICES"] = "lo"
+    os.environ["UCX_NET_DEVICES"] = os.environ.get("FASTSYNC_NET_DEVICES", "lo")
     import numpy as np
     import torch
     from nixl._api import nixl_agent, nixl_agent_config
@@ -186,6 +188,21 @@ def attacker(port: int, args: dict) -> None:
                 a.get_new_notifs()
             time.sleep(0.005)
         out["notifs_sent"] = len(args["notifs"])
+    # 5. every other port the test found listening in the job's hosts: garbage, then hang up
+    scanned = {}
+    for addr in args.get("scan", []):
+        ip, _, p = addr.rpartition(":")
+        try:
+            with socket.create_connection((ip, int(p)), timeout=5) as s:
+                s.sendall(os.urandom(256))
+                s.settimeout(2)
+                try:
+                    scanned[addr] = len(s.recv(4096))
+                except OSError:
+                    scanned[addr] = 0
+        except OSError as e:
+            scanned[addr] = f"refused: {e}"
+    out["scanned"] = scanned
     print("RESULT " + json.dumps(out), flush=True)
 
 
