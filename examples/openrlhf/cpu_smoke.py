@@ -1,6 +1,7 @@
 """CPU smoke test of the OpenRLHF adapter: real parts, no GPU.
 
     python examples/openrlhf/cpu_smoke.py          # prints "match: true" when the sync worked
+    python examples/openrlhf/cpu_smoke.py --hosts 2  # trainers and engine on two Ray nodes (namespace hosts)
 
 Ray with a logical GPU, OpenRLHF's ``RolloutRayActor`` (fastsync's subclass) running the vLLM
 CPU engine, 2 DeepSpeed ZeRO-3 ranks over gloo (see ``fastsync_openrlhf.cpu_rig``). Two real
@@ -30,15 +31,46 @@ def _paths() -> str:
     return os.pathsep.join(extra)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hosts", type=int, choices=(1, 2), default=1,
+                    help="2: a real two-node Ray cluster on network-namespace hosts of this machine (root / "
+                         "CAP_NET_ADMIN), the DeepSpeed ranks on one, the vLLM engine on the other")
+    ap.add_argument("--nic-gbps", type=float, default=2.0, help="with --hosts 2: each host's NIC rate")
+    a = ap.parse_args(argv)
     pythonpath = _paths()
     from fastsync_openrlhf.cpu_rig import CpuRig, build_checkpoint
 
-    work = tempfile.mkdtemp(prefix="fastsync-openrlhf-smoke-")
-    rig = CpuRig(build_checkpoint(os.path.join(work, "ckpt")), os.path.join(work, "ray"), num_trainers=2,
-                 env={"PYTHONPATH": pythonpath})
-    ok = True
+    hosts = None
+    if a.hosts == 2:
+        from fastsync.bench.hosts import HostRig, check_shape, rig_unavailable
+
+        why = rig_unavailable()
+        if why is not None:
+            print(f"--hosts 2: {why}", file=sys.stderr)
+            return 2
+        check_shape(2, a.nic_gbps)
+        hosts = HostRig(2, a.nic_gbps)
+    work = tempfile.mkdtemp(prefix="fastsync-openrlhf-smoke-", dir="/tmp")
     try:
+        return _run(work, pythonpath, hosts)
+    finally:
+        if hosts is not None:
+            hosts.close()
+
+
+def _run(work: str, pythonpath: str, hosts) -> int:
+    from fastsync_openrlhf.cpu_rig import CpuRig, build_checkpoint
+
+    rig = CpuRig(build_checkpoint(os.path.join(work, "ckpt")), os.path.join(work, "ray"), num_trainers=2,
+                 env={"PYTHONPATH": pythonpath}, hosts=hosts)
+    ok = True
+    nic0 = hosts.nic_bytes(0)[0] if hosts is not None else 0
+    try:
+        if hosts is not None:
+            print(f"ray nodes: trainers on {hosts.addr(0)}, engine on {hosts.addr(1)}")
         print(f"engine + 2 DeepSpeed ZeRO-3 ranks started in {rig.start_s:.1f} s")
         for t in rig.make_trainers():
             print(f"trainer worker pid {t['pid']}: ppo_actor.ActorPPOTrainer = {t['ActorPPOTrainer']}")
@@ -50,6 +82,9 @@ def main() -> int:
             print(f"step {step}: loss {loss:.3f}, broadcast_to_vllm {max(r['seconds'] for r in res):.3f} s "
                   f"(version {res[0]['version']}), engine tokens == trainer tokens: {got == want}")
             ok = ok and got == want
+        if hosts is not None:
+            model_mb = sum(p.stat().st_size for p in Path(rig.model_dir).glob("*.safetensors")) / 1e6
+            print(f"trainer host NIC sent {(hosts.nic_bytes(0)[0] - nic0) / 1e6:.1f} MB (model {model_mb:.1f} MB)")
     finally:
         rig.close()
     print(f"match: {str(ok).lower()}")

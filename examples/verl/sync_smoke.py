@@ -2,7 +2,12 @@
 vLLM server (``vLLMHttpServer`` / AsyncLLM on the real vLLM CPU engine), driven by verl's
 ``CheckpointEngineManager.update_weights`` with ``checkpoint_engine.backend=fastsync``.
 
-    python examples/verl/sync_smoke.py [--preset tiny-qwen3] [--syncs 2] [--json]
+    python examples/verl/sync_smoke.py [--preset tiny-qwen3] [--syncs 2] [--hosts 2] [--json]
+
+``--hosts 2``: a real two-node Ray cluster on hosts made of network namespaces on this machine
+(``fastsync.bench.hosts``; root / CAP_NET_ADMIN): the trainer actors on one node, verl's vLLM
+server and rollout workers on the other, NIXL held to TCP over the hosts' NICs
+(``--nic-gbps``), the control store on the trainer node's address.
 
 What is verl's here and what is a stand-in (honestly):
 * rollout: verl's ``vLLMHttpServer`` as a named Ray actor (created as verl's ``vLLMReplica``
@@ -54,7 +59,7 @@ class Trainer:
     """One FSDP2 trainer rank with the fastsync backend, as verl's actor worker holds it."""
 
     def __init__(self, rank: int, world: int, gloo_port: int, model_dir: str, timeout_s: float,
-                 kwargs: dict) -> None:
+                 kwargs: dict, control_host: str = "127.0.0.1") -> None:
         import types
 
         import torch
@@ -90,7 +95,7 @@ class Trainer:
         fully_shard(self.model, mesh=mesh)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=0.02)
         self.engine = CheckpointEngineRegistry.new("fastsync", is_master=rank == 0, bucket_size=1 << 20,
-                                                   control_host="127.0.0.1", timeout_s=timeout_s, **kwargs)
+                                                   control_host=control_host, timeout_s=timeout_s, **kwargs)
         self.fake = types.SimpleNamespace(  # stand-in for verl's FSDPEngine: what get_per_tensor_param reads
             module=self.model, _uses_fsdp2_cpu_offload_policy=False, _is_offload_param=False, _qat_enabled=False,
             model_config=types.SimpleNamespace(lora={}, hf_config=self.model.config))
@@ -196,9 +201,30 @@ def main(argv: list[str] | None = None) -> int:
                     help="then replace the rollout worker (verl's remove_replicas/add_replicas with a new "
                          "CheckpointEngineWorker for the same server) and sync once more: a fresh session re-plans "
                          "against the live engine")
+    ap.add_argument("--hosts", type=int, choices=(1, 2), default=1,
+                    help="2: trainers and engine on two Ray nodes, each a network-namespace host of this machine")
+    ap.add_argument("--nic-gbps", type=float, default=2.0, help="with --hosts 2: each host's NIC rate")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     trainers_n = 2
+    rig = None
+    if a.hosts == 2:
+        from fastsync.bench.hosts import HostRig, check_shape, rig_unavailable
+
+        why = rig_unavailable()
+        if why is not None:
+            print(f"--hosts 2: {why}", file=sys.stderr)
+            return 2
+        check_shape(2, a.nic_gbps)
+        rig = HostRig(2, a.nic_gbps)
+    try:
+        return _main(a, trainers_n, rig)
+    finally:
+        if rig is not None:
+            rig.close()
+
+
+def _main(a, trainers_n: int, rig) -> int:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ["RAY_AUTH_MODE"] = "disabled"  # else Ray writes a token into the home folder
     work = tempfile.mkdtemp(prefix="fsverl-smoke-")
@@ -221,12 +247,23 @@ def main(argv: list[str] | None = None) -> int:
            "PYTHONPATH": os.environ.get("PYTHONPATH", ""), "TOKENIZERS_PARALLELISM": "false",
            "VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # vLLM's auto-binding asserts on a single-NUMA host
     ray_tmp = tempfile.mkdtemp(prefix="fsr", dir="/tmp")  # AF_UNIX socket paths under it must stay < 108 bytes
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=not a.json,
-             _temp_dir=ray_tmp,
-             runtime_env={"env_vars": env, "worker_process_setup_hook": "fastsync_verl.cpu.use_cpu_platform"})
+    setup_hook = {"worker_process_setup_hook": "fastsync_verl.cpu.use_cpu_platform"}
+    if rig is not None:  # each node's NIC, UCX and gloo settings come from its host's environment
+        env.pop("GLOO_SOCKET_IFNAME")
+        address = rig.start_ray(ray_tmp, num_cpus=2, env={**env, "PYTHONPATH": os.pathsep.join(sys.path)})
+        rig.enter_for_good(0)  # the driver lives on the trainer node
+        ray.init(address=address, log_to_driver=not a.json, runtime_env={"env_vars": env, **setup_hook})
+    else:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=not a.json,
+                 _temp_dir=ray_tmp, runtime_env={"env_vars": env, **setup_hook})
+    a.place = (lambda h: {"resources": {f"fs_host{h}": 1}}) if rig is not None else (lambda h: {})
+    a.control_host = rig.addr(0) if rig is not None else "127.0.0.1"
     result: dict = {}
+    nic0 = rig.nic_bytes(0)[0] if rig is not None else 0
     try:
         result = run(a, model_dir, DEFAULT_PROMPTS, EXTENSION_PATH, trainers_n)
+        if rig is not None:  # what left the trainer node through its NIC (the weights, and Ray's traffic)
+            result["trainer_host_nic_tx_bytes"] = rig.nic_bytes(0)[0] - nic0
     except Exception as e:  # noqa: BLE001 - reported as JSON
         result = {"ok": False, "error": f"{type(e).__name__}: {str(e)[-2000:]}"}
     finally:
@@ -250,7 +287,7 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
 
     ce = CheckpointEngineConfig(backend="fastsync", custom_backend_module="fastsync_verl",
                                 update_weights_bucket_megabytes=1,
-                                engine_kwargs={"fastsync": {"control_host": "127.0.0.1", "timeout_s": a.timeout_s,
+                                engine_kwargs={"fastsync": {"control_host": a.control_host, "timeout_s": a.timeout_s,
                                                             **KWARGS}})
     rollout = RolloutConfig(name="vllm", mode="async", tensor_model_parallel_size=a.tp, dtype="float32",
                             enforce_eager=True, max_model_len=512, load_format="auto", free_cache_engine=False,
@@ -261,16 +298,16 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
     model = HFModelConfig(path=model_dir)
     t0 = time.perf_counter()
     # verl's own server class, created as vLLMReplica.launch_servers does (named vllm_server_{replica}_{node})
-    server = ray.remote(vLLMHttpServer).options(name="vllm_server_0_0", num_cpus=0).remote(
+    server = ray.remote(vLLMHttpServer).options(name="vllm_server_0_0", num_cpus=0, **a.place(1)).remote(
         config=rollout, model_config=model, rollout_mode=RolloutMode.STANDALONE, workers=[], replica_rank=0,
         node_rank=0, gpus_per_node=a.tp, nnodes=1, cuda_visible_devices=",".join(str(i) for i in range(a.tp)))
     launched = server.launch_server.remote()
     gloo = _free_port()
-    trainer_cls = ray.remote(num_cpus=0)(Trainer)
-    trainers = [trainer_cls.remote(r, trainers_n, gloo, model_dir, a.timeout_s, KWARGS)
+    trainer_cls = ray.remote(num_cpus=0)(Trainer).options(**a.place(0))
+    trainers = [trainer_cls.remote(r, trainers_n, gloo, model_dir, a.timeout_s, KWARGS, a.control_host)
                 for r in range(trainers_n)]
     ray.get(launched, timeout=600)
-    worker_cls = ray.remote(num_cpus=0)(rollout_worker_cls())
+    worker_cls = ray.remote(num_cpus=0)(rollout_worker_cls()).options(**a.place(1))
     port = _free_port()  # one rollout worker per engine worker (verl: one per GPU), rank 0 the leader
     workers = [worker_cls.remote(rollout, model, port, r, a.tp) for r in range(a.tp)]
     worker = workers[0]
@@ -343,7 +380,17 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
             "rollout_setups": syncs[-1]["rollout_setups"], "trainer_setups": [s["trainer_setups"] for s in syncs][-1],
             "readd": readd,
             "server": "verl.workers.rollout.vllm_rollout.vllm_async_server.vLLMHttpServer", "server_adapter": adapter,
-            "extension": extension, "trainers": trainers_n, "tp": a.tp, "preset": a.preset, "start_s": round(start_s, 1)}
+            "extension": extension, "trainers": trainers_n, "tp": a.tp, "preset": a.preset, "start_s": round(start_s, 1),
+            "hosts": a.hosts, "nodes": _nodes(trainers, server)}
+
+
+def _nodes(trainers: list, server) -> dict:
+    """The Ray node address each side ran on (two different hosts with --hosts 2)."""
+    import ray
+
+    where = lambda self: ray.util.get_node_ip_address()  # noqa: E731
+    return {"trainers": sorted(set(ray.get([t.__ray_call__.remote(where) for t in trainers], timeout=60))),
+            "server": ray.get(server.__ray_call__.remote(where), timeout=60)}
 
 
 if __name__ == "__main__":

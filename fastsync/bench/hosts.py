@@ -138,8 +138,8 @@ def _namespaces() -> list[str]:
 def _remove(names: Sequence[str]) -> None:
     """Kill every process inside ``names`` and delete the namespaces (veths and qdiscs go too)."""
     for ns in names:
-        pids = _ip("netns", "pids", ns, check=False).stdout.split()
-        for pid in pids:
+        pids = [p for p in _ip("netns", "pids", ns, check=False).stdout.split() if p != str(os.getpid())]
+        for pid in pids:  # never this process: a Ray driver may have moved into a host (enter_for_good)
             with contextlib.suppress(ProcessLookupError, ValueError, PermissionError):
                 os.kill(int(pid), signal.SIGKILL)
     for ns in names:
@@ -392,6 +392,34 @@ class HostRig:
         for h in self.hosts:
             for ns, dev in self._both_ends(h.index):
                 _tc(ns, "qdisc", "change", "dev", dev, "root", "handle", "1:", *self._tbf_args())
+
+    def start_ray(self, temp_dir: str, port: int = 6380, num_cpus: int = 2,
+                  env: dict[str, str] | None = None, timeout_s: float = 180.0, num_gpus: int = 0) -> str:
+        """A real multi-node Ray cluster on the rig: the head on host 0, a worker node on every
+        other host, each bound to its host's address, with a custom resource ``fs_host{i}`` to pin
+        actors to host ``i``, and the host's environment (NIC, NIXL held to TCP, gloo's interface)
+        inherited by every worker process Ray starts there. Returns the address for
+        ``ray.init``. ``num_gpus``: logical GPUs per node (OpenRLHF places engines by them). Ray shells out here (``ray start``): fastsync itself does not import Ray. The
+        nodes go with the rig (:meth:`close` kills what runs inside its namespaces); nothing is
+        started in, or reached from, the caller's namespace (the hosts have no route out, so Ray's
+        probe of a public resolver for its own address fails at once, locally)."""
+        ray = os.path.join(os.path.dirname(sys.executable), "ray")
+        head = f"{self.addr(0)}:{port}"
+        for h in self.hosts:
+            args = [ray, "start", f"--node-ip-address={h.addr}", f"--num-cpus={num_cpus}",
+                    f"--temp-dir={os.path.join(temp_dir, f'h{h.index}')}", f'--resources={{"fs_host{h.index}": 100}}',
+                    "--disable-usage-stats"] + ([f"--num-gpus={num_gpus}"] if num_gpus else [])
+            args += (["--head", f"--port={port}", "--include-dashboard=false"] if h.index == 0 else [f"--address={head}"])
+            r = self.run(h.index, args, timeout_s=timeout_s, env={**os.environ, **(env or {}), "RAY_AUTH_MODE": "disabled"})
+            if r.returncode:
+                raise ConfigError(f"host rig: ray start on host {h.index} failed: {r.stderr[-1500:]}")
+        return head
+
+    def enter_for_good(self, i: int) -> None:
+        """Move this whole process (its calling thread, and threads it starts later) into host
+        ``i``'s namespace, e.g. a Ray driver that must reach the rig's addresses. Call before the
+        process starts threads that need the network."""
+        _setns(f"/run/netns/{self.hosts[i].ns}")
 
     def names(self) -> list[str]:
         return [self.switch] + [h.ns for h in self.hosts]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import socket
 import time
 from pathlib import Path
@@ -264,7 +265,10 @@ class CpuRig:
     ZeRO-3 ranks. ``env`` reaches every Ray worker (e.g. PYTHONPATH with a flash_attn stand-in)."""
 
     def __init__(self, model_dir: str, tmp_dir: str, *, num_trainers: int = 2, dtype: str = "float32",
-                 env: dict[str, str] | None = None, start_timeout_s: float = 300.0) -> None:
+                 env: dict[str, str] | None = None, start_timeout_s: float = 300.0, hosts: Any = None) -> None:
+        """``hosts``: a ``fastsync.bench.hosts.HostRig`` of 2 hosts: a real two-node Ray cluster,
+        the trainer ranks (and this driver) on host 0, the engine on host 1, the control store on
+        host 0's address."""
         import ray
 
         from fastsync_openrlhf.rollout import OPENRLHF_EXTENSION, FastSyncRolloutRayActor
@@ -276,19 +280,30 @@ class CpuRig:
                     **{k: v for k, v in (env or {}).items() if k != "PYTHONPATH"}}
         self._saved_auth = os.environ.get("RAY_AUTH_MODE")
         os.environ["RAY_AUTH_MODE"] = "disabled"  # else Ray writes a token into the home folder
-        ray.init(address="local", num_cpus=num_trainers + 2, num_gpus=1, include_dashboard=False,
-                 log_to_driver=bool(os.environ.get("FASTSYNC_RIG_LOGS")), _temp_dir=tmp_dir,
-                 runtime_env={"env_vars": env_vars})
+        self.control_host = "127.0.0.1"
+        place = [{}, {}]
+        if hosts is not None:  # each node's NIC settings come from its host's environment
+            address = hosts.start_ray(tmp_dir, num_cpus=num_trainers + 2, num_gpus=1,
+                                      env={**env_vars, "PYTHONPATH": os.pathsep.join([env_vars["PYTHONPATH"], *sys.path])})
+            hosts.enter_for_good(0)  # the driver lives on the trainer node
+            ray.init(address=address, log_to_driver=bool(os.environ.get("FASTSYNC_RIG_LOGS")),
+                     runtime_env={"env_vars": env_vars})
+            self.control_host = hosts.addr(0)
+            place = [{"resources": {"fs_host0": 1}}, {"resources": {"fs_host1": 1}}]
+        else:
+            ray.init(address="local", num_cpus=num_trainers + 2, num_gpus=1, include_dashboard=False,
+                     log_to_driver=bool(os.environ.get("FASTSYNC_RIG_LOGS")), _temp_dir=tmp_dir,
+                     runtime_env={"env_vars": env_vars})
         self.ray = ray
         t0 = time.perf_counter()
         # the kwargs OpenRLHF's create_vllm_engines passes, with CPU-sized memory and the test's dtype
-        self.engine = FastSyncRolloutRayActor.options(num_cpus=1, num_gpus=1).remote(
+        self.engine = FastSyncRolloutRayActor.options(num_cpus=1, num_gpus=1, **place[1]).remote(
             model=model_dir, enforce_eager=True, worker_extension_cls=OPENRLHF_EXTENSION, tensor_parallel_size=1,
             seed=0, distributed_executor_backend="uni", max_model_len=256, enable_prefix_caching=False, dtype=dtype,
             trust_remote_code=True, full_determinism=False, bundle_indices=None, num_gpus=1,
             enable_sleep_mode=False, skip_tokenizer_init=True, kv_cache_memory_bytes=64 << 20)
         port = _free_port()
-        actor = ray.remote(num_cpus=1)(TrainerRank)
+        actor = ray.remote(num_cpus=1)(TrainerRank).options(**place[0])
         self.trainers = [actor.remote(r, num_trainers, port, model_dir) for r in range(num_trainers)]
         ray.get(self.engine.get_num_unfinished_requests.remote(), timeout=start_timeout_s)
         ray.get([t.__ray_ready__.remote() for t in self.trainers], timeout=start_timeout_s)
@@ -298,7 +313,7 @@ class CpuRig:
         return self.ray.get([getattr(t, method).remote(*args) for t in self.trainers], timeout=timeout_s)
 
     def make_trainers(self, fastsync: dict | None = None) -> list[dict]:
-        return self._all("make_trainer", [self.engine], fastsync)
+        return self._all("make_trainer", [self.engine], {"control_host": self.control_host, **(fastsync or {})})
 
     def broadcast_to_vllm(self) -> list[dict]:
         return self._all("broadcast_to_vllm")
