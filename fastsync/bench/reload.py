@@ -42,6 +42,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     # ~205M parameters, 410 MB in bf16
     "qwen3-400m": {"vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2752, "num_hidden_layers": 12,
                    "num_attention_heads": 16, "num_key_value_heads": 8},
+    # ~60M parameters, 120 MB in bf16: reload-bench --hosts (several engines on one machine)
+    "qwen3-120m": {"vocab_size": 32000, "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8,
+                   "num_attention_heads": 8, "num_key_value_heads": 4},
     # a few MB: the CLI test
     # vocab 512: a vocab vLLM pads (e.g. 515 -> 576) fails fastsync_describe (issue noted in README)
     "qwen3-tiny": {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 200, "num_hidden_layers": 2,

@@ -13,6 +13,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=3, help="peer reloads and cold/warm checkpoint loads (median)")
     p.add_argument("--workdir", default=None, help="where presets are written (default ~/.cache/fastsync/reload-bench)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds allowed per reload")
+    p.add_argument("--hosts", type=int, default=None, metavar="H",
+                   help="K joining engines (--joiners) filled at once from H live holders, each engine on its own "
+                        "network-namespace host, against the same engines fetching the checkpoint from a storage host "
+                        "over HTTP (needs root / CAP_NET_ADMIN)")
+    p.add_argument("--joiners", type=int, default=4, help="with --hosts: engines joining at once (default 4)")
+    p.add_argument("--nic-gbps", type=float, default=1.0, help="with --hosts: each host's NIC rate (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -29,6 +35,21 @@ def run(args: argparse.Namespace) -> int:
 
     # with --json, stdout carries only the report: libraries' log lines (NIXL logs to stdout) go to stderr
     quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
+    if args.hosts is not None:
+        from fastsync.bench.reload_hosts import run_reload_bench_hosts
+
+        with quiet:
+            r = run_reload_bench_hosts(args.model, holders=args.hosts, joiners=args.joiners, nic_gbps=args.nic_gbps,
+                                       repeats=args.repeats, workdir=args.workdir, timeout_s=args.timeout * 3)
+        if args.json:
+            print(json.dumps(r, indent=2))
+        else:
+            w = r["weights_seconds"]
+            print(f"reload-bench {r['model']}: {r['checkpoint_bytes'] / 1e6:.0f} MB checkpoint, {r['joiners']} engines "
+                  f"joining at once, {r['holders']} live holders, NICs {r['nic_gbps']:g} Gb/s, {r['engine']}")
+            print(f"weights: peer {w['peer']:.2f} s, checkpoint from the storage host {w['checkpoint']:.2f} s: "
+                  f"{r['speedup_weights']:.2f}x; ready: {r['speedup_ready']:.2f}x; verified {r['verified']}")
+        return 0 if r["verified"] else 1
     with quiet:
         r = run_reload_bench(args.model, repeats=args.repeats, workdir=args.workdir, timeout_s=args.timeout)
     if args.json:

@@ -156,6 +156,9 @@ class PeerReload:
         ctl = self.control.with_prefix(prefix)
         base = {"control_port": self.control.port, "control_prefix": prefix, "handshake_version": _HANDSHAKE_VERSION,
                 "weight_version": version, "timeout_s": self.timeout_s}
+        host = getattr(self.control, "host", None)
+        if host:  # the store's address, as the engines' workers reach it (another host on a cluster)
+            base["control_host"] = host
         secret = getattr(self.control, "secret", None)
         if secret:  # the job secret: the workers' store clients and NIXL notifications need it
             base["control_secret"] = secret.hex()

@@ -29,3 +29,17 @@ def test_bench_refuses_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert "carrier-pigeon" in capsys.readouterr().err
     assert main(["bench", "--trainers", "0", "--rollouts", "1", "--size-gb", "1"]) == 2
     assert main(["bench", "--trainers", "2", "--rollouts", "1"]) == 2
+
+
+@pytest.mark.slow
+def test_readme_relay_command_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's relay command (``--trainers 2 --rollouts 4 --replicas 4 --size-gb 0.5 --transport
+    nixl``) used to fail in every worker: the parent planned without ``replicas``/``fanout`` while the
+    workers planned with them ("this process planned c87f..., the parent 6185...")."""
+    rc = main(["bench", "--trainers", "2", "--rollouts", "4", "--replicas", "4", "--size-gb", "0.5", "--transport",
+               "nixl", "--steps", "1", "--json", "--progress", "off"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["error"] is None, out["error"]
+    r = out["transports"]["nixl"]
+    assert r["verified"] is True and out["fanout"] == "chain" and out["replicas"] == 4
+    assert r["relayed_bytes"] > 0 and r["trainer_egress_bytes_max"] <= 1.05 * out["trainer_shard_bytes_max"]

@@ -81,3 +81,23 @@ def test_delta_bench_across_two_hosts(host_rig) -> None:
     assert out["summary"]["verified"] and out["hosts"] == 2 and out["nic_gbps"] == 0.8
     assert all(s["bytes_delta"] < s["bytes_dense"] for s in out["steps"])
     assert abs(out["trainer_nic_tx_bytes"] / out["planned_bytes_all_syncs"] - 1) < 0.10, out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not availability("nixl")[0], reason="NIXL is not importable here")
+def test_reload_bench_engines_joining_at_once_from_peers_and_from_a_storage_host(host_rig) -> None:
+    """``fastsync reload-bench --hosts H --joiners K``: real vLLM engines, each on its own host;
+    every joining engine filled from a live peer over the NICs and, separately, from the
+    checkpoint fetched over HTTP from the storage host, each verified against a holder; the
+    storage host's NIC carried every joiner's copy in the second case, the holders' in the first."""
+    got = subprocess.run([sys.executable, "-m", "fastsync.cli", "reload-bench", "--model", "qwen3-tiny", "--hosts", "1",
+                          "--joiners", "2", "--nic-gbps", "1", "--repeats", "1", "--json"],
+                         capture_output=True, text=True, timeout=1200)
+    assert got.returncode == 0, got.stderr[-3000:]
+    out = json.loads(got.stdout)
+    assert out["verified"] and out["joiners"] == 2 and out["holders"] == 1
+    r = out["rounds"][0]
+    size = out["checkpoint_bytes"]
+    assert r["peer_nic_tx_bytes"]["holders"] > 1.5 * size and r["peer_nic_tx_bytes"]["storage"] < 0.1 * size, r
+    assert r["checkpoint_nic_tx_bytes"]["storage"] > 1.9 * size and r["checkpoint_nic_tx_bytes"]["holders"] < 0.1 * size
+    assert out["weights_seconds"]["peer"] > 0 and out["weights_seconds"]["checkpoint"] > 0
