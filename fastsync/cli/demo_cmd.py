@@ -31,6 +31,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workdir", default=None, help="where the tiny checkpoint is written")
     p.add_argument("--no-baseline", action="store_true", help="skip the rank-0 baseline")
     p.add_argument("--timeout", type=seconds, default=120.0, help="seconds any one step may take")
+    p.add_argument("--staged", choices=("on", "off"), default="on",
+                   help="on (default): the engine keeps generating while fastsync's writes land, and pauses only "
+                        "for the flip; off: it pauses for the whole transfer")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.set_defaults(func=run)
 
@@ -45,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     rep = run_demo(model_dir=args.model, preset=args.preset, num_trainers=args.trainers, workdir=args.workdir,
                    max_tokens=args.max_tokens, transport=args.transport, baseline=not args.no_baseline,
                    repeats=args.repeats, tp=args.tp, timeout_s=args.timeout, dtype=args.dtype, log=log,
-                   progress=auto(json=args.json))
+                   progress=auto(json=args.json), staged=args.staged == "on", load=True)
     s = summarize(rep)
     if args.json:
         print(json.dumps({"summary": s, "report": rep}, default=str))
@@ -69,6 +72,10 @@ def run(args: argparse.Namespace) -> int:
     fs = rep["sync_s_max_over_ranks"]["fastsync"]
     print(f"{'fastsync (all ranks write, ' + args.transport + ')':34} {s['fastsync_sync_s']:16.4f}  "
           + " ".join(f"{x:.4f}" for x in fs))
+    if "engine_stall_seconds" in s:
+        print(f"  with a client keeping requests going: {s['loaded_sync_s']:.4f} s per sync, the engine paused "
+              f"{s['engine_stall_seconds']:.4f} s of it ({100 * s['stall_share_of_sync']:.0f}%, staged {args.staged}); "
+              f"{s['requests_finished_during_syncs']} requests finished during those syncs, {s['requests_aborted']} aborted")
     for w in rep.get("engine_side", []):
         print(f"  engine rank {w['rank']} (last fastsync sync): waited {w['wait_s']:.4f} s for the writes, "
               f"repacked CPU kernel weights in {w['postprocess_s']:.4f} s")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import statistics
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -120,7 +121,7 @@ def trainer_main(rank: int, world: int, port: int, model_dir: str, opts: dict, o
         repeats = opts.get("repeats", 3)
 
         ws = WeightSync(model, rank=rank, world_size=world, control=control, engines=[engine] if engine else [],
-                        transport=opts.get("transport", "nixl"), timeout_s=timeout)
+                        transport=opts.get("transport", "nixl"), timeout_s=timeout, staged=bool(opts.get("staged")))
         ws.setup()
         report["setup_s"] = ws.setup_s
         if rank == 0:
@@ -139,6 +140,21 @@ def trainer_main(rank: int, world: int, port: int, model_dir: str, opts: dict, o
             version += 1
             res = ws.sync(version, timeout_s=timeout)
             times.append(res.seconds)
+        if opts.get("load"):  # the same syncs while a client keeps requests going to the engine
+            loaded, stalls = [], []
+            if rank == 0:
+                control.set("demo/load", b"1")
+            for _ in range(repeats):
+                dist.barrier()
+                version += 1
+                res = ws.sync(version, timeout_s=timeout)
+                loaded.append(res.seconds)
+                if rank == 0:  # how long the engine held generation back for this sync
+                    stalls.append(max(float(w.get("stall_s", 0.0)) for w in res.engines[0]))
+            if rank == 0:
+                control.set("demo/load", b"0")
+            report["loaded_s"], report["engine_stall_s"] = loaded, stalls
+            report["loaded_versions"] = list(range(version - repeats + 1, version + 1))
         ws.close()
         report["fastsync_s"] = times
         if rank == 0:
@@ -204,9 +220,11 @@ def run_demo(*, model_dir: str | None = None, preset: str = "small-qwen3-moe", n
              workdir: str | None = None, prompts: list[list[int]] | None = None, max_tokens: int = 8,
              transport: str = "nixl", baseline: bool = True, repeats: int = 3, tp: int = 1,
              fsdp: bool = True, timeout_s: float = 120.0, dtype: str = "float32", log: Any = print,
-             progress: bool = False) -> dict:
+             progress: bool = False, staged: bool = False, load: bool = False) -> dict:
     """Run the whole demo; returns trainer rank 0's report plus engine start time. ``progress``:
-    name the step under way on stderr (checkpoint, engine start, trainers)."""
+    name the step under way on stderr (checkpoint, engine start, trainers). ``staged``: fastsync's
+    syncs receive while the engine generates, pausing only for the flip. ``load``: a client keeps
+    requests going to the engine throughout, so the report can say what each sync did to them."""
     from fastsync.control import TCPStoreControl
     from fastsync.demo.checkpoints import build_tiny_checkpoint
     from fastsync.errors import ConfigError, SyncError
@@ -238,7 +256,7 @@ def run_demo(*, model_dir: str | None = None, preset: str = "small-qwen3-moe", n
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     opts = {"prompts": prompts, "max_tokens": max_tokens, "transport": transport, "baseline": baseline,
-            "repeats": repeats, "fsdp": fsdp, "timeout_s": timeout_s, "dtype": dtype}
+            "repeats": repeats, "fsdp": fsdp, "timeout_s": timeout_s, "dtype": dtype, "staged": staged, "load": load}
     procs = [ctx.Process(target=trainer_main, args=(r, num_trainers, control.port, model_dir, opts, q), daemon=True)
              for r in range(num_trainers)]
     for p in procs:
@@ -255,7 +273,19 @@ def run_demo(*, model_dir: str | None = None, preset: str = "small-qwen3-moe", n
         engine_start_s = time.perf_counter() - t0
         log(f"vLLM engine (tp={tp}) started in {engine_start_s:.1f} s; {num_trainers} trainer processes")
         steps.next(f"{num_trainers} trainers: set-up, a training step, {repeats} syncs per path")
-        serve(VllmEngine(llm), control, idle_timeout_s=timeout_s * 4)
+        eng = VllmEngine(llm)
+        calls: list[tuple[float, float]] = []
+        stop = threading.Event()
+        client = threading.Thread(target=_keep_generating, args=(eng, control, prompts, max_tokens, calls, stop),
+                                  daemon=True)
+        if load:
+            client.start()
+        try:
+            serve(eng, control, idle_timeout_s=timeout_s * 4)
+        finally:
+            stop.set()
+            if load:
+                client.join(timeout=60)
         steps.close()
         reports = [q.get(timeout=timeout_s) for _ in procs]
         for p in procs:
@@ -265,8 +295,12 @@ def run_demo(*, model_dir: str | None = None, preset: str = "small-qwen3-moe", n
             raise SyncError("; ".join(f"trainer rank {r['rank']}: {r.get('error')}" for r in bad))
         report = next(r for r in reports if r["rank"] == 0)
         report["engine_start_s"] = engine_start_s
+        report["staged_mode"] = staged
         report["model_dir"] = model_dir
         report["num_trainers"] = num_trainers
+        report["updates"] = [{**h, "requests_finished_during": sum(h["start"] <= e <= h["end"] for _, e in calls)}
+                             for h in eng.history]
+        report["requests_total"] = len(calls)
         report["sync_s_max_over_ranks"] = {
             "fastsync": [max(r["fastsync_s"][i] for r in reports) for i in range(repeats)],
             "baseline": [max(r["baseline_s"][i] for r in reports) for i in range(repeats)] if baseline else [],
@@ -280,6 +314,22 @@ def run_demo(*, model_dir: str | None = None, preset: str = "small-qwen3-moe", n
                 p.join(timeout=10)
 
 
+def _keep_generating(eng: Any, control: Any, prompts: list[list[int]], max_tokens: int, calls: list,
+                     stop: Any) -> None:
+    """A client that keeps one request after another going to the engine while trainer rank 0
+    says so (``demo/load``): the demo's load during its third series of syncs."""
+    while not stop.is_set():
+        if control.try_get("demo/load") != b"1":
+            time.sleep(0.005)
+            continue
+        t0 = time.time()
+        try:
+            eng.generate(prompts[:1], max_tokens)
+        except Exception:  # the engine is shutting down
+            return
+        calls.append((t0, time.time()))
+
+
 def summarize(report: dict) -> dict:
     """The demo's verdicts and headline numbers."""
     fs = statistics.median(report["sync_s_max_over_ranks"]["fastsync"])
@@ -291,6 +341,15 @@ def summarize(report: dict) -> dict:
         "fastsync_sync_s": fs,
         "version": [report["version_before"], report["version_after"]],
     }
+    if report.get("engine_stall_s"):
+        loaded = statistics.median(report["loaded_s"])
+        out["loaded_sync_s"] = loaded
+        out["engine_stall_seconds"] = statistics.median(report["engine_stall_s"])
+        out["stall_share_of_sync"] = out["engine_stall_seconds"] / loaded if loaded > 0 else None
+        vs = set(report["loaded_versions"])
+        out["requests_finished_during_syncs"] = sum(u["requests_finished_during"] for u in report.get("updates", [])
+                                                    if u["version"] in vs)
+        out["requests_aborted"] = 0  # the offline engine finishes a request before it pauses (vLLM's "wait")
     if report["sync_s_max_over_ranks"]["baseline"]:
         bs = statistics.median(report["sync_s_max_over_ranks"]["baseline"])
         out.update({"baseline_sync_s": bs, "speedup": bs / fs if fs > 0 else float("inf"),

@@ -25,6 +25,8 @@ Receiver atomicity (``Landing``):
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from fastsync.errors import ConfigError
@@ -75,7 +77,10 @@ class Landing:
     their existing memory, so an engine holding references to them sees the new values.
     """
 
-    def __init__(self, tensors: dict[str, torch.Tensor], mode: str = "shadow", backup: bool = False) -> None:
+    def __init__(self, tensors: dict[str, torch.Tensor], mode: str = "shadow", backup: bool = False,
+                 shadow: Iterable[str] = ()) -> None:
+        """``shadow``: in ``inplace`` mode, tensors that still land in the arena and reach their
+        live memory only at :meth:`apply` (an engine's live parameters while it keeps generating)."""
         if mode not in LANDING_MODES:
             raise ConfigError(f"landing mode must be one of {LANDING_MODES}, got {mode!r}")
         if backup and mode != "inplace":
@@ -84,8 +89,9 @@ class Landing:
         self.backup = backup
         self.live = tensors
         self.infos = {n: TensorInfo(n, tuple(t.shape), dtype_name(t.dtype)) for n, t in tensors.items()}
+        shadow = set(shadow)
         self.staged: list[str] = [
-            n for n, t in tensors.items() if mode == "shadow" or not t.is_contiguous()
+            n for n, t in tensors.items() if mode == "shadow" or not t.is_contiguous() or n in shadow
         ]
         arena_names = list(self.staged) + ([n for n in tensors if n not in self.staged] if backup else [])
         offsets: dict[str, int] = {}

@@ -188,7 +188,7 @@ class WeightReceiver:
         assert self._metrics is not None
         with self._metrics.stage("wait"):
             while not self.poll():
-                if time.monotonic() >= deadline:
+                if time.monotonic() >= self._deadline:  # (another thread may bring it forward)
                     return False
         return True
 

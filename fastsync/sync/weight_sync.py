@@ -116,6 +116,12 @@ class WeightSync:
     does not hold the version the trainer rank encoded against (restarted, rolled back, new) gets
     every element of its links densely inside the stream, never a delta against another base.
 
+    ``staged=True``: the engines keep generating while the writes land (in staging and shadow
+    memory, off the live model); an update holds generation back only for the flip (copying the
+    shadows in, the CPU repacks): each engine's reply carries ``stall_s``. Costs a shadow and a
+    flip snapshot of every in-place parameter (refused at set-up, naming the option, when the
+    engine host lacks the memory).
+
     ``trace_dir`` (an existing folder): each rank writes ``trainer{rank}.json`` there after every
     sync, a Chrome trace of its phases and, on rank 0, its engines' (``fastsync.sync.trace_dir``;
     merge with ``merge_trace_dir``, open in ui.perfetto.dev). Turns span recording on in the process.
@@ -139,6 +145,7 @@ class WeightSync:
         control_port: int | None = None,
         trace_dir: str | None = None,
         delta: bool = False,
+        staged: bool = False,
     ) -> None:
         check_count("world_size", world_size, hi=MAX_WORLD_SIZE)
         check_count("rank", rank, lo=0, hi=world_size - 1)
@@ -159,6 +166,11 @@ class WeightSync:
             raise ConfigError(f"delta must be True or False, got {delta!r}")
         if delta and transport != "nixl":
             raise ConfigError(f"delta=True writes over NIXL; transport={transport!r} does not support it")
+        if not isinstance(staged, bool):
+            raise ConfigError(f"staged must be True or False, got {staged!r}")
+        if staged and delta:
+            raise ConfigError("staged=True and delta=True together are not supported yet (a delta patches the live "
+                              "tensors in place); choose one")
         if control_port is not None:
             check_count("control_port", control_port, hi=65535)
         self.model = model
@@ -172,6 +184,7 @@ class WeightSync:
         self.name = name
         self.verify = verify
         self.delta = delta
+        self.staged = staged
         self._dense_next = True  # the first sync after set-up, and the one after a failure, go dense
         self.last_kind = ""  # "dense" or "delta": what trainer rank 0 chose for the last sync
         self.control_port = control_port if control_port is not None else getattr(control, "port", None)
@@ -303,6 +316,8 @@ class WeightSync:
                    "verify": self.verify, "control_prefix": getattr(self.control, "prefix", "fs")}
         if self.delta:
             options["delta"] = True
+        if self.staged:
+            options["staged"] = True
         if self._trace is not None:
             options["trace"] = True
         self.control.set(setup_plan_key(self.name, self._setups), plan_json)

@@ -325,6 +325,83 @@ def test_delta_sync_into_the_live_engine_with_rollback_and_dense_resync(rig):
             w.close()
 
 
+def test_staged_sync_keeps_generating_and_pauses_only_for_the_flip(rig):
+    """WeightSync(staged=True): the writes land in staging and shadow memory while a client keeps
+    generating; every request returns the old model's or the new model's greedy tokens, never a
+    mix (no forward pass sees two versions); requests finish during the sync on the old version;
+    the engine holds generation back only for the flip. A staged version one trainer rank never
+    sends is refused and the engine keeps serving (and kept generating) its last version."""
+    ws = [WeightSync(rank=r, world_size=2, control=rig.control.with_prefix("staged"),
+                     engines=[rig.engine] if r == 0 else [], transport="nixl", timeout_s=TIMEOUT_S, layout=rig.layout,
+                     sources=rig.sources[r], name="staged", control_port=rig.control.port, staged=True)
+          for r in range(2)]
+    one = [PROMPTS[0]]
+    calls: list[tuple[float, list[int], float]] = []
+    stop = threading.Event()
+
+    def client() -> None:
+        while not stop.is_set():
+            t0 = time.time()
+            got = rig.engine.generate(one, MAX_TOKENS)[0]
+            calls.append((t0, got, time.time()))
+
+    def sync(ranks=(0, 1), timeout_s=TIMEOUT_S):
+        rig.version += 1
+        return run_ranks([lambda r=r: ws[r].sync(rig.version, timeout_s=timeout_s) for r in ranks],
+                         timeout_s=timeout_s + 30)
+
+    th = threading.Thread(target=client, daemon=True)
+    try:
+        run_ranks([lambda r=r: ws[r].setup() for r in range(2)])
+        old = rig.engine.generate(one, MAX_TOKENS)[0]
+        assert [old] == hf_greedy(rig.hf, one, MAX_TOKENS)
+        rig.step(seed=21)
+        new = hf_greedy(rig.hf, one, MAX_TOKENS)[0]
+        assert new != old
+        th.start()
+        time.sleep(0.3)
+        t0 = time.time()
+        res = sync()
+        t1 = time.time()
+        time.sleep(0.3)
+        stop.set()
+        th.join(60)
+        assert {tuple(c[1]) for c in calls} <= {tuple(old), tuple(new)}, "a request saw two versions"
+        during = [c for c in calls if t0 <= c[0] and c[2] <= t1]
+        assert any(c[1] == old for c in during), (len(calls), t1 - t0)  # generation went on while the writes landed
+        assert calls[-1][1] == new and rig.engine_tokens() == rig.hf_tokens()
+        reply = res[0].engines[0][0]
+        assert reply["stall_s"] < res[0].seconds and reply["received_s"] > 0, reply
+        # a staged version trainer rank 1 never sends: refused, the last version kept
+        before = rig.engine_tokens()
+        rig.step(seed=22)
+        with pytest.raises(SyncError):
+            sync(ranks=(0,), timeout_s=4.0)
+        assert rig.engine.version() == rig.version - 1 and rig.engine_tokens() == before
+        sync()
+        assert rig.engine_tokens() == rig.hf_tokens()
+    finally:
+        stop.set()
+        for w in ws:
+            w.close()
+
+
+def test_staging_memory_is_checked_at_set_up_naming_the_option(monkeypatch):
+    """Staged receive needs a shadow and a flip snapshot of every in-place parameter: refused at
+    set-up with the bytes needed and available, naming the option that lowers it."""
+    import types
+
+    import psutil
+
+    from fastsync.engines.vllm.extension import _check_staging_memory
+    from fastsync.errors import ConfigError
+
+    dest = {"model.embed_tokens.weight": torch.zeros(1000, 64)}
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=1000))
+    with pytest.raises(ConfigError, match=r"staged=True needs 512000 bytes .* 1000 bytes are available; use staged=False"):
+        _check_staging_memory(types.SimpleNamespace(rank=0), dest, list(dest))
+
+
 def test_failed_connect_leaves_no_half_set_up_receiver(rig):
     """Runs last: it drops the rig's receiver. A connect that fails after the old receiver was
     closed must leave the worker unconnected (a clear SyncError), not holding a dead receiver."""

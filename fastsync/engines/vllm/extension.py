@@ -132,6 +132,54 @@ class EngineLanding(Landing):
             self.on_apply()
 
 
+class StagedEngineLanding(EngineLanding):
+    """Staged receive (``fastsync_connect(..., staged=True)``): every write lands off the live
+    model, so the engine keeps generating on its version while the next one arrives. Prepacked
+    parameters land in their staging tensors (as always); parameters the kernels read in place
+    (embeddings, norms) land in a shadow arena. The flip (:meth:`apply`, the only part that needs
+    the engine paused) snapshots those live parameters, copies the shadows in and runs the
+    post-processing (repacks); if that fails, :meth:`rollback` puts the snapshot back."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], shadow_names: list[str],
+                 on_apply: Callable[[], None] | None = None, arena: torch.Tensor | None = None) -> None:
+        Landing.__init__(self, tensors, mode="inplace", backup=False, shadow=shadow_names)
+        self.on_apply = on_apply
+        self.shadow_names = list(shadow_names)
+        total = sum(self.infos[n].nbytes for n in shadow_names)
+        self._backup_arena = (arena if arena is not None and arena.numel() >= total
+                              else torch.zeros(max(total, 1), dtype=torch.uint8))
+        off = 0
+        self._snap: dict[str, torch.Tensor] = {}
+        for n in shadow_names:
+            self._snap[n] = self._backup_arena[off: off + self.infos[n].nbytes]
+            off += self.infos[n].nbytes
+        self.backup = False
+        self._flipped = False
+
+    def begin(self) -> None:
+        self._flipped = False  # nothing live changes before the flip
+
+    def apply(self, names: list[str] | None = None) -> None:
+        from fastsync.executor.staging import as_bytes
+
+        for n in self.shadow_names:  # the live bytes as they are, for a failed post-processing
+            self._snap[n].copy_(as_bytes(self.live[n]))
+        self._flipped = True
+        Landing.apply(self, names)
+        if self.on_apply is not None:
+            self.on_apply()
+
+    def rollback(self) -> bool:
+        from fastsync.executor.staging import as_bytes
+
+        if self._flipped:
+            for n in self.shadow_names:
+                as_bytes(self.live[n]).copy_(self._snap[n])
+            self._flipped = False
+        self.torn = False
+        return True
+
+
 class EngineDeltaLanding(InboxLanding, EngineLanding):
     """:class:`EngineLanding` plus the delta inboxes (``WeightSync(delta=True)``): a delta is
     written into the same live and staging tensors as a dense sync, the rollback copy covers
@@ -167,6 +215,8 @@ class _State:
         self.plain = False  # staging tensors hold the served version's bytes (a holder for peer reload)
         self.arenas: list[torch.Tensor] = []  # the staging arena(s), one NIXL registration each
         self.backup_arena: torch.Tensor | None = None  # the in-place snapshot's memory, reused by each receiver
+        self.staged = False  # connected for staged receive (fastsync_stage / fastsync_flip)
+        self.stage_thread: Any = None  # drives the open staged version's receive while the engine generates
 
 
 class _ModuleState:
@@ -210,6 +260,22 @@ def _warm_transport() -> float:
     except ImportError:
         return 0.0
     return warm_up()
+
+
+def _check_staging_memory(st: _State, dest: dict[str, torch.Tensor], shadow: list[str]) -> None:
+    """Staged receive keeps a shadow of every in-place parameter and a snapshot at the flip: refuse
+    at set-up, naming the option, when this host has not the memory for both."""
+    need = 2 * sum(dest[n].numel() * dest[n].element_size() for n in shadow)
+    try:
+        import psutil  # a vLLM dependency
+
+        avail = int(psutil.virtual_memory().available)
+    except Exception:  # cannot tell: do not refuse
+        return
+    if need > avail:
+        raise ConfigError(f"engine rank {st.rank}: staged=True needs {need} bytes for the shadow and flip copies of "
+                          f"{len(shadow)} in-place parameters, {avail} bytes are available; use staged=False "
+                          "(the engine then pauses for the whole transfer)")
 
 
 def _config_dict(hf_config: Any) -> dict:
@@ -313,7 +379,7 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
 
         st = self._fastsync_state()
         unknown = set(options) - {"control_port", "control_host", "control_prefix", "control_secret", "transport",
-                                  "transport_options", "timeout_s", "verify", "trace", "delta"}
+                                  "transport_options", "timeout_s", "verify", "trace", "delta", "staged"}
         if unknown:
             raise ConfigError(f"fastsync_connect: unknown option(s) {sorted(unknown)}")
         if "control_port" not in options:
@@ -353,10 +419,19 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
             initial_version=st.version if initial_version is None else initial_version,
         )
         rx: Any
-        if options.get("delta"):  # WeightSync(delta=True): deltas land in the same memory, same fence
+        staged = bool(options.get("staged"))
+        if staged:
+            _check_staging_memory(st, dest, backup)
+        if staged and options.get("delta"):
+            raise ConfigError("fastsync_connect: staged=True with delta=True is not supported yet (a delta patches "
+                              "the live tensors); use one of them")
+        if staged:  # writes land off the live model: the engine keeps generating until the flip
+            landing: EngineLanding = StagedEngineLanding(dest, backup, on_apply=post, arena=st.backup_arena)
+            rx = WeightReceiver(landing=landing, **kw)
+        elif options.get("delta"):  # WeightSync(delta=True): deltas land in the same memory, same fence
             from fastsync.sync.delta_receiver import DeltaReceiver, inbox_sizes
 
-            landing: EngineLanding = EngineDeltaLanding(dest, backup if snapshot else [], post,
+            landing = EngineDeltaLanding(dest, backup if snapshot else [], post,
                                                         inbox_sizes(plan, st.rank), arena=st.backup_arena)
             rx = DeltaReceiver(landing=landing, **kw)
         else:
@@ -377,9 +452,11 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
                             st.rank, type(e).__name__, e)
             raise
         st.receiver = rx
+        st.staged = staged
         return {
             "rank": st.rank,
             "transport": rx.transport.name,
+            "staged": staged,
             "setup_s": time.perf_counter() - t0,
             "staged_bytes": sum(b.numel() * b.element_size() for b in st.staging.values()),
             "inplace_bytes": sum(dest[n].numel() * dest[n].element_size() for n in backup),
@@ -409,7 +486,7 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
         roll back and report the error; the worker keeps serving its last complete version."""
         return _result(lambda: self._fastsync_finish(int(version), float(timeout_s)))
 
-    def _fastsync_finish(self, version: int, timeout_s: float) -> dict:
+    def _fastsync_finish(self, version: int, timeout_s: float, waited: bool = False) -> dict:
         st = self._fastsync_state(connected=True)
         if st.open != version:
             raise SyncError(f"engine rank {st.rank}: finish({version}) but the open version is {st.open}")
@@ -417,7 +494,8 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
         t0 = time.perf_counter()
         st.undo, st.postprocess_s = [], 0.0
         try:
-            rx.wait(time.monotonic() + timeout_s)
+            if not waited:  # (staged: the background thread already drove the receive)
+                rx.wait(time.monotonic() + timeout_s)
             t_wait = time.perf_counter() - t0
             # verifies, then EngineLanding.apply runs the post-processing, then the flip is
             # published; raises SyncError (after rolling back) when incomplete or post-processing failed
@@ -444,6 +522,64 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
                        "thread": apply_thread}] if st.postprocess_ns else []
             st.last["sync"] = {**m.to_json(), "spans": m.spans + repack}
         return st.last
+
+    # ---- staged receive: generation goes on, the pause is only the flip ---------------------
+    def fastsync_stage(self, version: int, timeout_s: float = 60.0) -> dict:
+        """Open ``version`` and receive it on a background thread of this worker (the writes land
+        in staging and shadow memory, off the live model): returns at once, and the engine keeps
+        generating on its version. Then ``fastsync_stage_ready`` until done, then ``fastsync_flip``."""
+        return _result(lambda: self._fastsync_stage(int(version), float(timeout_s)))
+
+    def _fastsync_stage(self, version: int, timeout_s: float) -> dict:
+        import threading
+
+        st = self._fastsync_state(connected=True)
+        if not st.staged:
+            raise SyncError(f"engine rank {st.rank}: fastsync_stage needs fastsync_connect(..., staged=True)")
+        got = self._fastsync_begin(version)
+        rx, deadline = st.receiver, time.monotonic() + timeout_s
+        box: list = []
+
+        def receive() -> None:  # the only thread that touches the transport until the flip
+            try:
+                box.append(rx.wait(deadline))
+            except BaseException as e:  # noqa: BLE001 - the flip reports it
+                box.append(e)
+
+        st.stage_thread = (threading.Thread(target=receive, name=f"fastsync-stage-{version}", daemon=True), box,
+                           time.perf_counter())
+        st.stage_thread[0].start()
+        return got
+
+    def fastsync_stage_ready(self, version: int) -> dict:
+        """Whether the staged receive of ``version`` ended (all landed, or it failed/ran out of time)."""
+        def run() -> dict:
+            st = self._fastsync_state(connected=True)
+            if st.open != int(version) or st.stage_thread is None:
+                raise SyncError(f"engine rank {st.rank}: no staged version {version} is open (open: {st.open})")
+            return {"rank": st.rank, "done": not st.stage_thread[0].is_alive()}
+        return _result(run)
+
+    def fastsync_flip(self, version: int, timeout_s: float = 10.0) -> dict:
+        """Inside the pause: end the staged receive (bounded), then verify, copy the shadows in,
+        post-process and flip, or roll back and keep the served version."""
+        return _result(lambda: self._fastsync_flip(int(version), float(timeout_s)))
+
+    def _fastsync_flip(self, version: int, timeout_s: float) -> dict:
+        st = self._fastsync_state(connected=True)
+        if st.open != version or st.stage_thread is None:
+            raise SyncError(f"engine rank {st.rank}: flip({version}) but no staged version {version} is open "
+                            f"(open: {st.open})")
+        th, box, t_start = st.stage_thread
+        th.join(timeout_s)
+        if th.is_alive():  # still receiving: fail it by its deadline (finish() sees it incomplete)
+            st.receiver._deadline = time.monotonic()
+            th.join(5.0)
+        st.stage_thread = None
+        received_s = time.perf_counter() - t_start
+        t0 = time.perf_counter()
+        got = self._fastsync_finish(version, 0.0, waited=True)
+        return {**got, "received_s": received_s, "flip_s": time.perf_counter() - t0}
 
     def fastsync_update(self, version: int, timeout_s: float = 60.0) -> dict:
         """``fastsync_begin`` and ``fastsync_finish`` in one call (the engine stays fenced)."""

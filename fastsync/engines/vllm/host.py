@@ -75,6 +75,9 @@ class VllmEngine:
         self.lock_timeout_s = lock_timeout_s  # how long a call waits for the fence before SyncError
         self._lock = threading.Lock()  # the fence: generate() and updates never overlap
         self._pending: dict[int, tuple[threading.Thread, list]] = {}
+        self.staged = False  # connected with staged=True: updates hold the fence only for the flip
+        self.last_stall_s = 0.0  # how long the last update held generation back
+        self.history: list[dict] = []  # per update: version, start/end (time.time()), stall_s
 
     @contextmanager
     def _fenced(self, what: str) -> Iterator[None]:
@@ -121,14 +124,49 @@ class VllmEngine:
 
     def connect(self, plan_json: str, options: dict) -> list[dict]:
         with self._fenced("vLLM engine connect"):
-            return self._rpc("fastsync_connect", plan_json, options, what="vLLM engine connect")
+            got = self._rpc("fastsync_connect", plan_json, options, what="vLLM engine connect")
+        self.staged = bool(options.get("staged"))
+        return got
 
     def update(self, version: int, timeout_s: float = 60.0) -> list[dict]:
         """Fenced update: begin, wait for every write, post-process and flip, on every worker.
         Raises the workers' SyncError when the sync failed (they keep their previous version)."""
         what = f"vLLM engine update to version {version}"
-        with self._fenced(what):
-            return self._rpc("fastsync_update", version, timeout_s, what=what)
+        start = time.time()
+        try:
+            if self.staged:
+                return self._staged_update(version, timeout_s, what)
+            with self._fenced(what):
+                t0 = time.monotonic()
+                try:
+                    got = self._rpc("fastsync_update", version, timeout_s, what=what)
+                finally:
+                    self.last_stall_s = time.monotonic() - t0
+            return [{**g, "stall_s": self.last_stall_s} for g in got]
+        finally:
+            self.history.append({"version": version, "start": start, "end": time.time(), "stall_s": self.last_stall_s,
+                                 "staged": self.staged})
+
+    def _staged_update(self, version: int, timeout_s: float, what: str) -> list[dict]:
+        """Staged receive: open the version (a short call), let generation go on while the writes
+        land off the live model (asking, between generate calls, whether they all did), then
+        hold the fence only for the flip: ``stall_s`` in every worker's reply is that time."""
+        deadline = time.monotonic() + timeout_s
+        with self._fenced(f"{what} (open)"):
+            self._rpc("fastsync_stage", version, timeout_s, what=what)
+        while time.monotonic() < deadline + 1.0:
+            with self._fenced(f"{what} (landed?)"):
+                ready = self._rpc("fastsync_stage_ready", version, what=what)
+            if all(r.get("done") for r in ready):
+                break
+            time.sleep(0.005)
+        with self._fenced(f"{what} (flip)"):
+            t0 = time.monotonic()
+            try:
+                got = self._rpc("fastsync_flip", version, max(1.0, deadline - time.monotonic()), what=what)
+            finally:
+                self.last_stall_s = time.monotonic() - t0
+        return [{**g, "stall_s": self.last_stall_s} for g in got]
 
     def begin_update(self, version: int, timeout_s: float = 60.0) -> int:
         """Start :meth:`update` on a helper thread (the trainers write meanwhile); returns a
