@@ -122,6 +122,12 @@ class WeightSync:
     flip snapshot of every in-place parameter (refused at set-up, naming the option, when the
     engine host lacks the memory).
 
+    ``fanout`` (``off`` by default): with several identical engines (``engines=[...]``, one handle
+    each, same model and TP), ``auto``/``chain``/``direct`` plan the first replica once and feed
+    the others as the planner's cost model chooses (``auto``), through relays between the engines'
+    ranks (``chain``: each byte leaves its trainer rank once), or straight from the trainer ranks
+    (``direct``); relays need ``transport="nixl"``.
+
     ``trace_dir`` (an existing folder): each rank writes ``trainer{rank}.json`` there after every
     sync, a Chrome trace of its phases and, on rank 0, its engines' (``fastsync.sync.trace_dir``;
     merge with ``merge_trace_dir``, open in ui.perfetto.dev). Turns span recording on in the process.
@@ -146,6 +152,7 @@ class WeightSync:
         trace_dir: str | None = None,
         delta: bool = False,
         staged: bool = False,
+        fanout: str = "off",
     ) -> None:
         check_count("world_size", world_size, hi=MAX_WORLD_SIZE)
         check_count("rank", rank, lo=0, hi=world_size - 1)
@@ -166,6 +173,11 @@ class WeightSync:
             raise ConfigError(f"delta must be True or False, got {delta!r}")
         if delta and transport != "nixl":
             raise ConfigError(f"delta=True writes over NIXL; transport={transport!r} does not support it")
+        if fanout not in ("off", "auto", "chain", "direct"):
+            raise ConfigError(f"fanout must be 'off', 'auto', 'chain' or 'direct', got {fanout!r}")
+        if fanout in ("auto", "chain") and transport != "nixl":
+            raise ConfigError(f"fanout={fanout!r} may relay between engine ranks, which only transport 'nixl' does; "
+                              f"transport={transport!r}: use fanout='direct' or 'off'")
         if not isinstance(staged, bool):
             raise ConfigError(f"staged must be True or False, got {staged!r}")
         if staged and delta:
@@ -185,6 +197,7 @@ class WeightSync:
         self.verify = verify
         self.delta = delta
         self.staged = staged
+        self.fanout = fanout
         self._dense_next = True  # the first sync after set-up, and the one after a failure, go dense
         self.last_kind = ""  # "dense" or "delta": what trainer rank 0 chose for the last sync
         self.control_port = control_port if control_port is not None else getattr(control, "port", None)
@@ -252,7 +265,7 @@ class WeightSync:
             params.pop(n, None)
             shards.pop(n, None)
         trimmed = TrainerLayout(layout.world_size, params, shards, kind=layout.kind, description=layout.description)
-        return build_plan(params, trimmed, engine)
+        return build_plan(params, trimmed, engine, fanout=self.fanout)
 
     def setup(self) -> None:
         """Layouts, plan and transport set-up, once. Raises (on every rank) before any write

@@ -102,6 +102,13 @@ class NixlRelay:
                 self.units.append((origin, frozenset(deps), members))
 
     def setup(self) -> None:
+        """Prepared at the first :meth:`begin`, not here: the units come from the trainer ranks'
+        write batches and the children's addresses from their own set-up, and a host that sets up
+        its engines one after another and its trainer ranks after them (``WeightSync`` with live
+        engines) has neither yet."""
+        self._prepared = False
+
+    def _prepare(self) -> None:
         ctx, regions = self.ctx, self.ctx.landing.regions
         self._cut_units()
         n = self.prog.num_transfers
@@ -144,6 +151,9 @@ class NixlRelay:
 
     # ---- one version ----------------------------------------------------------------------
     def begin(self, version: int) -> None:
+        if not getattr(self, "_prepared", False):
+            self._prepare()
+            self._prepared = True
         if self._unsettled:  # the last version failed: no forward may be reposted while still in flight
             settle(self._handles.values(), self._reconnect, self._broken)
             self._broken.clear()

@@ -88,6 +88,11 @@ def test_bad_options_are_named():
     with pytest.raises(ConfigError, match="bogus"):
         options_from_args(SimpleNamespace(fastsync=SimpleNamespace(bogus=1)))
     assert options_from_args(SimpleNamespace()) == FastSyncOptions()  # OpenRLHF started without the launcher
+    with pytest.raises(ConfigError, match="--fastsync.fanout must be one of"):
+        FastSyncOptions(fanout="ring").validate()
+    with pytest.raises(ConfigError, match="--fastsync.delta and --fastsync.fanout off need --fastsync.transport nixl"):
+        FastSyncOptions(delta=True, transport="torch").validate()
+    assert FastSyncOptions(delta=True, fanout="chain").validate().fanout == "chain"
 
 
 def test_colocate_all_keeps_openrlhf_cuda_ipc_and_says_so(standin, capsys):

@@ -105,6 +105,10 @@ def test_registered_in_verls_registry() -> None:
     assert FastSyncCheckpointEngine.wire_format == "named_tensors"
     with pytest.raises(ConfigError, match="unknown key"):
         CheckpointEngineRegistry.new("fastsync", bucket_size=BUCKET, bogus=1)
+    with pytest.raises(ConfigError, match="engine_kwargs.fastsync.fanout must be one of"):
+        CheckpointEngineRegistry.new("fastsync", bucket_size=BUCKET, fanout="ring")
+    with pytest.raises(ConfigError, match="engine_kwargs.fastsync.delta must be true or false"):
+        CheckpointEngineRegistry.new("fastsync", bucket_size=BUCKET, delta="yes")
 
 
 def test_topology_as_the_manager_dispatches_it() -> None:

@@ -14,6 +14,7 @@ __all__ = ["FastSyncOptions", "add_arguments", "options_from_args"]
 
 _TRANSPORTS = ("nixl", "torch")
 _MOE_BACKENDS = ("off", "auto", "torch", "grouped_mm", "te", "deepep")
+_FANOUTS = ("off", "auto", "chain", "direct")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -22,7 +23,10 @@ class FastSyncOptions:
     ``nixl`` (one-sided WRITEs) or ``torch`` (gloo point-to-point; for debugging).
     ``timeout_s``: deadline of every set-up step and sync. ``control_host``: the address trainer
     rank 0 serves the control plane on (default: Ray's node IP). ``verify``: per-transfer checksums.
-    ``moe``: swap HF MoE blocks for fastsync's (``fastsync.patch_moe``) with this backend."""
+    ``moe``: swap HF MoE blocks for fastsync's (``fastsync.patch_moe``) with this backend.
+    ``delta``: after a dense first sync, send only what changed (NIXL). ``fanout``: several
+    identical engines (``--vllm.num_engines``) planned once and fed through relays between their
+    ranks (``chain``), as the cost model picks (``auto``) or from the trainer ranks (``direct``)."""
 
     enable: bool = True
     transport: str = "nixl"
@@ -30,6 +34,8 @@ class FastSyncOptions:
     control_host: str | None = None
     verify: bool = False
     moe: str = "off"
+    delta: bool = False
+    fanout: str = "off"
 
     def validate(self) -> "FastSyncOptions":
         if self.transport not in _TRANSPORTS:
@@ -38,6 +44,11 @@ class FastSyncOptions:
             raise ConfigError(f"--fastsync.timeout_s must be positive, got {self.timeout_s}")
         if self.moe not in _MOE_BACKENDS:
             raise ConfigError(f"--fastsync.moe must be one of {_MOE_BACKENDS}, got {self.moe!r}")
+        if self.fanout not in _FANOUTS:
+            raise ConfigError(f"--fastsync.fanout must be one of {_FANOUTS}, got {self.fanout!r}")
+        if (self.delta or self.fanout in ("auto", "chain")) and self.transport != "nixl":
+            raise ConfigError(f"--fastsync.delta and --fastsync.fanout {self.fanout} need --fastsync.transport nixl, "
+                              f"got {self.transport!r}")
         return self
 
 
@@ -52,6 +63,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--fastsync.control_host", default=None,
                    help="address trainer rank 0 serves fastsync's control plane on (default: Ray's node IP)")
     g.add_argument("--fastsync.verify", action="store_true", default=False, help="per-transfer checksums")
+    g.add_argument("--fastsync.delta", action="store_true", default=False,
+                   help="after a dense first sync, send only the elements that changed (NIXL)")
+    g.add_argument("--fastsync.fanout", choices=_FANOUTS, default="off",
+                   help="several identical vLLM engines: plan one, feed the others by relays (chain), by the cost "
+                        "model's choice (auto) or from the trainer ranks (direct)")
     g.add_argument("--fastsync.moe", choices=_MOE_BACKENDS, default="off",
                    help="swap the actor's HF MoE blocks for fastsync's grouped-GEMM blocks with this backend")
 

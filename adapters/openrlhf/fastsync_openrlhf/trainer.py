@@ -80,7 +80,8 @@ class FastSyncActorPPOTrainer(_OriginalTrainer):  # type: ignore[misc, valid-typ
                               "run with --fastsync.disable")
         return DeepSpeedWeightSync(self.actor.model.module, engines=self.vllm_engines,
                                    zero_stage=int(getattr(ds, "zero_stage", 3)), transport=opts.transport,
-                                   timeout_s=opts.timeout_s, control_host=opts.control_host, verify=opts.verify)
+                                   timeout_s=opts.timeout_s, control_host=opts.control_host, verify=opts.verify,
+                                   delta=opts.delta, fanout=opts.fanout)
 
     def broadcast_to_vllm(self) -> Any:
         """Every rank writes its own ZeRO partitions into every engine; returns the SyncResult

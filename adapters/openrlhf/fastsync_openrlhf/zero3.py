@@ -122,7 +122,7 @@ class DeepSpeedWeightSync:
 
     def __init__(self, module: torch.nn.Module, *, engines: list, zero_stage: int, transport: str = "nixl",
                  timeout_s: float = 120.0, control_host: str | None = None, verify: bool = False,
-                 name: str = "openrlhf") -> None:
+                 name: str = "openrlhf", delta: bool = False, fanout: str = "off") -> None:
         import torch.distributed as dist
 
         if not dist.is_initialized():
@@ -137,6 +137,7 @@ class DeepSpeedWeightSync:
         self.transport = transport
         self.timeout_s = timeout_s
         self.verify = verify
+        self.delta, self.fanout = delta, fanout
         self.name = name
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -188,7 +189,7 @@ class DeepSpeedWeightSync:
         old = self.ws
         ws = WeightSync(rank=self.rank, world_size=self.world_size, control=control.with_prefix(name), engines=handles,
                         transport=self.transport, timeout_s=self.timeout_s, layout=layout, sources=sources, name=name,
-                        control_port=control.port, verify=self.verify)
+                        control_port=control.port, verify=self.verify, delta=self.delta, fanout=self.fanout)
         if old is not None:
             old.close()
         ws.setup()

@@ -93,7 +93,10 @@ class FastSyncCheckpointEngine(CheckpointEngine):
     ``staging_bytes``, ``verify`` (per-transfer checksums), ``keep_registered``,
     ``trainer_shards`` ("auto": FSDP2 actor ranks send from their local shards, no
     ``full_tensor()``, falling back to verl's full tensors with a logged reason where shards
-    cannot serve; "on": refuse instead of falling back; "off": always full tensors).
+    cannot serve; "on": refuse instead of falling back; "off": always full tensors), on the
+    in-place path ``delta`` (True: after a dense first sync, only what changed; NIXL) and
+    ``fanout`` ("off", "auto", "chain", "direct": several identical replicas planned once, fed
+    through relays between their ranks or straight from the trainer ranks; see ``WeightSync``).
 
     Sessions and versions are handed out by the master trainer rank (``fastsync_verl.session``):
     it spends a version in every ``prepare`` (failed or not, so a retry never meets the failed
@@ -108,7 +111,7 @@ class FastSyncCheckpointEngine(CheckpointEngine):
                  control_host: str | None = None, control_port: int = 0, timeout_s: float = 120.0,
                  max_transfer_bytes: int | None = None, staging_bytes: int = 64 << 20, verify: bool = False,
                  keep_registered: bool = True, trainer_shards: str = "auto", inplace: str = "auto",
-                 **unknown: Any) -> None:
+                 delta: bool = False, fanout: str = "off", **unknown: Any) -> None:
         if unknown:
             raise ConfigError(f"checkpoint_engine.engine_kwargs.fastsync: unknown key(s) {sorted(unknown)}")
         if bucket_size <= 0:
@@ -120,6 +123,11 @@ class FastSyncCheckpointEngine(CheckpointEngine):
             raise ConfigError(f"engine_kwargs.fastsync.trainer_shards must be one of {_SHARD_MODES}, got {trainer_shards!r}")
         if inplace not in INPLACE_MODES:
             raise ConfigError(f"engine_kwargs.fastsync.inplace must be one of {INPLACE_MODES}, got {inplace!r}")
+        if not isinstance(delta, bool):
+            raise ConfigError(f"engine_kwargs.fastsync.delta must be true or false, got {delta!r}")
+        if fanout not in ("off", "auto", "chain", "direct"):
+            raise ConfigError(f"engine_kwargs.fastsync.fanout must be one of off, auto, chain, direct, got {fanout!r}")
+        self.delta, self.fanout = delta, fanout
         self.trainer_shards = trainer_shards
         self.inplace = inplace
         if trainer_shards != "off" and "verl.workers.engine.fsdp.transformer_impl" in sys.modules:
@@ -317,7 +325,8 @@ class FastSyncCheckpointEngine(CheckpointEngine):
             assert self._mode is not None
             self._inplace = InplaceTrainer(rank=rank, num_trainers=num_trainers, control=self._session_control(),
                                            leaders=self._mode["leaders"], layout=layout, sources=self._sources,
-                                           transport=self.transport, timeout_s=self.timeout_s, verify=self.verify)
+                                           transport=self.transport, timeout_s=self.timeout_s, verify=self.verify,
+                                           delta=self.delta, fanout=self.fanout)
         self._copy_shards(module, rank)
         t1 = time.perf_counter()
         setting_up = not self._inplace.ready
