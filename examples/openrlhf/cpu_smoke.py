@@ -7,7 +7,7 @@ Ray with a logical GPU, OpenRLHF's ``RolloutRayActor`` (fastsync's subclass) run
 CPU engine, 2 DeepSpeed ZeRO-3 ranks over gloo (see ``fastsync_openrlhf.cpu_rig``). Two real
 training steps; after each, the adapter's ``broadcast_to_vllm`` on every rank, then the engine's
 greedy tokens are compared with the trainer model's. ``flash_attn`` does not install on CPU:
-when it is missing, this script puts the test suite's STAND-IN (tests/support/flash_attn_standin,
+when it is missing, this script puts the test suite's STAND-IN (fastsync_openrlhf/cpu_standins,
 pure-torch padding helpers only) on the path, for OpenRLHF's top-level import.
 """
 
@@ -26,7 +26,7 @@ def _paths() -> str:
     try:
         import flash_attn  # noqa: F401
     except ImportError:
-        extra.insert(0, str(REPO / "tests" / "support" / "flash_attn_standin"))  # STAND-IN, see docstring
+        extra.insert(0, str(REPO / "adapters" / "openrlhf" / "fastsync_openrlhf" / "cpu_standins"))  # STAND-IN, see docstring
     sys.path[:0] = extra
     return os.pathsep.join(extra)
 

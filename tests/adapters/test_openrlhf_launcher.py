@@ -3,7 +3,7 @@ fastsync's options; a hook point missing from the installed OpenRLHF stops the l
 attribute and the supported versions, before anything is rebound; bad options are named.
 
 OpenRLHF's ``ppo_actor`` imports ``flash_attn`` at top level, which does not install on CPU:
-these tests put the STAND-IN in ``tests/support/flash_attn_standin`` (pure-torch padding helpers
+these tests put the STAND-IN in ``fastsync_openrlhf/cpu_standins`` (pure-torch padding helpers
 only) on the path."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ pytest.importorskip("deepspeed", reason="DeepSpeed not installed (see requiremen
 pytest.importorskip("vllm")
 
 REPO = Path(__file__).resolve().parents[2]
-STANDIN = REPO / "tests" / "support" / "flash_attn_standin"  # flash_attn STAND-IN (CPU host)
+STANDIN = REPO / "adapters" / "openrlhf" / "fastsync_openrlhf" / "cpu_standins"  # flash_attn STAND-IN (CPU host)
 
 
 @pytest.fixture

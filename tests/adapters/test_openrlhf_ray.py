@@ -6,7 +6,7 @@ OpenRLHF's ``ppo_actor`` module names after ``install_trainer`` ran in the train
 each rank's ZeRO-3 partitions into the engine; the engine's greedy tokens must then equal the
 trainer model's own, step after step.
 
-Stand-ins, named: ``flash_attn`` (tests/support/flash_attn_standin: OpenRLHF imports it at top
+Stand-ins, named: ``flash_attn`` (fastsync_openrlhf/cpu_standins: OpenRLHF imports it at top
 level and it does not install on CPU), and OpenRLHF's CUDA-only set-up (``setup_distributed``,
 ``ActorPPOTrainer.__init__``) done by ``fastsync_openrlhf.cpu_rig`` without CUDA. One engine and
 one pair of trainer ranks serve every case of this module (engine start ~30 s)."""
@@ -26,7 +26,7 @@ pytest.importorskip("ray")
 
 pytestmark = pytest.mark.slow
 
-STANDIN = Path(__file__).resolve().parents[1] / "support" / "flash_attn_standin"  # flash_attn STAND-IN
+STANDIN = Path(__file__).resolve().parents[2] / "adapters" / "openrlhf" / "fastsync_openrlhf" / "cpu_standins"  # flash_attn STAND-IN
 
 
 @pytest.fixture(scope="module")

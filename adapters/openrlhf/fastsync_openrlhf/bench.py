@@ -46,15 +46,16 @@ MODELS = {
 
 
 def _standin_path() -> str:
-    """The flash_attn STAND-IN from the source tree's tests/support, when the real one is absent
-    (OpenRLHF's modules are not imported by this benchmark; the trainer ranks need only DeepSpeed)."""
+    """The flash_attn STAND-IN shipped with the adapter (``cpu_standins``), when the real one is
+    absent: the package's own copy, so the benchmark runs from an installed wheel."""
     try:
         import flash_attn  # noqa: F401
 
         return ""
     except ImportError:
-        p = Path(__file__).resolve().parents[3] / "tests" / "support" / "flash_attn_standin"
-        return str(p) if p.is_dir() else ""
+        from fastsync_openrlhf.cpu_standins import PATH
+
+        return PATH
 
 
 def run(model: str = "small", syncs: int = 5, num_trainers: int = 2) -> dict:

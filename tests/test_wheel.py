@@ -1,0 +1,49 @@
+"""A wheel built from the tree runs without the source checkout: installed into its own folder and
+imported from there (the checkout is neither the working directory nor on the path), ``fastsync
+plugins`` finds the built-ins through the wheel's entry points, ``fastsync bench`` syncs and
+verifies across processes, and the OpenRLHF adapter's CPU stand-in ships inside it (its benchmark
+used to read it from the checkout's tests/)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_wheel_runs_bench_without_the_checkout(tmp_path) -> None:
+    pytest.importorskip("nixl._api")
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                            str(tmp_path / "dist"), str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-2000:]
+    wheel = next((tmp_path / "dist").glob("fastsync_rl-*.whl"))
+    site = tmp_path / "site"
+    inst = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
+                          capture_output=True, text=True, timeout=300)
+    assert inst.returncode == 0, inst.stderr[-2000:]
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    run = tmp_path / "elsewhere"
+    run.mkdir()
+
+    def py(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, *args], cwd=run, env=env, capture_output=True, text=True, timeout=timeout)
+
+    where = py("-c", "import fastsync, fastsync_verl, fastsync_openrlhf.cpu_standins as s, os; "
+               "print(fastsync.__file__); print(fastsync_verl.__file__); print(os.listdir(s.PATH))")
+    assert where.returncode == 0, where.stderr[-2000:]
+    lines = where.stdout.splitlines()
+    assert all(line.startswith(str(site)) for line in lines[:2]), lines
+    assert "flash_attn" in lines[2]
+    plugins = py("-m", "fastsync.cli", "plugins", "--json")
+    assert plugins.returncode == 0 and "builtin_transports" in plugins.stdout, plugins.stderr[-2000:]
+    bench = py("-m", "fastsync.cli", "bench", "--trainers", "2", "--rollouts", "1", "--size-gb", "0.01", "--transport",
+               "nixl", "--steps", "1", "--json", "--progress", "off", timeout=600)
+    assert bench.returncode == 0, bench.stderr[-2000:]
+    assert json.loads(bench.stdout)["transports"]["nixl"]["verified"] is True
