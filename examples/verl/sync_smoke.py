@@ -8,6 +8,11 @@ vLLM server (``vLLMHttpServer`` / AsyncLLM on the real vLLM CPU engine), driven 
 (``fastsync.bench.hosts``; root / CAP_NET_ADMIN): the trainer actors on one node, verl's vLLM
 server and rollout workers on the other, NIXL held to TCP over the hosts' NICs
 (``--nic-gbps``), the control store on the trainer node's address.
+``--hosts 3 --tp 2``: the trainers on host 0 and ONE vLLM replica across hosts 1 and 2 (verl's
+multi-node replica: a ``vLLMHttpServer`` per node, node rank 0 runs AsyncLLM, node rank 1 runs
+vLLM headless; TP rank r on host 1 + r), taking the in-place path: the leader drives both engine
+workers through vLLM's multi-node executor, every trainer rank writes into both hosts' live
+weights. In general ``--hosts H`` puts the replica on H - 1 hosts, which must divide ``--tp``.
 
 What is verl's here and what is a stand-in (honestly):
 * rollout: verl's ``vLLMHttpServer`` as a named Ray actor (created as verl's ``vLLMReplica``
@@ -151,13 +156,17 @@ def rollout_worker_cls():
     class RolloutWorker(CheckpointEngineWorker):
         """verl's CheckpointEngineWorker with verl's own vLLM ServerAdapter (server_adapter=None)."""
 
-        def __init__(self, rollout_config, model_config, port: int, rank: int = 0, world: int = 1) -> None:
+        def __init__(self, rollout_config, model_config, port: int, rank: int = 0, world: int = 1,
+                     local_world: int | None = None, master_addr: str = "127.0.0.1") -> None:
             import torch
 
             torch.set_num_threads(1)
-            # what verl's RayWorkerGroup sets for a one-rank rollout group on one node
-            os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                              RAY_LOCAL_WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+            # what verl's RayWorkerGroup sets: rank 0's node address for the group's gloo rendezvous,
+            # ``local_world`` ranks per node (verl's ServerAdapter takes its node rank, and so which
+            # node's server it talks to, from RAY_LOCAL_WORLD_SIZE)
+            local = world if local_world is None else local_world
+            os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), MASTER_ADDR=master_addr, MASTER_PORT=str(port),
+                              RAY_LOCAL_WORLD_SIZE=str(local), LOCAL_RANK=str(rank % local))
             super().__init__(rollout_config, model_config, None, replica_rank=0)
 
         def state(self) -> dict:
@@ -201,27 +210,44 @@ def main(argv: list[str] | None = None) -> int:
                     help="then replace the rollout worker (verl's remove_replicas/add_replicas with a new "
                          "CheckpointEngineWorker for the same server) and sync once more: a fresh session re-plans "
                          "against the live engine")
-    ap.add_argument("--hosts", type=int, choices=(1, 2), default=1,
-                    help="2: trainers and engine on two Ray nodes, each a network-namespace host of this machine")
-    ap.add_argument("--nic-gbps", type=float, default=2.0, help="with --hosts 2: each host's NIC rate")
+    ap.add_argument("--hosts", type=int, default=1,
+                    help="H >= 2: a Ray node per network-namespace host of this machine, the trainers on host 0, "
+                         "verl's vLLM replica across hosts 1..H-1 (H - 1 must divide --tp)")
+    ap.add_argument("--nic-gbps", type=float, default=2.0, help="with --hosts: each host's NIC rate")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     trainers_n = 2
+    why = _check_hosts(a.hosts, a.tp)
+    if why is not None:  # before anything starts
+        print(why, file=sys.stderr)
+        return 2
     rig = None
-    if a.hosts == 2:
+    if a.hosts >= 2:
         from fastsync.bench.hosts import HostRig, check_shape, rig_unavailable
 
         why = rig_unavailable()
         if why is not None:
-            print(f"--hosts 2: {why}", file=sys.stderr)
+            print(f"--hosts {a.hosts}: {why}", file=sys.stderr)
             return 2
-        check_shape(2, a.nic_gbps)
-        rig = HostRig(2, a.nic_gbps)
+        check_shape(a.hosts, a.nic_gbps)
+        rig = HostRig(a.hosts, a.nic_gbps)
     try:
         return _main(a, trainers_n, rig)
     finally:
         if rig is not None:
             rig.close()
+
+
+def _check_hosts(hosts: int, tp: int) -> str | None:
+    """Why ``--hosts`` / ``--tp`` cannot be laid out (naming the flags), or None."""
+    if tp < 1:
+        return f"--tp must be >= 1, got {tp}"
+    if hosts < 1:
+        return f"--hosts must be >= 1, got {hosts}"
+    if hosts >= 2 and tp % (hosts - 1):
+        return (f"--hosts {hosts} puts verl's vLLM replica on {hosts - 1} host(s) (host 0 holds the trainers), "
+                f"which must divide --tp {tp}: each host takes the same number of engine workers")
+    return None
 
 
 def _main(a, trainers_n: int, rig) -> int:
@@ -259,11 +285,17 @@ def _main(a, trainers_n: int, rig) -> int:
     a.place = (lambda h: {"resources": {f"fs_host{h}": 1}}) if rig is not None else (lambda h: {})
     a.control_host = rig.addr(0) if rig is not None else "127.0.0.1"
     result: dict = {}
-    nic0 = rig.nic_bytes(0)[0] if rig is not None else 0
+    a.addr = rig.addr if rig is not None else (lambda h: "127.0.0.1")
+    a.nic = (lambda: [rig.nic_bytes(h) for h in range(a.hosts)]) if rig is not None else (lambda: [])
+    nic = [rig.nic_bytes(h) for h in range(a.hosts)] if rig is not None else []
     try:
         result = run(a, model_dir, DEFAULT_PROMPTS, EXTENSION_PATH, trainers_n)
         if rig is not None:  # what left the trainer node through its NIC (the weights, and Ray's traffic)
-            result["trainer_host_nic_tx_bytes"] = rig.nic_bytes(0)[0] - nic0
+            result["trainer_host_nic_tx_bytes"] = rig.nic_bytes(0)[0] - nic[0][0]
+            # what reached each engine host (its share of the weights, and Ray's and vLLM's traffic)
+            result["engine_hosts_nic_rx_bytes"] = [rig.nic_bytes(h)[1] - nic[h][1] for h in range(1, a.hosts)]
+            result["model_bytes"] = sum(os.path.getsize(os.path.join(model_dir, f)) for f in os.listdir(model_dir)
+                                        if f.endswith(".safetensors"))
     except Exception as e:  # noqa: BLE001 - reported as JSON
         result = {"ok": False, "error": f"{type(e).__name__}: {str(e)[-2000:]}"}
     finally:
@@ -297,19 +329,35 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
                                                     "kv_cache_memory_bytes": 64 << 20}})
     model = HFModelConfig(path=model_dir)
     t0 = time.perf_counter()
-    # verl's own server class, created as vLLMReplica.launch_servers does (named vllm_server_{replica}_{node})
-    server = ray.remote(vLLMHttpServer).options(name="vllm_server_0_0", num_cpus=0, **a.place(1)).remote(
+    # verl's own server class, created as vLLMReplica.launch_servers does: one per node of the replica
+    # (named vllm_server_{replica}_{node}), node rank 0 running AsyncLLM, the others vLLM headless
+    nnodes = max(1, a.hosts - 1)
+    per_node = a.tp // nnodes
+    servers = [ray.remote(vLLMHttpServer).options(
+        name=f"vllm_server_0_{n}", num_cpus=0, **a.place(1 + n),
+        # vLLM finds its own address by a UDP probe of a public resolver, which a host without a route
+        # out cannot make: the multi-node executor's message queues would advertise 0.0.0.0
+        runtime_env={"env_vars": {"VLLM_HOST_IP": a.addr(1 + n)}} if a.hosts >= 2 else None).remote(
         config=rollout, model_config=model, rollout_mode=RolloutMode.STANDALONE, workers=[], replica_rank=0,
-        node_rank=0, gpus_per_node=a.tp, nnodes=1, cuda_visible_devices=",".join(str(i) for i in range(a.tp)))
-    launched = server.launch_server.remote()
+        node_rank=n, gpus_per_node=per_node, nnodes=nnodes,
+        cuda_visible_devices=",".join(str(i) for i in range(per_node))) for n in range(nnodes)]
+    server = servers[0]
+    master = ray.get(server.get_master_address.remote(), timeout=120)
+    launched = [s.launch_server.remote(*master) for s in servers]
     gloo = _free_port()
     trainer_cls = ray.remote(num_cpus=0)(Trainer).options(**a.place(0))
     trainers = [trainer_cls.remote(r, trainers_n, gloo, model_dir, a.timeout_s, KWARGS, a.control_host)
                 for r in range(trainers_n)]
     ray.get(launched, timeout=600)
-    worker_cls = ray.remote(num_cpus=0)(rollout_worker_cls()).options(**a.place(1))
+    worker_cls = ray.remote(num_cpus=0)(rollout_worker_cls())
     port = _free_port()  # one rollout worker per engine worker (verl: one per GPU), rank 0 the leader
-    workers = [worker_cls.remote(rollout, model, port, r, a.tp) for r in range(a.tp)]
+
+    def rollout_workers(port: int) -> list:  # rank r beside engine worker r, on node r // per_node
+        return [worker_cls.options(**a.place(1 + r // per_node)).remote(rollout, model, port, r, a.tp, per_node,
+                                                                         a.addr(1))
+                for r in range(a.tp)]
+
+    workers = rollout_workers(port)
     worker = workers[0]
     before = generate(server, prompts, a.max_tokens, "before")
     manager = CheckpointEngineManager(config=ce, actor_wg=TrainerGroup(trainers), replicas=[Replica(workers)])
@@ -323,9 +371,9 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
                                               sampling_params={"temperature": 0.0, "max_tokens": 500,
                                                                "ignore_eos": True})
             time.sleep(0.05)
-        s0 = time.perf_counter()
+        nic0, s0 = a.nic(), time.perf_counter()
         manager.update_weights(global_steps=step)  # verl's own flow: build group, send/receive, finalize
-        sync_s = time.perf_counter() - s0
+        sync_s, nic1 = time.perf_counter() - s0, a.nic()
         after = generate(server, prompts, a.max_tokens, f"after{step}")
         want = ray.get([t.reference.remote(prompts, a.max_tokens) for t in trainers], timeout=300)[0]
         state = ray.get(worker.state.remote(), timeout=60)
@@ -335,6 +383,9 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
                       "rollout_setups": state["setups"], "paused_by_fastsync": state["paused_by_fastsync"],
                       "trainer_setups": [d["setups"] for d in ray.get(
                           [t.execute_checkpoint_engine.remote("describe") for t in trainers], timeout=60)]})
+        if nic0:  # --hosts: what each host's NIC carried during this update (tx of host 0, rx of each other)
+            syncs[-1]["nic_bytes"] = {"trainer_host_tx": nic1[0][0] - nic0[0][0],
+                                      "engine_hosts_rx": [nic1[h][1] - nic0[h][1] for h in range(1, len(nic0))]}
         if inflight is not None:
             got = ray.get(inflight, timeout=300)
             syncs[-1]["inflight"] = {"stop_reason": got.stop_reason, "tokens": len(got.token_ids)}
@@ -344,7 +395,7 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
     if a.readd:  # the replica's checkpoint worker is replaced (a restarted replica): new member, new session
         step = a.syncs + 1
         port = _free_port()
-        news = [worker_cls.remote(rollout, model, port, r, a.tp) for r in range(a.tp)]
+        news = rollout_workers(port)
         old_replica = manager.replicas[0]
         manager.remove_replicas([old_replica])
         manager.add_replicas([Replica(news)])
@@ -381,16 +432,19 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
             "readd": readd,
             "server": "verl.workers.rollout.vllm_rollout.vllm_async_server.vLLMHttpServer", "server_adapter": adapter,
             "extension": extension, "trainers": trainers_n, "tp": a.tp, "preset": a.preset, "start_s": round(start_s, 1),
-            "hosts": a.hosts, "nodes": _nodes(trainers, server)}
+            "hosts": a.hosts, "nodes": _nodes(trainers, servers, workers)}
 
 
-def _nodes(trainers: list, server) -> dict:
-    """The Ray node address each side ran on (two different hosts with --hosts 2)."""
+def _nodes(trainers: list, servers: list, workers: list) -> dict:
+    """The Ray node address each side ran on (different hosts with --hosts), and where each
+    engine worker (vLLM's worker process, TP rank r) runs, as the worker itself reports it."""
     import ray
 
     where = lambda self: ray.util.get_node_ip_address()  # noqa: E731
     return {"trainers": sorted(set(ray.get([t.__ray_call__.remote(where) for t in trainers], timeout=60))),
-            "server": ray.get(server.__ray_call__.remote(where), timeout=60)}
+            "server": ray.get(servers[0].__ray_call__.remote(where), timeout=60),
+            "servers": ray.get([s.__ray_call__.remote(where) for s in servers], timeout=60),
+            "rollout_workers": ray.get([w.__ray_call__.remote(where) for w in workers], timeout=60)}
 
 
 if __name__ == "__main__":

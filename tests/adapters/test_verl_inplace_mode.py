@@ -38,16 +38,20 @@ def ctl():
     c.close()
 
 
-def _adapter(leader: bool = True, **cfg) -> types.SimpleNamespace:
+def _adapter(leader: bool = True, node_rank: int = 0, **cfg) -> types.SimpleNamespace:
     ev = cfg.pop("engine_kwargs", {"vllm": {"worker_extension_cls": EXTENSION_PATH}})
     rc = RolloutConfig(name=cfg.pop("name", "vllm"), tensor_model_parallel_size=cfg.pop("tp", 1), engine_kwargs=ev, **cfg)
     return types.SimpleNamespace(config=rc, model_config=types.SimpleNamespace(lora={}, lora_rank=0),
-                                 _has_server=leader, node_rank=0)
+                                 _has_server=leader, node_rank=node_rank)
 
 
 def test_capability_names_what_blocks_the_in_place_path(shim) -> None:
     assert capability(_adapter()) == (True, "", True, 1)
     assert capability(_adapter(leader=False, tp=2)) == (True, "", False, 2)
+    # a replica across nodes: a rank on node rank 1 joins (its worker is driven by the leader's engine)
+    assert capability(_adapter(leader=False, tp=2, node_rank=1)) == (True, "", False, 2)
+    ok, why, _, _ = capability(_adapter(leader=True, tp=2, node_rank=1))  # verl never leads from there
+    assert not ok and "node rank 1" in why and "headless" in why
     ok, why, _, _ = capability(_adapter(engine_kwargs={"vllm": {}}))
     assert not ok and "worker_extension_cls" in why
     ok, why, _, _ = capability(_adapter(engine_kwargs={"vllm": {"worker_extension_cls":

@@ -9,11 +9,22 @@ and re-labelled notifications. Traffic flows only between the namespaces this te
 What fastsync enforces, and this test checks: the store answers nobody without the secret (refused
 at the handshake, counted); no notification without a MAC under the job secret, from the agent the
 sender announced, for the open version, with the announced batch count, ever completes a version
-(each refused and counted by reason); every listener binds its host's own address only. What it
-cannot enforce: UCX over TCP does not authenticate one-sided WRITEs, so whoever holds a receiver's
-agent metadata (its rkeys) can write into its registered memory; that metadata travels only over
-the authenticated, encrypted store, and a version's bytes count only with the signed notifications
-(a forged write into the landing memory is overwritten by the next version before it can flip).
+(each refused and counted by reason); every listener binds its host's own address only.
+
+What it cannot enforce, and this test shows as it is: UCX over TCP does not authenticate one-sided
+WRITEs. A receiver's agent metadata lists its registered regions (address, length, rkey), so
+whoever holds it can write into them, with no notification, so with nothing for fastsync to see or
+count. With the in-place landing the live engine tensors are registered: here every one of them is
+overwritten from the foreign host between versions, the receiver still reports version 1 and its
+refusal counters do not move; the next complete version overwrites the forged bytes. Over TCP such
+a write is applied only while the target's UCX progresses (the test has the receiver progress, as
+NIXL's progress thread would; fastsync's receivers otherwise progress only while a version is open,
+so a write posted between versions would land at the next version's first poll: not tested here). A
+receiver renews its endpoint after an incomplete version: the metadata leaked before then no longer
+reaches it (checked: the same attack afterwards changes nothing). NIXL refuses, on the writer's
+side, addresses outside the regions the metadata lists: a check in the attacker's own library, not
+a boundary. The protection is that the metadata travels only over the authenticated, encrypted
+store (and the network the job runs on).
 """
 
 from __future__ import annotations
@@ -95,6 +106,18 @@ class HostJob:
         assert self.wait_key(f"t/sent/{v}") == b"ok"
         return self.result(v)
 
+    def check(self, tag: str, progress_s: float = 0.0, then=None) -> tuple[dict, object]:
+        """Between versions: the receiver progresses its UCX while ``then()`` runs here (at most
+        ``progress_s``), then reports its version, how many of its live tensors do not hold it
+        exactly (``differ`` of ``of``) and its refusal counters so far. Returns (report, then's
+        result)."""
+        self.store.set("t/check", f"{tag}:{progress_s}")
+        try:
+            got = then() if then is not None else None
+        finally:
+            self.store.set(f"t/check/{tag}/done", b"1")
+        return json.loads(self.wait_key(f"t/checked/{tag}", timeout_s=progress_s + 120)), got
+
     def attack(self, args: dict) -> dict:
         got = self.rig.run(FOREIGN, [sys.executable, str(PROCS), "attacker", str(self.store.port), json.dumps(args)],
                            env=self.env(False), timeout_s=180)
@@ -169,8 +192,24 @@ def test_a_host_outside_the_job_is_refused_everywhere_and_counted(host_rig) -> N
         assert refused.get("not trainer rank 0's agent") == n and refused.get("bad MAC") == 2 * n, refused
         assert refused.get("old version (late or replayed)") == n and refused.get("malformed") == 1, refused
         assert sum(refused.values()) == len(notifs), refused
-        # and the job goes on across the hosts
+        # what UCX does not protect: with the leaked metadata alone, a WRITE between versions lands
+        # in the receiver's live tensors; no notification, so nothing refused, nothing counted
+        before, _ = job.check("before-leaked-write")
+        assert before["version"] == 1 and before["differ"] == 0, before
+        leak = {"leaked_meta": meta.hex(), "write_live": True}
+        after, got = job.check("leaked-write", 120.0, lambda: job.attack(leak))
+        w = got["leaked_write"]
+        # every region the metadata lists posted, every other word of it refused by NIXL
+        assert w["add_agent"] == "accepted" and w["posted"] >= after["of"] and w["refused"] >= 1, w
+        assert after["version"] == 1 and after["differ"] == after["of"], (after, w)  # every live tensor, no flip
+        assert after["refused"] == before["refused"], (before, after)
+        # and the job goes on across the hosts: the next complete version overwrites the forged bytes,
+        # on a renewed endpoint (version 2 did not complete): the leaked metadata no longer names it
         r3 = job.sync(3)
         assert r3 == {"version": 3, "error": None, "exact": True, "refused": {}}, r3
+        assert job.store.get("nixl/recv/0/meta", 5) != meta
+        stale, got = job.check("stale-write", 120.0, lambda: job.attack(leak))
+        assert stale["version"] == 3 and stale["differ"] == 0, (stale, got["leaked_write"])
+        assert got["leaked_write"]["add_agent"].startswith("refused"), got["leaked_write"]  # its listener is gone
     finally:
         job.close()

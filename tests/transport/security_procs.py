@@ -50,12 +50,43 @@ def receiver(port: int) -> None:
                         landing=Landing(tensors, mode="inplace", backup=True), timeout_s=TIMEOUT_S)
     rx.setup()
     control.set("t/recv/listeners", json.dumps(_listeners()))
+
+    def differ() -> list[str]:
+        """The live tensors that do not hold ``rx.version`` exactly."""
+        want = reference_tensors(model, 0, rx.version) if rx.version else None
+        return [n for n, t in tensors.items()
+                if not ((not t.any()) if want is None else torch.equal(as_bytes(t), as_bytes(want[n].contiguous())))]
+
+    def exact() -> bool:
+        return not differ()
+
     v = 1
+    checked: set[bytes] = set()
     while True:
         while (raw := control.try_get(f"t/open/{v}")) is None:
             if control.try_get("t/stop") is not None:
                 rx.close()
                 return
+            # between versions, "TAG:SECONDS": progress UCX for up to SECONDS (until t/check/TAG/done),
+            # then report whether the live tensors still hold rx.version. UCX over TCP applies a
+            # one-sided write (and even sets up the writer's connection) only while the target
+            # progresses; this does what NIXL's progress thread does all the time. No version is
+            # open: nothing of the job is in flight.
+            check = control.try_get("t/check")
+            if check is not None and check not in checked:
+                checked.add(check)
+                tag, _, seconds = check.decode().partition(":")
+                t_end, ask = time.monotonic() + float(seconds or 0), 0.0
+                while (now := time.monotonic()) < t_end:
+                    rx.transport.agent.get_new_notifs()
+                    if now - ask > 0.1:
+                        ask = now
+                        if control.try_get(f"t/check/{tag}/done") is not None:
+                            break
+                    time.sleep(0.005)
+                control.set(f"t/checked/{tag}", json.dumps({"version": rx.version, "differ": len(differ()),
+                                                                     "of": len(tensors),
+                                                                     "refused": dict(rx.transport.refused)}))
             time.sleep(0.01)
         window_s = float(raw)
         before = dict(rx.transport.refused)
@@ -76,11 +107,8 @@ def receiver(port: int) -> None:
             error = None
         except SyncError as e:
             error = str(e)
-        want = reference_tensors(model, 0, rx.version) if rx.version else None
-        exact = all((not t.any()) if want is None else torch.equal(as_bytes(t), as_bytes(want[n].contiguous()))
-                    for n, t in tensors.items())
         refused = {k: n - before.get(k, 0) for k, n in rx.transport.refused.items() if n - before.get(k, 0)}
-        control.set(f"t/result/{v}", json.dumps({"version": rx.version, "error": error, "exact": exact,
+        control.set(f"t/result/{v}", json.dumps({"version": rx.version, "error": error, "exact": exact(),
                                                  "refused": refused}))
         v += 1
 
@@ -114,6 +142,56 @@ def sender(port: int) -> None:
         except Exception as e:  # reported to the test
             control.set(f"t/sent/{v}", f"err:{type(e).__name__}: {e}")
     tx.close()
+
+
+def _state(agent, h) -> str:
+    try:
+        return agent.check_xfer_state(h)
+    except Exception:  # noqa: BLE001 - NIXL raises for a failed transfer
+        return "ERR"
+
+
+def _write_with_metadata(agent, remote: str, meta: bytes, buf) -> dict:
+    """One-sided WRITEs with nothing but a receiver's agent metadata: the metadata lists the
+    registered regions (address, length, rkey), so every 8-byte value in it that looks like a
+    user-space address is tried as a region start; NIXL refuses (on the writer's side) any that is
+    not inside a region the metadata lists, and posts the rest, 64 bytes each, no notification.
+    Whether they landed is for the receiver to tell (the test asks it); here: how many candidates
+    were refused, how many posted, and the writer's own view of them after a few seconds (over
+    TCP the writer hears of completion only once the target's UCX progresses)."""
+    import struct
+
+    import numpy as np
+
+    words = (struct.unpack_from("<Q", meta, i)[0] for i in range(len(meta) - 7))
+    cands = sorted({v for v in words if 0x10000 <= v < 0x800000000000 and v % 8 == 0})
+    local = agent.get_xfer_descs(np.array([(buf.data_ptr(), 64, 0)], dtype=np.uint64), "DRAM")
+    got: dict = {"candidates": len(cands), "refused": 0, "posted": 0}
+    handles = []
+    for addr in cands:
+        try:
+            h = agent.initialize_xfer("WRITE", local, agent.get_xfer_descs(
+                np.array([(addr, 64, 0)], dtype=np.uint64), "DRAM"), remote)
+        except Exception:  # noqa: BLE001 - not a registered region of the receiver
+            got["refused"] += 1
+            continue
+        try:
+            state = agent.transfer(h)
+        except Exception:  # noqa: BLE001 - e.g. the agent the metadata names is gone
+            state = "ERR"
+        got["posted"] += state in ("PROC", "DONE")
+        handles.append(h)
+    states: dict[str, int] = {}
+    deadline = time.monotonic() + 3.0
+    pending = list(handles)
+    while pending and time.monotonic() < deadline:
+        pending = [h for h in pending if _state(agent, h) not in ("DONE", "ERR")]
+        time.sleep(0.01)
+    for h in handles:
+        st = _state(agent, h)
+        states[st] = states.get(st, 0) + 1
+    got["writer_states"] = states
+    return got
 
 
 def attacker(port: int, args: dict) -> None:
@@ -175,7 +253,7 @@ def attacker(port: int, args: dict) -> None:
     if args.get("leaked_meta"):
         meta = bytes.fromhex(args["leaked_meta"])
         agents = {"mallory": mallory}
-        for name, msg in args["notifs"]:
+        for name, msg in args.get("notifs", []):
             if name not in agents:
                 agents[name] = nixl_agent(name, conf)
             a = agents[name]
@@ -187,7 +265,14 @@ def attacker(port: int, args: dict) -> None:
             for a in agents.values():
                 a.get_new_notifs()
             time.sleep(0.005)
-        out["notifs_sent"] = len(args["notifs"])
+        out["notifs_sent"] = len(args.get("notifs", []))
+        if args.get("write_live"):
+            try:
+                remote = mallory._fs_remote if getattr(mallory, "_fs_added", False) else mallory.add_remote_agent(meta)
+            except Exception as e:  # noqa: BLE001 - e.g. the endpoint the metadata names is gone
+                out["leaked_write"] = {"add_agent": f"refused: {type(e).__name__}", "posted": 0}
+            else:
+                out["leaked_write"] = {"add_agent": "accepted", **_write_with_metadata(mallory, remote, meta, buf)}
     # 5. every other port the test found listening in the job's hosts: garbage, then hang up
     scanned = {}
     for addr in args.get("scan", []):

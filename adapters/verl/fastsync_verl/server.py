@@ -205,11 +205,16 @@ def capability(adapter: Any) -> tuple[bool, str, bool, int]:
     lora = getattr(getattr(adapter, "model_config", None), "lora", None) or {}
     if int(lora.get("rank", 0) or 0) > 0 or int(getattr(adapter.model_config, "lora_rank", 0) or 0) > 0:
         return False, "LoRA adapters: verl loads them through its own path", False, 0
-    if int(getattr(adapter, "node_rank", 0) or 0) != 0:
-        return False, "multi-node replica: the server on node rank > 0 has no engine to drive", False, 0
+    leader = bool(getattr(adapter, "_has_server", False))
+    # a replica across nodes (verl's nnodes > 1): the servers on node ranks > 0 run vLLM headless and
+    # their engine workers belong to node rank 0's engine (vLLM's multi-node executor), so the leader
+    # (rollout rank 0, on node rank 0) drives every worker of the replica; the other ranks only join
+    if leader and int(getattr(adapter, "node_rank", 0) or 0) != 0:
+        return False, (f"replica leader on node rank {adapter.node_rank}: that server runs vLLM headless, "
+                       "with no engine to drive"), False, 0
     workers = int(cfg.tensor_model_parallel_size or 1)
     log.debug("fastsync: %s in place with %s", EXTENSION_PATH, workers)
-    return True, "", bool(getattr(adapter, "_has_server", False)), workers
+    return True, "", leader, workers
 
 
 # ---- the ServerAdapter hook -----------------------------------------------------------------
