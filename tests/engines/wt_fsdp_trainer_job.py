@@ -113,6 +113,12 @@ def main(rank: int, world: int, port: int, url: str, model_dir: str, out_dir: st
                         "weight_info": _get(url + "/weight_info") if rank == 0 else None,
                         "engines": res.engines})
     engine.shutdown()
+    # the counter's control: vLLM's own ModuleSource iteration gathers every DTensor (a collective,
+    # run by both ranks in the same order)
+    before = counts["total"]
+    for _ in ModuleSource(model):
+        pass
+    counts["module_source_iteration"] = counts["total"] - before
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"ok": True, "full_tensor_calls": counts, "sharded_params": sharded, "init_s": init_s,
                    "records": records}, f)
