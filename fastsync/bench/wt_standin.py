@@ -11,9 +11,10 @@ instead of IPC handles. Everything else is vLLM's own ``IPCWeightTransferEngine`
 finish, its ``load_weights`` call). Difference to the real backend, named: one memcpy of every
 tensor into the file on the trainer (CUDA IPC shares a contiguous tensor without a copy).
 
-Registered by :func:`register_standin` under :data:`STANDIN` in the bench's own process (the
-bench runs vLLM in-process, so its worker uses this process's registry); never through the
-plugin entry point.
+Registered by :func:`register_standin` under :data:`STANDIN`, in the bench's process and, for
+an engine in its own processes, in each vLLM worker: the bench starts that engine with
+``worker_extension_cls=`` :data:`REGISTRATION`, whose import (before vLLM creates the worker's
+weight-transfer engine) registers the stand-in. Never through the plugin entry point.
 """
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
 
-__all__ = ["STANDIN", "register_standin", "ShmIPCTrainerInitInfo"]
+__all__ = ["STANDIN", "REGISTRATION", "register_standin", "ShmIPCTrainerInitInfo", "StandinRegistration"]
 
 STANDIN = "ipc_shm_standin"
+#: ``worker_extension_cls`` of an engine that must know the stand-in in its own worker processes
+REGISTRATION = "fastsync.bench.wt_standin.StandinRegistration"
 
 
 @dataclass
@@ -137,3 +140,11 @@ def register_standin() -> None:
         WeightTransferEngineFactory.register_engine(STANDIN, ShmIPCWeightTransferEngine)
     if STANDIN not in WeightTransferTrainerFactory._registry:
         WeightTransferTrainerFactory.register_engine(STANDIN, ShmIPCTrainerWeightTransferEngine)
+
+
+class StandinRegistration:
+    """A worker extension with no methods: importing this module in a vLLM worker registers the
+    stand-in there (see the module doc)."""
+
+
+register_standin()

@@ -17,6 +17,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"comma-separated, from {','.join(BACKENDS)} (default: all)")
     p.add_argument("--repeats", type=int, default=5, help="timed updates per backend, after one warm-up (median)")
     p.add_argument("--workdir", default=None, help="where presets are written (default ~/.cache/fastsync/wt-bench)")
+    p.add_argument("--in-process", action="store_true",
+                   help="run each engine inside this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), as vLLM's API tests do")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -34,7 +36,8 @@ def run(args: argparse.Namespace) -> int:
     backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
     quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
     with quiet:
-        r = run_weight_transfer_bench(args.model, backends=backends, repeats=args.repeats, workdir=args.workdir)
+        r = run_weight_transfer_bench(args.model, backends=backends, repeats=args.repeats, workdir=args.workdir,
+                                      in_process=args.in_process)
     if args.json:
         print(json.dumps(r, indent=2))
         return 0 if r["verified"] else 1
@@ -49,6 +52,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{name:18s}{'yes':>10s}{row['trainer_init_s']:9.2f}{row['median_s']:10.4f}{row['min_s']:9.4f}"
               f"{row['gbps']:8.2f}{r['ratio_to_fastsync'].get(name, float('nan')):12.2f}"
               f"{row['rounds_verified']:>10s}")
+    fs = r["backends"].get("fastsync", {}).get("engine_median_s")
+    if fs:
+        print("fastsync inside the worker (median s): " + ", ".join(f"{k} {v:.4f}" for k, v in fs.items()))
     print(f"verified: {r['verified']} (greedy tokens equal the trainer's and get_weight_version is the round's, "
           "after every update)")
     return 0 if r["verified"] else 1
