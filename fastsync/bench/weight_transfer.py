@@ -241,6 +241,8 @@ def run_weight_transfer_bench(model: str = "small", *, backends: tuple[str, ...]
     from fastsync.engines.vllm.backend import register_weight_transfer
     from fastsync.security import job_secret
 
+    if not os.path.isdir(model) and model not in PRESETS:
+        raise ConfigError(f"--model {model!r}: not a directory and not a preset ({sorted(PRESETS)})")
     if not in_process and "fastsync" in backends:
         _check_entry_point()
     job_secret(create=True)  # both sides live here: one secret for the store and the engine
