@@ -1,4 +1,4 @@
-"""A REAL ``vllm serve`` (CPU) started with ``--weight-transfer-config '{"backend":"fastsync"}'``
+"""A REAL ``vllm serve`` (CPU, tensor_parallel_size=2) started with ``--weight-transfer-config '{"backend":"fastsync"}'``
 and ``VLLM_SERVER_DEV_MODE=1``, driven by two REAL FSDP2 trainer processes (gloo) through vLLM's
 own trainer API: ``WeightTransferTrainerFactory.trainer_init(FastSyncTrainerInitInfo(rank=r),
 client=HTTPVLLMWeightSyncClient(url), source=ModuleSource(model))`` and ``send_weights()``.
@@ -36,6 +36,7 @@ JOB = os.path.join(os.path.dirname(__file__), "wt_fsdp_trainer_job.py")
 SECRET = "c3" * 32
 WORLD = 2
 VERSIONS = 2
+TP = 2
 
 
 def _free_port() -> int:
@@ -64,7 +65,9 @@ def _request(url: str, body: dict | None = None, timeout: float = 60.0) -> tuple
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("wt-serve")
-    model_dir = build_awkward_qwen3(tmp / "ckpt")
+    # tensor_parallel_size=2: two vLLM workers, each an engine rank of its own (6 query heads over
+    # 2 KV heads: 3 and 1 per worker; the 500-row vocabulary padded by vLLM and split in two)
+    model_dir = build_awkward_qwen3(tmp / "ckpt", num_attention_heads=6, num_key_value_heads=2)
     extra = use_plugin_path(tmp)
     port = _free_port()
     # `vllm serve`'s own module (the `vllm` script looks for a distribution named "vllm"; the CPU
@@ -74,6 +77,7 @@ def server(tmp_path_factory):
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
             "--port", str(port), "--served-model-name", "tiny", "--skip-tokenizer-init", "--dtype", "float32",
             "--enforce-eager", "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0",
+            "--tensor-parallel-size", str(TP),
             "--weight-transfer-config", json.dumps({"backend": "fastsync"})]
     log = open(tmp / "serve.log", "wb")
     proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -130,6 +134,7 @@ def test_two_fsdp2_trainers_sync_through_vllm_serve(server, run_workers):
         assert a["server"] == a["trainer"], f"version {a['version']}: server {a['server']} != trainer {a['trainer']}"
         assert a["weight_info"] == {"weight_version": f"step-{a['version']}"}
         assert a["fastsync_version"] == b["fastsync_version"] == a["version"]
+        assert sorted(e["rank"] for e in a["engines"][0]) == list(range(TP))  # every worker flipped
     assert recs0[-1]["server"] != recs0[0]["server"], "training did not change the served tokens"
     print("\ntrainer_init %.2f s / %.2f s; send_weights %s s" % (
         got[0]["init_s"], got[1]["init_s"], [round(x["send_s"], 3) for x in recs0[1:]]))
