@@ -125,6 +125,12 @@ def test_two_fsdp2_trainers_sync_through_vllm_serve(server, run_workers):
         assert calls["fastsync"] == 0, calls
         # the counter works: vLLM's ModuleSource iteration, run after the syncs, gathers each DTensor
         assert calls["module_source_iteration"] == got[r]["sharded_params"], calls
+    # FSDP2 left its root unsharded after the greedy decode (named_parameters() gives plain full
+    # tensors for the embedding, norm, lm_head then): fastsync reads the state_dict's DTensors, so
+    # every rank still sends only its own rows of them (checked below)
+    assert "model.embed_tokens.weight" in got[0]["unsharded_before_init"], got[0]["unsharded_before_init"]
+    for name, ranks in got[0]["senders"].items():  # every rank writes its own rows of each of them
+        assert ranks == list(range(WORLD)), (name, ranks)
     recs0, recs1 = got[0]["records"], got[1]["records"]
     assert [x["version"] for x in recs0] == list(range(VERSIONS + 1))
     assert recs0[0]["server"] == recs0[0]["trainer"], "server and trainer disagree on the checkpoint"

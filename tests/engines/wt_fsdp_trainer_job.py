@@ -86,6 +86,9 @@ def main(rank: int, world: int, port: int, url: str, model_dir: str, out_dir: st
     records.append({"version": 0, "trainer": hf_greedy(model, PROMPTS, MAX_TOKENS),
                     "server": server_tokens(url) if rank == 0 else None,
                     "weight_info": _get(url + "/weight_info") if rank == 0 else None})
+    # the greedy decode (no backward) leaves FSDP2's root unsharded (reshard_after_forward is False
+    # for the root): trainer_init runs in that state
+    unsharded_before_init = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
     inside[0] = True
     t0 = time.perf_counter()
     engine = WeightTransferTrainerFactory.trainer_init(FastSyncTrainerInitInfo(rank=rank),
@@ -93,6 +96,9 @@ def main(rank: int, world: int, port: int, url: str, model_dir: str, out_dir: st
                                                        source=ModuleSource(model))
     init_s = time.perf_counter() - t0
     inside[0] = False
+    plan = engine.ws.plan  # which trainer ranks send each parameter
+    senders = {n: sorted({t.src_rank for t in plan.transfers if t.src_param == n})
+               for n in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.up_proj.weight")}
     g = torch.Generator().manual_seed(1)
     batch = torch.randint(0, model.config.vocab_size, (2, 12), generator=g)
     for v in range(1, num_versions + 1):
@@ -115,12 +121,14 @@ def main(rank: int, world: int, port: int, url: str, model_dir: str, out_dir: st
     engine.shutdown()
     # the counter's control: vLLM's own ModuleSource iteration gathers every DTensor (a collective,
     # run by both ranks in the same order)
+    model.reshard()  # the decode above left the root unsharded (plain tensors: nothing to gather)
     before = counts["total"]
     for _ in ModuleSource(model):
         pass
     counts["module_source_iteration"] = counts["total"] - before
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"ok": True, "full_tensor_calls": counts, "sharded_params": sharded, "init_s": init_s,
+                   "unsharded_before_init": unsharded_before_init, "senders": senders,
                    "records": records}, f)
     dist.destroy_process_group()
 
