@@ -146,6 +146,20 @@ def _perturb(model: Any, seed: int) -> None:
             p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.02 * (p.std() + 1e-3))
 
 
+def _hf_greedy(model: Any) -> list[list[int]]:
+    """The trainer's own greedy continuation of each prompt (full forward per token)."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for p in PROMPTS:
+            ids = torch.tensor([p])
+            for _ in range(MAX_TOKENS):
+                ids = torch.cat([ids, model(input_ids=ids).logits[0, -1].argmax().view(1, 1)], dim=1)
+            out.append(ids[0, len(p):].tolist())
+    return out
+
+
 def _run_backend(backend: str, ckpt: str, hf: Any, repeats: int, seed0: int) -> dict:
     from fastsync.bench.wt_standin import REGISTRATION, STANDIN
 
@@ -155,7 +169,6 @@ def _run_backend(backend: str, ckpt: str, hf: Any, repeats: int, seed0: int) -> 
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
     from vllm.inputs import TokensPrompt
 
-    from fastsync.demo.run import hf_greedy
     from fastsync.engines.vllm.weight_transfer_trainer import LLMWeightSyncClient
 
     t0 = time.perf_counter()
@@ -189,7 +202,7 @@ def _run_backend(backend: str, ckpt: str, hf: Any, repeats: int, seed0: int) -> 
             dt = time.perf_counter() - t0
             if i and getattr(res, "engines", None):  # fastsync: each worker's own phases
                 engine_side.append(res.engines[0][0])
-            got, want = tokens(), hf_greedy(hf, PROMPTS, MAX_TOKENS)
+            got, want = tokens(), _hf_greedy(hf)
             checks.append(got == want and llm.get_weight_version() == wv)
             if i:
                 times.append(dt)

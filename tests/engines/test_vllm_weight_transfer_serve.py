@@ -166,3 +166,29 @@ def test_calls_out_of_order_over_http_are_refused_and_the_model_serves(server):
     assert code >= 400 and "before init_weight_transfer_engine connected" in json.dumps(body), body
     assert job.server_tokens(url) == before
     assert _request(url + "/weight_info")[1] == version
+
+
+def test_trainer_with_another_job_secret_is_refused_at_trainer_init(server):
+    """The server's workers cannot open a store made with another secret: trainer_init fails with
+    the worker's own reason (from the HTTP response), nothing was planned, the model serves."""
+    import torch
+    import transformers
+    from vllm.distributed.weight_transfer import (
+        HTTPVLLMWeightSyncClient,
+        ModuleSource,
+        WeightTransferTrainerFactory,
+    )
+
+    import wt_fsdp_trainer_job as job
+    from fastsync.engines.vllm.weight_transfer_trainer import FastSyncTrainerInitInfo
+    from fastsync.errors import SyncError
+
+    url = server["url"]
+    before, version = job.server_tokens(url), _request(url + "/weight_info")[1]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(server["model_dir"], dtype=torch.float32)
+    t0 = time.monotonic()
+    with pytest.raises(SyncError, match=r"init_weight_transfer_engine failed: HTTPError: 500.*(secret|handshake)"):
+        WeightTransferTrainerFactory.trainer_init(FastSyncTrainerInitInfo(rank=0, secret="d1" * 32, timeout_s=30),
+                                                  client=HTTPVLLMWeightSyncClient(url), source=ModuleSource(hf))
+    assert time.monotonic() - t0 < 30, "the refusal waited out the deadline instead of reporting the worker's error"
+    assert job.server_tokens(url) == before and _request(url + "/weight_info")[1] == version

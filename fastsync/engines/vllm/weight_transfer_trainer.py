@@ -120,6 +120,17 @@ class FastSyncTrainerInitInfo(TrainerInitInfo):
             raise ConfigError(f"FastSyncTrainerInitInfo.verify must be True or False, got {self.verify!r}")
 
 
+def describe_error(e: BaseException) -> str:
+    """``Type: message``, plus the body of an HTTP error response (vLLM puts the worker's error
+    there; ``HTTPVLLMWeightSyncClient`` raises ``requests.HTTPError``, whose message has only the
+    status)."""
+    text = f"{type(e).__name__}: {e}"
+    body = getattr(getattr(e, "response", None), "text", None)
+    if isinstance(body, str) and body.strip():
+        text += f" ({body.strip()[:800]})"
+    return text
+
+
 class _Call:
     """One client call on its own thread (the vLLM side blocks in it while the trainers work)."""
 
@@ -176,8 +187,7 @@ class ClientEngine:
                 raw = self.control.try_get(key)
                 if raw is not None and raw.startswith(b"err:"):
                     raise_error_text(raw, what)
-                raise SyncError(f"{what}: vLLM's {call.what} failed: {type(call.error).__name__}: {call.error}") \
-                    from call.error
+                raise SyncError(f"{what}: vLLM's {call.what} failed: {describe_error(call.error)}") from call.error
             if time.monotonic() >= deadline:
                 raise SyncError(f"{what}: no answer under {key!r} within {self.timeout_s:.0f} s")
             time.sleep(0.005)
@@ -203,7 +213,7 @@ class ClientEngine:
         self._init.join(max(deadline - time.monotonic(), 1.0))
         if self._init.error is not None:
             raise SyncError(f"vLLM init_weight_transfer_engine failed after every worker connected: "
-                            f"{type(self._init.error).__name__}: {self._init.error}") from self._init.error
+                            f"{describe_error(self._init.error)}") from self._init.error
         return out
 
     def abort(self, e: BaseException) -> None:
@@ -231,8 +241,7 @@ class ClientEngine:
                                              deadline)) for r in range(self.num_ranks)]
         call.join(max(deadline - time.monotonic(), 1.0))
         if call.error is not None:
-            raise SyncError(f"vLLM update to version {token}: {type(call.error).__name__}: {call.error}") \
-                from call.error
+            raise SyncError(f"vLLM update to version {token}: {describe_error(call.error)}") from call.error
         return results
 
     def version(self) -> int:
