@@ -265,6 +265,10 @@ def test_trainer_init_info_needs_only_rank_and_checks_fields(rig, monkeypatch):
         rig.trainer_init(timeout_s=0)
     with pytest.raises(FastSyncError, match="rank 3 is outside the trainer world of 1"):
         rig.trainer_init(rank=3)
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    with pytest.raises(FastSyncError, match=r"needs source=ModuleSource\(model\)"):
+        WeightTransferTrainerFactory.trainer_init(info, client=rig.client, source=None)
     monkeypatch.delenv("FASTSYNC_JOB_SECRET")
     with pytest.raises(FastSyncError, match="FASTSYNC_JOB_SECRET"):
         rig.trainer_init()
