@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "trace": "trace_cmd",
     "delta-bench": "delta_cmd",
     "reload-bench": "reload_cmd",
+    "weight-transfer-bench": "wt_cmd",
 }
 
 

@@ -209,6 +209,7 @@ class WeightSync:
         self.versions = Versions(f"trainer rank {rank}")
         self._setups = 0
         self.engine_info: list[list[dict]] = []
+        self._engine_params: dict[str, tuple[int, ...]] = {}  # full shapes the engines' own configs imply
         self.setup_s = 0.0
         self._trace = None
         if trace_dir is not None:  # every sync's phases, this rank's and its engines', as a Chrome trace
@@ -236,6 +237,7 @@ class WeightSync:
         tensors: dict[int, dict] = {}
         replica_of: dict[int, int] = {}
         unused: dict[str, str] = {}
+        self._engine_params: dict[str, tuple[int, ...]] = {}
         kinds: set[str] = set()
         offset = 0
         self.engine_info = []
@@ -247,6 +249,8 @@ class WeightSync:
                 kinds.add(str(w.get("engine", DEFAULT_ENGINE)))
                 replica_of[int(w["rank"])] = i
                 unused.update(w.get("unused", {}))
+                for n, shape in (w.get("params") or {}).items():  # engines that report their model's shapes
+                    self._engine_params.setdefault(n, tuple(int(x) for x in shape))
             offset += len(got)
         if sorted(tensors) != list(range(offset)):
             raise LayoutError(f"engines reported engine ranks {sorted(tensors)}, expected 0..{offset - 1}")
@@ -259,6 +263,11 @@ class WeightSync:
         from fastsync.plan.planner import build_plan
 
         engine, unused = self._describe_engines()
+        for n, spec in layout.params.items():
+            want = self._engine_params.get(n)
+            if want is not None and n not in unused and tuple(spec.shape) != want:
+                raise LayoutError(f"trainer parameter {n!r} has shape {tuple(spec.shape)}, the engine's model has "
+                                  f"{want}: trainer and engine are not the same model")
         params: dict[str, ParamSpec] = dict(layout.params)
         shards = dict(layout.shards)
         for n in unused:  # e.g. a tied lm_head.weight: the engine shares the embedding

@@ -6,6 +6,9 @@
   begin/finish/update, version, inside every vLLM worker.
 * ``host``: ``VllmEngine`` (in-process ``LLM``), ``RemoteEngine`` + ``serve`` (another process,
   over the control plane) — the handles ``fastsync.WeightSync`` drives.
+* ``backend`` / ``weight_transfer`` / ``weight_transfer_trainer``: fastsync as a backend of vLLM's
+  own weight-transfer API (``--weight-transfer-config '{"backend": "fastsync"}'``), worker and
+  trainer side, registered through the ``vllm.general_plugins`` entry point.
 
 The core reaches this package only through hooks (``fastsync_name_map`` with ``engine="vllm"``,
 ``fastsync_architectures``), registered in ``fastsync._builtin``. Names are exported lazily so
@@ -30,6 +33,7 @@ _EXPORTS = {
     "serve": "host",
     "raise_worker_errors": "host",
     "error_reply": "host",
+    "register_weight_transfer": "backend",
 }
 
 __all__ = ["ENGINE", *_EXPORTS]

