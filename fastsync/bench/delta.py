@@ -68,8 +68,9 @@ def scaled_config(model: str) -> dict:
     if not os.path.isfile(path):
         raise ConfigError(f"delta-bench --model {model!r}: neither a preset ({sorted(presets)}) nor a directory "
                           "with a config.json")
-    with open(path) as f:
-        return json.load(f)
+    from fastsync.layout.config_json import read_config_json
+
+    return read_config_json(path)
 
 
 def _layouts(cfg: dict, rollouts: int) -> tuple[Any, Any, Any, Any]:

@@ -4,11 +4,11 @@ its ``config.json`` alone (a preset or a local HF directory). Nothing is downloa
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
 from fastsync.errors import ConfigError
+from fastsync.layout.config_json import read_config_json
 from fastsync.layout.limits import MAX_MODEL_BYTES
 from fastsync.layout.types import DTYPE_BYTES, ParamSpec
 from fastsync.models.archs import EXPERT_FORMAT_KEY, enumerate_params
@@ -95,14 +95,6 @@ def inventory_from_config(config: dict, *, name: str = "custom", dtype: str | No
     return Inventory(name=name, architecture=arch, config=dict(config), params=params)
 
 
-#: A config.json is a few kB; anything this large is not one.
-MAX_CONFIG_BYTES = 16 << 20
-
-
-def _refuse_constant(name: str) -> object:
-    raise ValueError(f"{name} is not a valid config.json number")
-
-
 def _presets() -> dict:
     from fastsync import plugins
 
@@ -128,14 +120,5 @@ def load_inventory(preset_or_dir: str, *, dtype: str | None = None, fused_expert
             f"unknown model {preset_or_dir!r}: neither a registered preset nor a directory with config.json; "
             f"known presets: {sorted(presets)}"
         )
-    try:
-        if os.path.getsize(path) > MAX_CONFIG_BYTES:
-            raise ConfigError(f"{path!r} is {os.path.getsize(path)} bytes, over the limit {MAX_CONFIG_BYTES} for a config.json")
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f, parse_constant=_refuse_constant)
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
-        # JSONDecodeError is a ValueError; a non-UTF-8 file raises UnicodeDecodeError
-        raise ConfigError(f"cannot read {path!r}: {type(e).__name__}: {e}") from e
-    if not isinstance(config, dict):
-        raise ConfigError(f"{path!r} is not a JSON object")
+    config = read_config_json(path)
     return inventory_from_config(config, name=preset_or_dir, dtype=dtype, fused_experts=fused_experts)

@@ -8,7 +8,6 @@ Nothing is downloaded.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -81,8 +80,9 @@ def load_config_dict(model: str) -> dict[str, Any]:
         return dict(PRESETS[model])
     path = os.path.join(model, "config.json") if os.path.isdir(model) else model
     if os.path.isfile(path):
-        with open(path) as f:
-            return json.load(f)
+        from fastsync.layout.config_json import read_config_json
+
+        return read_config_json(path)
     raise ConfigError(f"--model {model!r}: not a preset ({', '.join(sorted(PRESETS))}) nor an HF config dir")
 
 

@@ -70,6 +70,11 @@ CLI_CASES = [
     ("json-nan", lambda p: _plan_with(_model_dir(p, "nan", json.dumps(TINY).replace('"hidden_size": 64', '"hidden_size": NaN'))),
      "NaN is not a valid config.json number"),
     ("json-not-object", lambda p: _plan_with(_model_dir(p, "list", "[1, 2]")), "not a JSON object"),
+    # every command that reads a config.json refuses one that is not a JSON object, by name
+    ("moe-json-not-object", lambda p: ["moe-bench", "--model", _model_dir(p, "mlist", "[1, 2]")], "not a JSON object"),
+    ("delta-json-not-object", lambda p: ["delta-bench", "--model", _model_dir(p, "dlist", '"qwen3"'), "--steps", "1"],
+     "not a JSON object"),
+    ("moe-json-malformed", lambda p: ["moe-bench", "--model", _model_dir(p, "mtrunc", '{"model_type": ')], "JSONDecodeError"),
     ("heads-0", lambda p: _plan_with(_model_dir(p, "h0", dict(TINY, num_attention_heads=0))), "'num_attention_heads' = 0"),
     ("head-dim-1.5", lambda p: _plan_with(_model_dir(p, "hd", dict(TINY, head_dim=1.5))),
      "'head_dim' must be an integer, got 1.5"),
