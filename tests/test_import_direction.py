@@ -172,3 +172,62 @@ def test_checker_fails_on_a_relative_upward_and_a_sideways_import(fake_tree: pat
 def test_checker_fails_on_an_unplaced_package(fake_tree: pathlib.Path):
     _write(fake_tree, "relay/__init__.py", "")
     assert any("package 'relay' has no layer" in b for b in violations(fake_tree))
+
+
+# ---- no import circle between modules (a lazy import inside a function counts) ------------------
+def _module_graph(tree_root: pathlib.Path) -> dict[str, set[str]]:
+    root = tree_root.name
+    mods: dict[str, pathlib.Path] = {}
+    for path in sorted(tree_root.rglob("*.py")):
+        rel = path.relative_to(tree_root.parent).with_suffix("")
+        mods[".".join(rel.parts[:-1] if path.name == "__init__.py" else rel.parts)] = path
+    return {m: {t for t, _ in _imports(p, m, p.name == "__init__.py", root, tree_root) if t in mods and t != m}
+            for m, p in mods.items()}
+
+
+def circles(tree_root: pathlib.Path) -> list[list[str]]:
+    """Every set of modules that import each other round a circle (Tarjan's strongly connected
+    components of more than one module), sorted."""
+    graph = _module_graph(tree_root)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def test_no_import_circle():
+    assert circles(pathlib.Path(fastsync.__file__).parent) == []
+
+
+def test_circle_finder_finds_a_lazy_circle(fake_tree: pathlib.Path):
+    assert circles(fake_tree) == []
+    _write(fake_tree, "layout/spec.py", "from fastsync.layout.box import f\n")
+    _write(fake_tree, "layout/box.py", "def f():\n    import fastsync.layout.spec\n")  # lazy, inside a function
+    assert circles(fake_tree) == [["fastsync.layout.box", "fastsync.layout.spec"]]

@@ -126,24 +126,6 @@ class Plan:
             return 1, 1, set()
         return sum(1 for p in f.parents if p < 0), f.replicas, set(f.direct)
 
-    def by_sender(self) -> dict[int, list[Transfer]]:
-        """Trainer sends, every direct copy included (rank-offset destinations)."""
-        from fastsync.plan.replicate import expand
-
-        out: dict[int, list[Transfer]] = defaultdict(list)
-        for t in (expand(self)[0] if self.fanout else self.transfers):
-            out[t.src_rank].append(t)
-        return dict(out)
-
-    def by_receiver(self) -> dict[int, list[Transfer]]:
-        """Writes each engine rank expects from trainer ranks (relayed copies not included)."""
-        from fastsync.plan.replicate import expand
-
-        out: dict[int, list[Transfer]] = defaultdict(list)
-        for t in (expand(self)[0] if self.fanout else self.transfers):
-            out[t.dst_rank].append(t)
-        return dict(out)
-
     def send_bytes(self) -> list[int]:
         """Bytes each trainer rank sends (every direct copy)."""
         roots, reps, direct = self._copies()

@@ -55,7 +55,7 @@ from fastsync.errors import ConfigError, LayoutError, SyncError
 from fastsync.executor.staging import Landing
 from fastsync.sync.delta_receiver import InboxLanding
 from fastsync.engines.vllm import ENGINE
-from fastsync.engines.vllm.host import error_reply
+from fastsync.engines.vllm.rpc_result import call_result as _result
 from fastsync.engines.vllm.reload import ReloadWorkerMixin, ensure_staging
 from fastsync.engines.vllm.layout import (
     LiveParam,
@@ -241,16 +241,6 @@ class _ModuleState:
         m._parameters.update(self.params)
         for n, d in self.data.items():
             self.params[n].data = d
-
-
-def _result(fn: Any) -> Any:
-    """Run ``fn``; any exception comes back as a result the host re-raises (see module doc): an
-    exception escaping ``collective_rpc`` would kill the engine."""
-    try:
-        return fn()
-    except Exception as e:
-        log.warning("fastsync worker call failed: %s: %s", type(e).__name__, e)
-        return error_reply(e)
 
 
 def _warm_transport() -> float:

@@ -35,6 +35,7 @@ import torch
 
 from fastsync.errors import ConfigError, SyncError
 from fastsync.engines.vllm.layout import moe_pads
+from fastsync.engines.vllm.rpc_result import call_result as _result
 from fastsync.executor.staging import as_bytes
 from fastsync.layout.box import box_slices
 from fastsync.layout.padding import logical_to_engine
@@ -75,7 +76,6 @@ class ReloadWorkerMixin:
     """``collective_rpc`` targets of peer reload (see the module docstring)."""
 
     def fastsync_reload_state(self) -> dict:
-        from fastsync.engines.vllm.extension import _result
 
         def run() -> dict:
             st = self._fastsync_state()  # type: ignore[attr-defined]
@@ -84,7 +84,6 @@ class ReloadWorkerMixin:
         return _result(run)
 
     def fastsync_reload_send(self, plan_json: str, options: dict) -> dict:
-        from fastsync.engines.vllm.extension import _result
 
         return _result(lambda: self._fastsync_reload_send(plan_json, dict(options)))
 
@@ -129,7 +128,6 @@ class ReloadWorkerMixin:
                 "bytes": sum(m.bytes_per_link.values())}
 
     def fastsync_reload_receive(self, plan_json: str, options: dict) -> dict:
-        from fastsync.engines.vllm.extension import _result
 
         return _result(lambda: self._fastsync_reload_receive(plan_json, dict(options)))
 
@@ -166,7 +164,6 @@ class ReloadWorkerMixin:
                 "staged_bytes": got["staged_bytes"], "inplace_bytes": got["inplace_bytes"]}
 
     def fastsync_load_checkpoint(self, model_dir: str, weight_version: int = 0) -> dict:
-        from fastsync.engines.vllm.extension import _result
 
         return _result(lambda: self._fastsync_load_checkpoint(str(model_dir), int(weight_version)))
 
@@ -219,7 +216,6 @@ class ReloadWorkerMixin:
         the next call reads it. The id lets the host tell such a stale reply from its own."""
         import json
 
-        from fastsync.engines.vllm.extension import _result
 
         body: dict = {}
 
@@ -234,7 +230,6 @@ class ReloadWorkerMixin:
         return {"call_id": body["call_id"], "result": out} if "call_id" in body else out
 
     def fastsync_digest(self) -> dict:
-        from fastsync.engines.vllm.extension import _result
 
         def run() -> dict:
             st = self._fastsync_state()  # type: ignore[attr-defined]
