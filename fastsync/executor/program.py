@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastsync.errors import ConfigError, PlanError
+from fastsync.executor.recv_item import RecvItem
 from fastsync.layout.box import Box, box_numel, box_shape, contiguous_runs, to_local
 from fastsync.layout.types import DTYPE_BYTES, Shard
 from fastsync.plan.replicate import receiver_copies, sender_copies
@@ -314,13 +315,6 @@ def _direct_runs(
         return None
     size = info.itemsize
     return [((sh.local_offset + off) * size, n * size) for off, n in runs]
-
-
-@dataclass(slots=True)
-class RecvItem:
-    index: int
-    transfer: Transfer
-    dst_runs: list[tuple[int, int]]
 
 
 @dataclass(slots=True)

@@ -14,14 +14,11 @@ root copy's flat index. Pure data, no transport.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from fastsync.errors import PlanError
+from fastsync.executor.recv_item import RecvItem
 from fastsync.layout.box import box_numel
 from fastsync.plan.types import Plan
-
-if TYPE_CHECKING:  # program.py builds the relay program lazily: no import circle at run time
-    from fastsync.executor.program import RecvItem
 
 __all__ = ["RelayProgram", "compile_relay"]
 
