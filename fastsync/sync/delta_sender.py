@@ -36,8 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastsync import plugins
-from fastsync.errors import ConfigError, FastSyncError, SyncError
+from fastsync.errors import ConfigError, SyncError
 from fastsync.executor import delta_scan
 from fastsync.executor.delta import (
     DELTA_CHUNK_ELEMS,
@@ -58,7 +57,7 @@ from fastsync.executor.pack import source_view, transform_into
 from fastsync.executor.staging import alloc_touched, wait_device
 from fastsync.executor.transforms import to_torch_dtype
 from fastsync.executor.verify import crc_update
-from fastsync.sync.handshake import begun_key, flipped_key, parse_begun, sender_crc_key, sender_done_key
+from fastsync.sync.handshake import sender_crc_key, sender_done_key
 from fastsync.sync.sender import WeightSender
 from fastsync.transport.nixl_delta import DeltaOutbox
 
@@ -145,14 +144,9 @@ class DeltaSender:
         inner = self.inner
         timeout = inner.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
+        asked, endpoints = inner.wait_begun(version, deadline)
         modes: dict[int, str] = {}
-        asked = False
-        endpoints: dict[int, str] = {}
         for d in inner.dsts:
-            verify_d, endpoints[d] = parse_begun(inner.control.get(
-                begun_key(d, version), max(0.0, deadline - time.monotonic()),
-                what=f"engine rank {d} (begin of version {version})"))
-            asked = asked or verify_d
             raw = inner.control.try_get(delta_mode_key(d, version), timeout_s=max(0.05, deadline - time.monotonic()))
             modes[d] = "dense" if raw is None else raw.decode()
         dense = [d for d, m in modes.items() if m == "dense"]
@@ -160,10 +154,12 @@ class DeltaSender:
             return self._dense(version, verify, timeout_s, wait_receivers)
         inner.transport.expect_endpoints(endpoints)  # an engine rank that renewed its endpoint: reconnect first
         inner.versions.spend(version)
-        m = SyncMetrics(version, "trainer", self.rank, "nixl-delta", start=time.time())
-        hook = plugins.hook()
-        hook.fastsync_before_sync(version=version, role="trainer", rank=self.rank, plan=self.plan)
-        try:
+
+        def forget_base() -> None:
+            self.base_version = {}
+
+        with inner.version_scope(version, "nixl-delta", on_fail=forget_base,
+                                 record=lambda m: setattr(self, "last_metrics", m)) as m:
             if dense:
                 raise SyncError(f"trainer rank {self.rank}, version {version}: engine ranks {dense} asked for a "
                                 f"dense sync, {sorted(set(modes) - set(dense))} for a delta; one trainer rank sends "
@@ -176,28 +172,14 @@ class DeltaSender:
                 sizes = self._encode(version, held, crcs)
             with m.stage("post"):
                 self.outbox.post(version, sizes, deadline, on_page)
+            left = max(deadline - time.monotonic(), 1.0)  # the pages are posted: telling the engines may take a moment
             if crcs is not None:
-                inner.control.set(sender_crc_key(self.rank, version), json.dumps(crcs))
-            inner.control.set(sender_done_key(self.rank, version), b"ok")
+                inner.control.set(sender_crc_key(self.rank, version), json.dumps(crcs), timeout_s=left)
+            inner.control.set(sender_done_key(self.rank, version), b"ok", timeout_s=left)
             self.base_version = {d: version for d in held}
             m.bytes_per_link = {f"t{self.rank}->r{d}": n for d, n in sizes.items()}
             if wait_receivers:
-                self._wait_flips(version, deadline, m)
-            m.ok = True
-        except FastSyncError as e:
-            self.base_version = {}
-            m.error = str(e)
-            inner.control.set(sender_done_key(self.rank, version), f"err:{e}")
-            raise
-        except Exception as e:
-            self.base_version = {}
-            m.error = f"{type(e).__name__}: {e}"
-            inner.control.set(sender_done_key(self.rank, version), f"err:{m.error}")
-            raise SyncError(f"trainer rank {self.rank}, version {version}: {m.error}") from e
-        finally:
-            m.end = time.time()
-            self.last_metrics = m
-            hook.fastsync_after_sync(version=version, role="trainer", rank=self.rank, metrics=m.to_json(), ok=m.ok)
+                inner.wait_flips(version, deadline, m)
         return m
 
     def _dense(self, version: int, verify: bool | None, timeout_s: float | None, wait_receivers: bool) -> SyncMetrics:
@@ -212,14 +194,6 @@ class DeltaSender:
                            "bytes_sent": self.inner.program.bytes_total}
         self.last_metrics = m
         return m
-
-    def _wait_flips(self, version: int, deadline: float, m: SyncMetrics) -> None:
-        with m.stage("wait_flip"):
-            for d in self.inner.dsts:
-                got = self.inner.control.get(flipped_key(d, version), max(0.0, deadline - time.monotonic()),
-                                             what=f"engine rank {d} (flip of version {version})").decode()
-                if got != "ok":
-                    raise SyncError(f"engine rank {d} refused version {version}: {got}")
 
     def _pack(self, t: Any, out_u8: torch.Tensor) -> None:
         dtype = self.inner.program.dst_info[t.dst_rank][t.dst_tensor].dtype

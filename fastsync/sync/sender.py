@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -185,18 +186,9 @@ class WeightSender:
         self.versions.spend(version)
         timeout = self.timeout_s if timeout_s is None else check_seconds("timeout_s", timeout_s)
         deadline = time.monotonic() + timeout
-        m = SyncMetrics(version, "trainer", self.rank, self.transport.name, start=time.time())
-        hook = plugins.hook()
-        hook.fastsync_before_sync(version=version, role="trainer", rank=self.rank, plan=self.plan)
-        try:
-            asked = False
-            endpoints: dict[int, str] = {}
+        with self.version_scope(version, self.transport.name) as m:
             with m.stage("wait_receivers"):
-                for d in self._waits_for():
-                    verify_d, endpoints[d] = parse_begun(wait_key(
-                        self.control, begun_key(d, version), deadline, f"engine rank {d} (begin of version {version})",
-                        self.watch))
-                    asked = asked or verify_d
+                asked, endpoints = self.wait_begun(version, deadline, self._waits_for())
             self.transport.expect_endpoints(endpoints)  # an engine rank that renewed its endpoint: reconnect first
             crcs: dict[int, int] | None = {} if (verify or (verify is None and asked)) else None
             if self.gather is not None and self.transport.uses_staging:  # rank0 assembles its own full tensors
@@ -209,14 +201,26 @@ class WeightSender:
             for d, n in self.program.bytes_per_dst().items():
                 m.bytes_per_link[f"t{self.rank}->r{d}"] = n
             if wait_receivers:
-                with m.stage("wait_flip"):
-                    for d in self.dsts:
-                        got = wait_key(self.control, flipped_key(d, version), deadline,
-                                       f"engine rank {d} (flip of version {version})", self.watch).decode()
-                        if got != "ok":
-                            raise SyncError(f"engine rank {d} refused version {version}: {got}")
+                self.wait_flips(version, deadline, m)
+        return m
+
+    # ---- one trainer-side version, dense or delta (``DeltaSender`` runs its versions through these)
+    @contextmanager
+    def version_scope(self, version: int, transport: str, *, on_fail: Callable[[], None] | None = None,
+                      record: Callable[[SyncMetrics], None] | None = None) -> Iterator[SyncMetrics]:
+        """The frame of one version on this trainer rank: its metrics, the before/after-sync hooks,
+        and on failure the error (with who went silent, from the liveness watch) published to the
+        engines, bounded, and raised as a FastSyncError. ``on_fail`` runs first on a failure;
+        ``record`` keeps the metrics (default ``self.last_metrics``)."""
+        m = SyncMetrics(version, "trainer", self.rank, transport, start=time.time())
+        hook = plugins.hook()
+        hook.fastsync_before_sync(version=version, role="trainer", rank=self.rank, plan=self.plan)
+        try:
+            yield m
             m.ok = True
         except FastSyncError as e:
+            if on_fail is not None:
+                on_fail()
             note = self.watch.silent_note() if self.watch is not None else ""
             m.error = f"{e} ({note})" if note and note not in str(e) else str(e)
             self._publish_failure(version, m.error)
@@ -224,14 +228,40 @@ class WeightSender:
                 e.args = (m.error,)  # same error type, with who went silent appended
             raise
         except Exception as e:
+            if on_fail is not None:
+                on_fail()
             m.error = f"{type(e).__name__}: {e}"
             self._publish_failure(version, m.error)
             raise SyncError(f"trainer rank {self.rank}, version {version}: {m.error}") from e
         finally:
             m.end = time.time()
-            self.last_metrics = m
+            if record is not None:
+                record(m)
+            else:
+                self.last_metrics = m
             hook.fastsync_after_sync(version=version, role="trainer", rank=self.rank, metrics=m.to_json(), ok=m.ok)
-        return m
+
+    def wait_begun(self, version: int, deadline: float, ranks: list[int] | None = None) -> tuple[bool, dict[int, str]]:
+        """Wait (liveness watched, bounded by ``deadline``) for every receiver in ``ranks`` (default:
+        those this rank writes to) to begin ``version``: (whether any asked for checksums, the
+        endpoints they announced)."""
+        asked, endpoints = False, {}
+        for d in (self.dsts if ranks is None else ranks):
+            verify_d, endpoints[d] = parse_begun(wait_key(
+                self.control, begun_key(d, version), deadline, f"engine rank {d} (begin of version {version})",
+                self.watch))
+            asked = asked or verify_d
+        return asked, endpoints
+
+    def wait_flips(self, version: int, deadline: float, m: SyncMetrics) -> None:
+        """Wait (liveness watched, bounded) for every receiver this rank writes to to flip
+        ``version``; SyncError naming the first that refused it."""
+        with m.stage("wait_flip"):
+            for d in self.dsts:
+                got = wait_key(self.control, flipped_key(d, version), deadline,
+                               f"engine rank {d} (flip of version {version})", self.watch).decode()
+                if got != "ok":
+                    raise SyncError(f"engine rank {d} refused version {version}: {got}")
 
     def _chunk_cap(self) -> int | None:
         """Write batches small enough to pipeline where it pays: relays forward batch by batch.

@@ -42,11 +42,12 @@ from fastsync.executor.metrics import SyncMetrics
 from fastsync.executor.pipeline import run_pipelined
 from fastsync.executor.program import Chunk
 from fastsync.executor.staging import wait_device
-from fastsync.security import check_mac, derive_key, loopback_mismatch, mac, net_devices
+from fastsync.security import derive_key, loopback_mismatch, net_devices
+from fastsync.transport import nixl_notes as notes
 from fastsync.transport.base import ReceiverContext, SenderContext, Transport
 from fastsync.transport.nixl_relay import NixlRelay, batches_key
 from fastsync.transport.nixl_teardown import quiesce, release
-from fastsync.transport.nixl_writes import PreparedWrite, settle
+from fastsync.transport.nixl_writes import PreparedWrite, reconnect_peer, settle
 
 try:
     from nixl._api import nixl_agent, nixl_agent_config
@@ -293,17 +294,16 @@ class NixlTransport(Transport):
         notifs = self.agent.get_new_notifs()
         for agent, msgs in notifs.items():
             for msg in msgs:
-                parts = msg.decode(errors="replace").split("|")
-                if self._relay is not None and self._relay.on_message(agent, parts, msg):
+                if self._relay is not None and self._relay.on_message(agent, msg):
                     continue
                 try:
-                    if len(parts) != 6 or parts[0] != "fs":
-                        raise ValueError
-                    v, src, k, n = (int(x) for x in parts[1:5])
-                    tag = bytes.fromhex(parts[5])
+                    note = notes.decode(msg, "fs")
+                    if note is None:
+                        raise ValueError("not a dense-batch notification")
                 except ValueError:
                     self._refuse("malformed", agent, msg)
                     continue
+                v, src, k, n = note.version, note.src, note.a, note.b
                 if src not in self._got:
                     self._refuse(f"trainer rank {src} is not a sender of this receiver's plan", agent, msg)
                     continue
@@ -316,7 +316,7 @@ class NixlTransport(Transport):
                 if info is None or agent != info["agent"]:
                     self._refuse(f"not trainer rank {src}'s agent", agent, msg)
                     continue
-                if not check_mac(self._key, tag, "fs", agent, str(me), str(v), str(src), str(k), str(n)):
+                if not notes.authentic(self._key, note, agent=agent, dst=me):
                     self._refuse("bad MAC", agent, msg)
                     continue
                 if v != version:
@@ -439,8 +439,7 @@ class NixlTransport(Transport):
         def post(c: Chunk) -> None:
             for d, w, k in self._handles[c.index]:
                 n = self._num_posts[d]
-                tag = mac(self._key, "fs", self.agent_name, str(d), str(version), str(rank), str(k), str(n)).hex()
-                msg = f"fs|{version}|{rank}|{k}|{n}|{tag}".encode()
+                msg = notes.encode(self._key, "fs", sender_agent=self.agent_name, dst=d, version=version, src=rank, a=k, b=n)
                 if w.post(msg) == "ERR":
                     self._broken.add(d)
                     raise TransportError(
@@ -509,25 +508,10 @@ class NixlTransport(Transport):
         Returns the remote name."""
         ctx = self.sender
         assert ctx is not None
-        for w in self._writes():
-            if w.peer == d:  # release first: a handle must not outlive its remote agent
-                try:
-                    self.agent.release_xfer_handle(w.handle)
-                except Exception:
-                    pass
-        try:
-            self.agent.remove_remote_agent(self._remote[d])
-        except Exception:
-            pass
-        meta = ctx.control.get(f"nixl/recv/{d}/meta", ctx.timeout_s, what=f"engine rank {d}")
-        try:
-            self._remote[d] = self.agent.add_remote_agent(meta)
-        except Exception as e:
-            raise TransportError(f"nixl: trainer rank {ctx.rank} cannot reconnect to engine rank {d}: {e}") from e
-        for w in self._writes():
-            if w.peer == d:
-                w.remote = self._remote[d]
-                w.make()
+        self._remote[d] = reconnect_peer(
+            self.agent, self._writes(), d, self._remote.get(d),
+            lambda: ctx.control.get(f"nixl/recv/{d}/meta", ctx.timeout_s, what=f"engine rank {d}"),
+            f"trainer rank {ctx.rank}")
         self.remote_gen[d] = self.remote_gen.get(d, 0) + 1
         return self._remote[d]
 

@@ -29,7 +29,7 @@ import torch
 
 from fastsync.control import ControlPlane, StoreUnreachable
 from fastsync.errors import ConfigError, SyncError, TransportError
-from fastsync.security import check_mac, mac
+from fastsync.transport import nixl_notes as notes
 from fastsync.transport.nixl_teardown import quiesce, release
 from fastsync.transport.nixl_writes import PreparedWrite, rebind, settle
 
@@ -121,9 +121,9 @@ class DeltaOutbox:
                         on_page(count)  # fault injection: called before each page is posted
                     count += 1
                     w = self._handles[d][k]
-                    tag = mac(self._key, "fsd", self._agent_name, str(d), str(version), str(self.rank), str(k),
-                              str(m)).hex()
-                    if w.post(f"fsd|{version}|{self.rank}|{k}|{m}|{tag}".encode()) == "ERR":
+                    msg = notes.encode(self._key, "fsd", sender_agent=self._agent_name, dst=d, version=version,
+                                       src=self.rank, a=k, b=m)
+                    if w.post(msg) == "ERR":
                         self._broken.add(d)
                         raise TransportError(f"nixl delta: trainer rank {self.rank} failed to post to engine rank {d}")
                     posted.append((d, w.handle))
@@ -218,17 +218,14 @@ class DeltaInbox:
     def poll(self) -> bool:
         for agent, msgs in self.agent.get_new_notifs().items():
             for msg in msgs:
-                parts = msg.decode(errors="replace").split("|")
-                if not parts or parts[0] != "fsd":
-                    continue  # a dense write's notification (or not ours): the dense receiver's business
                 try:
-                    if len(parts) != 6:
-                        raise ValueError
-                    v, src, k, m = (int(x) for x in parts[1:5])
-                    tag = bytes.fromhex(parts[5])
+                    note = notes.decode(msg, "fsd")
                 except ValueError:
                     self._refuse("malformed", agent, msg)
                     continue
+                if note is None:
+                    continue  # a dense write's notification (or not ours): the dense receiver's business
+                v, src, k, m = note.version, note.src, note.a, note.b
                 if src not in self._got:
                     self._refuse(f"trainer rank {src} sends nothing to this engine rank", agent, msg)
                     continue
@@ -239,7 +236,7 @@ class DeltaInbox:
                 if want != agent:
                     self._refuse(f"not trainer rank {src}'s agent", agent, msg)
                     continue
-                if not check_mac(self._key, tag, "fsd", agent, str(self.rank), str(v), str(src), str(k), str(m)):
+                if not notes.authentic(self._key, note, agent=agent, dst=self.rank):
                     self._refuse("bad MAC", agent, msg)
                     continue
                 if v != self._version or not 0 <= k < m:

@@ -30,9 +30,9 @@ import numpy as np
 
 from fastsync.control import StoreUnreachable
 from fastsync.errors import TransportError
-from fastsync.security import check_mac, mac
+from fastsync.transport import nixl_notes as notes
 from fastsync.transport.nixl_teardown import quiesce, release
-from fastsync.transport.nixl_writes import PreparedWrite, settle
+from fastsync.transport.nixl_writes import PreparedWrite, reconnect_peer, settle
 
 __all__ = ["NixlRelay", "armed_key", "batches_key", "relay_key"]
 
@@ -163,19 +163,17 @@ class NixlRelay:
         # the agent this rank receives on: an upstream relay reconnects when it changed (renewed endpoint)
         self.ctx.control.set(armed_key(self.ctx.rank, version), self._agent_name.encode(), timeout_s=self.ctx.timeout_s)
 
-    def on_message(self, agent: str, parts: list[str], raw: bytes) -> bool:
+    def on_message(self, agent: str, raw: bytes) -> bool:
         """Take a ``fr|version|src|unit|n|mac`` notification; True when it was a relay one (counted
         only from the upstream rank's agent, with a good MAC, for the open version)."""
-        if not parts or parts[0] != "fr":
-            return False
         try:
-            if len(parts) != 6:
-                raise ValueError
-            v, src, unit, n = (int(x) for x in parts[1:5])
-            tag = bytes.fromhex(parts[5])
+            note = notes.decode(raw, "fr")
         except ValueError:
             self._refuse("malformed relay notification", agent, raw)
             return True
+        if note is None:
+            return False
+        v, src, unit, n = note.version, note.src, note.a, note.b
         up = self.prog.upstream
         if src != up:
             self._refuse(f"engine rank {src} does not relay into this rank", agent, raw)
@@ -189,7 +187,7 @@ class NixlRelay:
         if self._upstream is None or agent != self._upstream["agent"]:
             self._refuse(f"not engine rank {up}'s agent", agent, raw)
             return True
-        if not check_mac(self._key, tag, "fr", agent, str(self.ctx.rank), str(v), str(src), str(unit), str(n)):
+        if not notes.authentic(self._key, note, agent=agent, dst=self.ctx.rank):
             self._refuse("bad MAC", agent, raw)
             return True
         if v != self._version:
@@ -229,9 +227,9 @@ class NixlRelay:
             ready = u in self._got if self.prog.upstream is not None else deps <= set(batches_landed(origin))
             if not ready:
                 continue
-            tag = mac(self._key, "fr", self._agent_name, str(child), str(v), str(self.ctx.rank), str(u),
-                      str(total)).hex()
-            if w.post(f"fr|{v}|{self.ctx.rank}|{u}|{total}|{tag}".encode()) == "ERR":  # e.g. a dead child's agent
+            msg = notes.encode(self._key, "fr", sender_agent=self._agent_name, dst=child, version=v, src=self.ctx.rank,
+                               a=u, b=total)
+            if w.post(msg) == "ERR":  # e.g. a dead child's agent
                 self.failed[child] = f"posting relay unit {u} (trainer rank {origin}'s bytes) failed"
                 self._broken.add(child)
                 continue
@@ -281,26 +279,11 @@ class NixlRelay:
         """The child's connection broke, or it renewed its endpoint: forget its agent, add it again
         from its published metadata, and prepare every forward to it afresh."""
         child = int(child)  # type: ignore[arg-type]
-        for (c, _), w in self._handles.items():
-            if c == child:
-                try:
-                    self.agent.release_xfer_handle(w.handle)
-                except Exception:
-                    pass
-        try:
-            self.agent.remove_remote_agent(self._remote[child])
-        except Exception:
-            pass
-        meta = self.ctx.control.get(f"nixl/recv/{child}/meta", self.ctx.timeout_s,
-                                    what=f"engine rank {child} (relay target of engine rank {self.ctx.rank})")
-        try:
-            self._remote[child] = self.agent.add_remote_agent(meta)
-        except Exception as e:
-            raise TransportError(f"nixl: engine rank {self.ctx.rank} cannot reconnect to engine rank {child}: {e}") from e
-        for (c, _), w in self._handles.items():
-            if c == child:
-                w.remote = self._remote[child]
-                w.make()
+        self._remote[child] = reconnect_peer(
+            self.agent, self._handles.values(), child, self._remote.get(child),
+            lambda: self.ctx.control.get(f"nixl/recv/{child}/meta", self.ctx.timeout_s,
+                                         what=f"engine rank {child} (relay target of engine rank {self.ctx.rank})"),
+            f"engine rank {self.ctx.rank}")
 
     def close(self) -> None:
         release(self.agent, (w.handle for w in self._handles.values()), remotes=self._remote.values())

@@ -109,3 +109,32 @@ def rebind(writes: Iterable[PreparedWrite], peer: Hashable, remote: str) -> int:
             w.renew()
             n += 1
     return n
+
+
+def reconnect_peer(agent: Any, writes: Iterable[PreparedWrite], peer: Hashable, old_remote: str | None,
+                   read_meta: Callable[[], bytes], who: str) -> str:
+    """Forget ``peer``'s NIXL agent and add it again from the metadata it published (its connection
+    broke, or it renewed its endpoint): every write to it is released first (a handle must not
+    outlive its remote agent) and prepared afresh against the new connection. ``read_meta`` reads the
+    peer's published metadata (with its own deadline); ``who`` names this side in the error.
+    Returns the new remote name."""
+    mine = [w for w in writes if w.peer == peer]
+    for w in mine:
+        try:
+            agent.release_xfer_handle(w.handle)
+        except Exception:  # noqa: BLE001 - already gone with the broken connection
+            pass
+    if old_remote is not None:
+        try:
+            agent.remove_remote_agent(old_remote)
+        except Exception:  # noqa: BLE001
+            pass
+    meta = read_meta()
+    try:
+        remote = agent.add_remote_agent(meta)
+    except Exception as e:
+        raise TransportError(f"nixl: {who} cannot reconnect to engine rank {peer}: {e}") from e
+    for w in mine:
+        w.remote = remote
+        w.make()
+    return remote
