@@ -1,7 +1,7 @@
 """A wheel built from the tree runs without the source checkout: installed into its own folder and
 imported from there (the checkout is neither the working directory nor on the path), ``fastsync
 plugins`` finds the built-ins through the wheel's entry points, ``fastsync bench`` syncs and
-verifies across processes, and the OpenRLHF adapter's CPU stand-in ships inside it (its benchmark
+verifies across processes, ``fastsync demo`` syncs a real vLLM engine from it, and the OpenRLHF adapter's CPU stand-in ships inside it (its benchmark
 used to read it from the checkout's tests/)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_wheel_runs_bench_without_the_checkout(tmp_path) -> None:
+def test_wheel_runs_bench_and_demo_without_the_checkout(tmp_path) -> None:
     pytest.importorskip("nixl._api")
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
                             str(tmp_path / "dist"), str(ROOT)], capture_output=True, text=True, timeout=300)
@@ -47,3 +47,9 @@ def test_wheel_runs_bench_without_the_checkout(tmp_path) -> None:
                "nixl", "--steps", "1", "--json", "--progress", "off", timeout=600)
     assert bench.returncode == 0, bench.stderr[-2000:]
     assert json.loads(bench.stdout)["transports"]["nixl"]["verified"] is True
+    # the main job, from the wheel: a real vLLM engine, FSDP2 trainers, greedy tokens checked
+    demo = py("-m", "fastsync.cli", "demo", "--preset", "tiny-qwen3", "--trainers", "2", "--repeats", "1",
+              "--no-baseline", "--workdir", str(tmp_path / "ckpt"), "--json", timeout=600)
+    assert demo.returncode == 0, demo.stderr[-3000:]
+    summary = json.loads(demo.stdout.strip().splitlines()[-1])["summary"]
+    assert summary["match"] is True and summary["changed"] is True, summary

@@ -37,6 +37,7 @@ from fastsync.executor import delta_scan
 from fastsync.layout.box import box_numel, box_shape
 from fastsync.layout.types import FP8_BLOCK
 from fastsync.plan.delta_sim import DELTA_CHUNK_ELEMS, HEADER_BYTES, MAX_SPARSE_CHUNK
+from fastsync.plan.replicate import sender_copies
 from fastsync.plan.types import Plan, Transfer
 
 __all__ = [
@@ -446,9 +447,11 @@ def transfer_itemsize(t: Transfer) -> int:
 
 
 def link_transfers(plan: Plan, src_rank: int, dst_rank: int) -> list[tuple[int, Transfer]]:
-    """``(plan index, transfer)`` sent from ``src_rank`` to ``dst_rank``, in plan order (the order
-    of a stream's records)."""
-    return [(i, t) for i, t in enumerate(plan.transfers) if t.src_rank == src_rank and t.dst_rank == dst_rank]
+    """``(flat index, transfer)`` sent from ``src_rank`` to ``dst_rank``, in plan order (the order
+    of a stream's records). With a fan-out plan, the copies trainer ``src_rank`` writes itself
+    (``plan/replicate.sender_copies``: flat indices, rank-offset destinations), as the dense
+    receive program numbers them."""
+    return [(i, t) for i, t in sender_copies(plan, src_rank) if t.dst_rank == dst_rank]
 
 
 def link_capacity(plan: Plan, src_rank: int, dst_rank: int, chunk_elems: int = DELTA_CHUNK_ELEMS) -> int:

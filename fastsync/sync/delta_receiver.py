@@ -32,6 +32,7 @@ from fastsync import plugins
 from fastsync.control import StoreUnreachable
 from fastsync.errors import ConfigError, FastSyncError, SyncError
 from fastsync.executor import delta_apply
+from fastsync.plan.replicate import receiver_copies
 from fastsync.executor.delta import (
     DELTA_CHUNK_ELEMS,
     MAX_SPARSE_CHUNK,
@@ -81,7 +82,7 @@ class DeltaLanding(InboxLanding, Landing):
 
 def inbox_sizes(plan: Any, rank: int, chunk_elems: int = DELTA_CHUNK_ELEMS) -> dict[int, int]:
     """Bytes of engine rank ``rank``'s inbox for each trainer rank that writes to it (worst case)."""
-    srcs = sorted({t.src_rank for t in plan.transfers if t.dst_rank == rank})
+    srcs = sorted({t.src_rank for _, t in receiver_copies(plan, rank)})  # fan-out: this replica's copies
     return {s: link_capacity(plan, s, rank, chunk_elems) for s in srcs}
 
 

@@ -58,6 +58,7 @@ from fastsync.executor.staging import alloc_touched, wait_device
 from fastsync.executor.transforms import to_torch_dtype
 from fastsync.executor.verify import crc_update
 from fastsync.sync.handshake import sender_crc_key, sender_done_key
+from fastsync.plan.replicate import sender_copies
 from fastsync.sync.sender import WeightSender
 from fastsync.transport.nixl_delta import DeltaOutbox
 
@@ -92,7 +93,11 @@ class DeltaSender:
         self._views: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # transfer -> (base, values scratch) views
         self.rank = self.inner.rank
         self.plan = self.inner.plan
-        self.mine = [(i, t) for i, t in enumerate(self.plan.transfers) if t.src_rank == self.rank]
+        if self.plan.has_relays:
+            raise ConfigError("delta sync: the plan relays between engine ranks, which forward dense batches, not "
+                              "delta pages; plan the copies direct (WeightSync(fanout='direct' or 'auto'))")
+        # every copy this rank writes itself (with fan-out, one per replica it feeds), flat-indexed
+        self.mine = sender_copies(self.plan, self.rank)
         self.base_version: dict[int, int] = {}  # engine rank -> version the base holds for it
         self.base: dict[int, torch.Tensor] = {}
         self.outbox: DeltaOutbox | None = None

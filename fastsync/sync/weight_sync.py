@@ -126,7 +126,9 @@ class WeightSync:
     each, same model and TP), ``auto``/``chain``/``direct`` plan the first replica once and feed
     the others as the planner's cost model chooses (``auto``), through relays between the engines'
     ranks (``chain``: each byte leaves its trainer rank once), or straight from the trainer ranks
-    (``direct``); relays need ``transport="nixl"``.
+    (``direct``); relays need ``transport="nixl"``. With ``delta=True`` the copies go direct
+    (``auto`` plans ``direct``; ``chain`` is refused by name): relays forward dense batches, not
+    delta pages, so each replica gets its own delta stream from the trainer ranks.
 
     ``trace_dir`` (an existing folder): each rank writes ``trainer{rank}.json`` there after every
     sync, a Chrome trace of its phases and, on rank 0, its engines' (``fastsync.sync.trace_dir``;
@@ -178,6 +180,9 @@ class WeightSync:
         if fanout in ("auto", "chain") and transport != "nixl":
             raise ConfigError(f"fanout={fanout!r} may relay between engine ranks, which only transport 'nixl' does; "
                               f"transport={transport!r}: use fanout='direct' or 'off'")
+        if delta and fanout == "chain":
+            raise ConfigError("delta=True with fanout='chain': relays forward dense batches, not delta pages; use "
+                              "fanout='direct' (or 'auto', which plans direct copies with delta=True)")
         if not isinstance(staged, bool):
             raise ConfigError(f"staged must be True or False, got {staged!r}")
         if staged and delta:
@@ -274,7 +279,8 @@ class WeightSync:
             params.pop(n, None)
             shards.pop(n, None)
         trimmed = TrainerLayout(layout.world_size, params, shards, kind=layout.kind, description=layout.description)
-        return build_plan(params, trimmed, engine, fanout=self.fanout)
+        fanout = "direct" if self.delta and self.fanout == "auto" else self.fanout  # deltas are not relayed
+        return build_plan(params, trimmed, engine, fanout=fanout)
 
     def setup(self) -> None:
         """Layouts, plan and transport set-up, once. Raises (on every rank) before any write

@@ -89,3 +89,55 @@ def test_relays_need_nixl():
     with pytest.raises(ConfigError, match="fanout='chain' may relay between engine ranks, which only transport 'nixl'"):
         WeightSync(torch.nn.Linear(2, 2), rank=0, world_size=1, control=object(), transport="torch",  # type: ignore[arg-type]
                    fanout="chain")
+
+
+def test_delta_reaches_every_replica_direct(two):
+    """WeightSync(delta=True, fanout="auto") into the two live engines: planned once, copies direct
+    (deltas are not relayed); the first sync dense, then a sparse step sent as a delta stream to
+    each replica's rank, both engines generating like the trainer after each."""
+    hf, control = two["hf"], two["control"]
+    full = {n: p.data for n, p in hf.named_parameters()}
+    params = {n: ParamSpec(n, tuple(t.shape), "float32") for n, t in full.items()}
+    layout = fsdp_layout(params, 2)
+    sources = [{n: full[n][box_slices(s.box)].clone() for n, ss in layout.shards_on(r).items() for s in ss}
+               for r in range(2)]
+
+    def step(seed: int, frac: float) -> None:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for n, t in full.items():
+                mask = torch.rand(t.shape, generator=g) < frac
+                t[mask] += torch.randn(int(mask.sum()), generator=g, dtype=t.dtype) * 0.3 * (t.std() + 1e-3)
+            for r in range(2):
+                for n, ss in layout.shards_on(r).items():
+                    sources[r][n].copy_(full[n][box_slices(ss[0].box)])
+
+    ws = [WeightSync(rank=r, world_size=2, control=control.with_prefix("delta-fanout"),
+                     engines=two["engines"] if r == 0 else [], transport="nixl", timeout_s=60, layout=layout,
+                     sources=sources[r], name="delta-fanout", control_port=control.port, fanout="auto", delta=True)
+          for r in range(2)]
+    try:
+        run_ranks([lambda r=r: ws[r].setup() for r in range(2)], 300)
+        plan = ws[0].plan
+        assert plan.fanout is not None and plan.fanout.replicas == 2 and not plan.has_relays
+        for version, kind in ((21, "dense"), (22, "delta")):
+            step(version, 0.5 if kind == "dense" else 0.03)
+            run_ranks([lambda r=r: ws[r].sync(version) for r in range(2)], 120)
+            assert ws[0].last_kind == kind
+            want = hf_greedy(hf, PROMPTS, 6)
+            for e in two["engines"]:
+                assert e.generate(PROMPTS, 6) == want and e.version() == version
+        for w in ws:
+            st = w.sender.last_stats
+            assert st["mode"] == "delta" and 0 < st["bytes_sent"] < 0.2 * st["bytes_dense"], st
+            links = w.sender.last_metrics.bytes_per_link
+            assert {d for d in links} >= {f"t{w.rank}->r0", f"t{w.rank}->r1"}, links  # both replicas, direct
+    finally:
+        for w in ws:
+            w.close()
+
+
+def test_delta_is_not_relayed():
+    with pytest.raises(ConfigError, match="delta=True with fanout='chain': relays forward dense batches"):
+        WeightSync(torch.nn.Linear(2, 2), rank=0, world_size=1, control=object(), transport="nixl",  # type: ignore[arg-type]
+                   fanout="chain", delta=True)
