@@ -92,7 +92,9 @@ def test_bad_options_are_named():
         FastSyncOptions(fanout="ring").validate()
     with pytest.raises(ConfigError, match="--fastsync.delta and --fastsync.fanout off need --fastsync.transport nixl"):
         FastSyncOptions(delta=True, transport="torch").validate()
-    assert FastSyncOptions(delta=True, fanout="chain").validate().fanout == "chain"
+    with pytest.raises(ConfigError, match="--fastsync.delta with --fastsync.fanout chain: relays forward dense"):
+        FastSyncOptions(delta=True, fanout="chain").validate()
+    assert FastSyncOptions(delta=True, fanout="auto").validate().fanout == "auto"
 
 
 def test_colocate_all_keeps_openrlhf_cuda_ipc_and_says_so(standin, capsys):

@@ -107,6 +107,8 @@ def test_registered_in_verls_registry() -> None:
         CheckpointEngineRegistry.new("fastsync", bucket_size=BUCKET, bogus=1)
     with pytest.raises(ConfigError, match="engine_kwargs.fastsync.fanout must be one of"):
         CheckpointEngineRegistry.new("fastsync", bucket_size=BUCKET, fanout="ring")
+    with pytest.raises(ConfigError, match="engine_kwargs.fastsync.delta=true with engine_kwargs.fastsync.fanout=chain"):
+        CheckpointEngineRegistry.new("fastsync", bucket_size=BUCKET, delta=True, fanout="chain")
     with pytest.raises(ConfigError, match="engine_kwargs.fastsync.delta must be true or false"):
         CheckpointEngineRegistry.new("fastsync", bucket_size=BUCKET, delta="yes")
 

@@ -127,6 +127,9 @@ class FastSyncCheckpointEngine(CheckpointEngine):
             raise ConfigError(f"engine_kwargs.fastsync.delta must be true or false, got {delta!r}")
         if fanout not in ("off", "auto", "chain", "direct"):
             raise ConfigError(f"engine_kwargs.fastsync.fanout must be one of off, auto, chain, direct, got {fanout!r}")
+        if delta and fanout == "chain":  # WeightSync's rule, said in verl's words, before anything starts
+            raise ConfigError("engine_kwargs.fastsync.delta=true with engine_kwargs.fastsync.fanout=chain: relays forward "
+                              "dense batches, not delta pages; use fanout=direct (or auto, which sends deltas direct)")
         self.delta, self.fanout = delta, fanout
         self.trainer_shards = trainer_shards
         self.inplace = inplace
