@@ -21,7 +21,7 @@ torch.distributed, NIXL, vLLM) are imported lazily, on first use of a name that 
 * MoE: ``patch_moe`` (swap HF v5 MoE blocks), ``RoutingReplay``.
 * Engines: ``FastSyncWorkerExtension`` (vLLM's ``worker_extension_cls``, to subclass or compose);
   ``RemoteEngine`` / ``serve_engine`` (an engine handle answered over the control plane by a host
-  that drives the engine, e.g. verl's rollout server), ``raise_worker_errors`` / ``worker_error_reply``.
+  that drives the engine, e.g. verl's rollout server), ``raise_worker_errors`` / ``worker_error_reply``, ``one_version`` (every worker on one weight version).
 * Plugins: ``hookimpl``, ``register_plugin``, ``unregister_plugin``; errors: ``FastSyncError``
   and its subclasses.
 """
@@ -69,6 +69,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "serve_engine": ("fastsync.engines.vllm.host", "serve"),
     "raise_worker_errors": ("fastsync.engines.vllm.host", "raise_worker_errors"),
     "worker_error_reply": ("fastsync.engines.vllm.host", "error_reply"),
+    "one_version": ("fastsync.engines.vllm.host", "one_version"),
     "Plan": ("fastsync.plan.types", "Plan"),
     "Transfer": ("fastsync.plan.types", "Transfer"),
     "simulate": ("fastsync.plan.simulate", "simulate"),

@@ -17,13 +17,14 @@ from fastsync import (
     TrainerLayout,
     WeightSync,
     patch_moe,
+    one_version,
     replicated_layout,
     trainer_layout_from_spec,
 )
 
 __all__ = ["DEFAULT_HOST", "TCPStoreControl", "ConfigError", "FastSyncError", "LayoutError", "SyncError",
            "replicated_layout", "zero3_layout", "ParamSpec", "TrainerLayout", "WeightSync", "patch_moe",
-           "worker_extension_class", "raise_worker_errors"]
+           "worker_extension_class", "raise_worker_errors", "one_version"]
 
 
 def zero3_layout(params: dict[str, ParamSpec], world_size: int) -> TrainerLayout:

@@ -35,6 +35,7 @@ from fastsync_openrlhf._fastsync import (
     SyncError,
     TCPStoreControl,
     WeightSync,
+    one_version,
     raise_worker_errors,
     replicated_layout,
     zero3_layout,
@@ -88,10 +89,7 @@ class RayEngine:
         return self._get(ref, f"update to version {token}", timeout_s + 30.0)
 
     def version(self) -> int:
-        got = set(self._get(self.actor.fastsync_version.remote(), "version"))
-        if len(got) != 1:
-            raise SyncError(f"vLLM engine {self.index}: workers serve different versions {sorted(got)}")
-        return int(got.pop())
+        return one_version(self._get(self.actor.fastsync_version.remote(), "version"), f"vLLM engine {self.index}")
 
 
 def _dtype(t: torch.Tensor) -> str:

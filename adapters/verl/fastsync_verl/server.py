@@ -47,7 +47,7 @@ import logging
 import time
 from typing import Any
 
-from fastsync import ConfigError, SyncError, raise_worker_errors
+from fastsync import ConfigError, SyncError, one_version, raise_worker_errors
 
 __all__ = ["ServerEngine", "capability", "install", "installed", "SERVER_ADAPTER"]
 
@@ -162,10 +162,7 @@ class ServerEngine:
             self.last_stall_s = time.perf_counter() - t0
 
     def version(self) -> int:
-        got = {int(v) for v in self._call("fastsync_version")}
-        if len(got) != 1:
-            raise SyncError(f"verl vLLM server {self.engine_id}: workers serve different versions {sorted(got)}")
-        return got.pop()
+        return one_version(self._call("fastsync_version"), f"verl vLLM server {self.engine_id}")
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 8) -> list[list[int]]:
         import ray

@@ -33,7 +33,7 @@ from fastsync.control import ControlPlane
 from fastsync.errors import ConfigError, FastSyncError, SyncError
 from fastsync.security import check_mac, derive_key, mac
 
-__all__ = ["VllmEngine", "RemoteEngine", "serve", "raise_worker_errors", "error_reply"]
+__all__ = ["VllmEngine", "RemoteEngine", "serve", "raise_worker_errors", "error_reply", "one_version"]
 
 
 def _request_key(control: ControlPlane) -> bytes:
@@ -64,6 +64,16 @@ def raise_worker_errors(results: list[Any], what: str) -> list[Any]:
                 cls = FastSyncError
             raise cls(f"{what}: {msg}")
     return results
+
+
+def one_version(versions: list[Any], who: str) -> int:
+    """The one weight version every worker of an engine reports (``fastsync_version`` over any
+    RPC: ``collective_rpc``, a Ray actor call, HTTP); SyncError naming ``who`` and the versions
+    when the workers disagree (a torn engine must never be served as one version)."""
+    got = sorted({int(v) for v in versions})
+    if len(got) != 1:
+        raise SyncError(f"{who}: workers serve different versions {got}" if got else f"{who}: no worker answered")
+    return got[0]
 
 
 class VllmEngine:
@@ -201,9 +211,7 @@ class VllmEngine:
         """The version every worker serves; SyncError if workers disagree."""
         with self._fenced("vLLM engine version"):
             got = self.llm.collective_rpc("fastsync_version")
-        if len(set(got)) != 1:
-            raise SyncError(f"vLLM workers serve different versions: {got}")
-        return int(got[0])
+        return one_version(got, "vLLM engine")
 
     # ---- serving --------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], max_tokens: int = 8) -> list[list[int]]:

@@ -24,7 +24,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from fastsync.engines.vllm.host import raise_worker_errors
+from fastsync.engines.vllm.host import one_version, raise_worker_errors
 from fastsync.errors import SyncError
 
 __all__ = ["HttpVllmEngine"]
@@ -72,10 +72,7 @@ class HttpVllmEngine:
         return self.call("fastsync_describe", options or {})
 
     def version(self) -> int:
-        got = {int(v) for v in self.call("fastsync_version")}
-        if len(got) != 1:
-            raise SyncError(f"replica {self.name}: workers serve different versions {sorted(got)}")
-        return got.pop()
+        return one_version(self.call("fastsync_version"), f"replica {self.name}")
 
     def reload_describe(self) -> list[dict]:
         desc = self.describe()
