@@ -51,5 +51,8 @@ def test_wheel_runs_bench_and_demo_without_the_checkout(tmp_path) -> None:
     demo = py("-m", "fastsync.cli", "demo", "--preset", "tiny-qwen3", "--trainers", "2", "--repeats", "1",
               "--no-baseline", "--workdir", str(tmp_path / "ckpt"), "--json", timeout=600)
     assert demo.returncode == 0, demo.stderr[-3000:]
-    summary = json.loads(demo.stdout.strip().splitlines()[-1])["summary"]
+    # vLLM's processes log to stdout too: the report is the line that is fastsync's JSON object
+    reports = [json.loads(x) for x in demo.stdout.splitlines() if x.startswith('{"summary"')]
+    assert len(reports) == 1, demo.stdout[-3000:]
+    summary = reports[0]["summary"]
     assert summary["match"] is True and summary["changed"] is True, summary
