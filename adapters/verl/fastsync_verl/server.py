@@ -132,7 +132,16 @@ class ServerEngine:
     def describe(self, options: dict | None = None) -> list[dict]:
         return self._call("fastsync_describe", options or {})
 
+    #: verl's server pauses with ``abort`` (its partial rollout resubmits the aborted requests);
+    #: ``wait`` / ``keep`` are refused by name at connect, before any byte moves
+    pause_modes = ("abort",)
+
     def connect(self, plan_json: str, options: dict) -> list[dict]:
+        from fastsync.sync.pause_modes import check_pause_mode
+
+        options = dict(options)
+        check_pause_mode(options.pop("pause_mode", "abort"), self.pause_modes,
+                         "verl's vLLM server (fastsync pauses it with AsyncLLM.pause_generation(mode='abort'))")
         return self._call("fastsync_connect", plan_json, options)
 
     def update(self, version: int, timeout_s: float = 60.0) -> list[dict]:
