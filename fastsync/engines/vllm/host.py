@@ -160,7 +160,7 @@ class VllmEngine:
                          timeout_s=self.lock_timeout_s if timeout_s is None else timeout_s)
 
     @contextmanager
-    def _paused(self, version: int, what: str, deadline: float) -> Iterator[dict]:
+    def _paused(self, version: int | None, what: str, deadline: float) -> Iterator[dict]:
         """Pause the engine core in this job's mode (vLLM's ``pause_scheduler``; caches cleared so
         kept requests are recomputed on the new weights), yield, label outputs with ``version``
         if the body flipped (``box["flipped"]``), resume. ``box`` gets ``drain_s`` (the pause
@@ -176,8 +176,9 @@ class VllmEngine:
         box["drain_s"] = time.monotonic() - t0
         try:
             yield box
-            if box["flipped"]:
-                self._core("set_weight_version", str(version), what=f"{what} (label)")
+            if box["flipped"]:  # (version None: whatever the workers now serve, e.g. after a reload)
+                served = int(self.llm.collective_rpc("fastsync_version")[0]) if version is None else version
+                self._core("set_weight_version", str(served), what=f"{what} (label)")
         finally:
             self._core("resume_scheduler", what=f"{what} (resume)")
 
