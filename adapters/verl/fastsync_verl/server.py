@@ -137,11 +137,12 @@ class ServerEngine:
     pause_modes = ("abort",)
 
     def connect(self, plan_json: str, options: dict) -> list[dict]:
-        from fastsync.sync.pause_modes import check_pause_mode
-
         options = dict(options)
-        check_pause_mode(options.pop("pause_mode", "abort"), self.pause_modes,
-                         "verl's vLLM server (fastsync pauses it with AsyncLLM.pause_generation(mode='abort'))")
+        mode = options.pop("pause_mode", "abort")
+        if mode not in self.pause_modes:
+            raise ConfigError(f"pause_mode={mode!r}: verl's vLLM server cannot pause that way (it can: "
+                              f"{list(self.pause_modes)}: fastsync pauses it with "
+                              "AsyncLLM.pause_generation(mode='abort') and verl resubmits the aborted requests)")
         return self._call("fastsync_connect", plan_json, options)
 
     def update(self, version: int, timeout_s: float = 60.0) -> list[dict]:
