@@ -171,8 +171,12 @@ class VllmEngine:
             yield box
             return
         t0 = time.monotonic()
-        self._core("pause_scheduler", self.pause_mode, True, what=f"{what} (pause, mode {self.pause_mode!r})",
-                   timeout_s=max(1.0, deadline - t0))
+        try:
+            self._core("pause_scheduler", self.pause_mode, True, what=f"{what} (pause, mode {self.pause_mode!r})",
+                       timeout_s=max(1.0, deadline - t0))
+        except BaseException:  # e.g. wait: the requests in flight did not finish by the deadline
+            self._core("resume_scheduler", what=f"{what} (resume after a failed pause)")  # never left paused
+            raise
         box["drain_s"] = time.monotonic() - t0
         try:
             yield box
