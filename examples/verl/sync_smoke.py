@@ -427,6 +427,9 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
             "inflight_aborted": syncs[-1].get("inflight", {}).get("stop_reason") == "aborted",
             "sync_s_median": round(statistics.median(s["sync_s"] for s in syncs[1:] or syncs), 4),
             "engine_stall_s": round(statistics.median(s["stall_s"] for s in syncs[1:] or syncs), 4),
+            # the same figure under the name fastsync demo --json uses; verl's server pauses with "abort"
+            "engine_stall_seconds": round(statistics.median(s["stall_s"] for s in syncs[1:] or syncs), 4),
+            "pause_mode": "abort",
             "syncs": syncs,
             "rollout_setups": syncs[-1]["rollout_setups"], "trainer_setups": [s["trainer_setups"] for s in syncs][-1],
             "readd": readd,

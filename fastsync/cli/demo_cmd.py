@@ -34,6 +34,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--staged", choices=("on", "off"), default="on",
                    help="on (default): the engine keeps generating while fastsync's writes land, and pauses only "
                         "for the flip; off: it pauses for the whole transfer")
+    p.add_argument("--pause-mode", choices=("wait", "abort", "keep"), default="wait",
+                   help="what the engine does with requests in flight at each pause (vLLM's modes): wait (default) "
+                        "lets them finish on the old version, abort aborts them, keep carries them across the flip")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.set_defaults(func=run)
 
@@ -48,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
     rep = run_demo(model_dir=args.model, preset=args.preset, num_trainers=args.trainers, workdir=args.workdir,
                    max_tokens=args.max_tokens, transport=args.transport, baseline=not args.no_baseline,
                    repeats=args.repeats, tp=args.tp, timeout_s=args.timeout, dtype=args.dtype, log=log,
-                   progress=auto(json=args.json), staged=args.staged == "on", load=True)
+                   progress=auto(json=args.json), staged=args.staged == "on", load=True,
+                   pause_mode=args.pause_mode)
     s = summarize(rep)
     if args.json:
         print(json.dumps({"summary": s, "report": rep}, default=str))
@@ -76,6 +80,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"  with a client keeping requests going: {s['loaded_sync_s']:.4f} s per sync, the engine paused "
               f"{s['engine_stall_seconds']:.4f} s of it ({100 * s['stall_share_of_sync']:.0f}%, staged {args.staged}); "
               f"{s['requests_finished_during_syncs']} requests finished during those syncs, {s['requests_aborted']} aborted")
+        for y in s.get("syncs", []):
+            print(f"    v{y['version']} ({s['pause_mode']}): sync {y['sync_s']:.4f} s, stall {y['engine_stall_seconds']:.4f} s"
+                  f", drain {y['drain_s']:.4f} s; in flight at the pause {y['requests_in_flight']}: finished on old "
+                  f"{y['finished_on_old']}, across {y['finished_across']}, aborted {y['aborted']}")
     for w in rep.get("engine_side", []):
         print(f"  engine rank {w['rank']} (last fastsync sync): waited {w['wait_s']:.4f} s for the writes, "
               f"repacked CPU kernel weights in {w['postprocess_s']:.4f} s")

@@ -121,7 +121,8 @@ def trainer_main(rank: int, world: int, port: int, model_dir: str, opts: dict, o
         repeats = opts.get("repeats", 3)
 
         ws = WeightSync(model, rank=rank, world_size=world, control=control, engines=[engine] if engine else [],
-                        transport=opts.get("transport", "nixl"), timeout_s=timeout, staged=bool(opts.get("staged")))
+                        transport=opts.get("transport", "nixl"), timeout_s=timeout, staged=bool(opts.get("staged")),
+                        pause_mode=opts.get("pause_mode", "wait"))
         ws.setup()
         report["setup_s"] = ws.setup_s
         if rank == 0:
@@ -220,11 +221,13 @@ def run_demo(*, model_dir: str | None = None, preset: str = "small-qwen3-moe", n
              workdir: str | None = None, prompts: list[list[int]] | None = None, max_tokens: int = 8,
              transport: str = "nixl", baseline: bool = True, repeats: int = 3, tp: int = 1,
              fsdp: bool = True, timeout_s: float = 120.0, dtype: str = "float32", log: Any = print,
-             progress: bool = False, staged: bool = False, load: bool = False) -> dict:
+             progress: bool = False, staged: bool = False, load: bool = False, pause_mode: str = "wait") -> dict:
     """Run the whole demo; returns trainer rank 0's report plus engine start time. ``progress``:
     name the step under way on stderr (checkpoint, engine start, trainers). ``staged``: fastsync's
     syncs receive while the engine generates, pausing only for the flip. ``load``: a client keeps
-    requests going to the engine throughout, so the report can say what each sync did to them."""
+    requests going to the engine throughout, so the report can say what each sync did to them.
+    ``pause_mode``: what the engine does with the requests in flight at each pause (vLLM's
+    ``wait`` / ``abort`` / ``keep``, ``WeightSync(pause_mode=...)``)."""
     from fastsync.control import TCPStoreControl
     from fastsync.demo.checkpoints import build_tiny_checkpoint
     from fastsync.errors import ConfigError, SyncError
@@ -256,7 +259,8 @@ def run_demo(*, model_dir: str | None = None, preset: str = "small-qwen3-moe", n
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     opts = {"prompts": prompts, "max_tokens": max_tokens, "transport": transport, "baseline": baseline,
-            "repeats": repeats, "fsdp": fsdp, "timeout_s": timeout_s, "dtype": dtype, "staged": staged, "load": load}
+            "repeats": repeats, "fsdp": fsdp, "timeout_s": timeout_s, "dtype": dtype, "staged": staged, "load": load,
+            "pause_mode": pause_mode}
     procs = [ctx.Process(target=trainer_main, args=(r, num_trainers, control.port, model_dir, opts, q), daemon=True)
              for r in range(num_trainers)]
     for p in procs:
@@ -298,8 +302,9 @@ def run_demo(*, model_dir: str | None = None, preset: str = "small-qwen3-moe", n
         report["staged_mode"] = staged
         report["model_dir"] = model_dir
         report["num_trainers"] = num_trainers
-        report["updates"] = [{**h, "requests_finished_during": sum(h["start"] <= e <= h["end"] for _, e in calls)}
-                             for h in eng.history]
+        report["pause_mode"] = pause_mode
+        report["updates"] = [{**h, "requests_finished_during": sum(h["start"] <= e <= h["end"] for _, e in calls),
+                              "requests": eng.outcomes(h)} for h in eng.history]
         report["requests_total"] = len(calls)
         report["sync_s_max_over_ranks"] = {
             "fastsync": [max(r["fastsync_s"][i] for r in reports) for i in range(repeats)],
@@ -349,7 +354,17 @@ def summarize(report: dict) -> dict:
         vs = set(report["loaded_versions"])
         out["requests_finished_during_syncs"] = sum(u["requests_finished_during"] for u in report.get("updates", [])
                                                     if u["version"] in vs)
-        out["requests_aborted"] = 0  # the offline engine finishes a request before it pauses (vLLM's "wait")
+        loaded_updates = [u for u in report.get("updates", []) if u["version"] in vs]
+        out["requests_aborted"] = sum(u["requests"]["aborted"] for u in loaded_updates)
+        out["pause_mode"] = report.get("pause_mode", "wait")
+        # per sync under load: the trainers' sync time, the engine's stall (no forward pass: the
+        # flip), the drain (wait: requests in flight finishing first) and the requests in flight
+        # by outcome
+        per_v = dict(zip(report["loaded_versions"], report["loaded_s"]))
+        out["syncs"] = [{"version": u["version"], "sync_s": per_v.get(u["version"]),
+                         "engine_stall_seconds": u.get("stall_s"), "drain_s": u.get("drain_s", 0.0),
+                         "requests_in_flight": len(u.get("in_flight", [])), **u["requests"]}
+                        for u in loaded_updates]
     if report["sync_s_max_over_ranks"]["baseline"]:
         bs = statistics.median(report["sync_s_max_over_ranks"]["baseline"])
         out.update({"baseline_sync_s": bs, "speedup": bs / fs if fs > 0 else float("inf"),

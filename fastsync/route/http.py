@@ -4,7 +4,12 @@
 :class:`~fastsync.route.router.VersionRouter` picks (the answer carries ``x-fastsync-replica``
 and ``x-fastsync-version`` headers); an optional ``x-fastsync-min-version`` request header
 raises the floor. With no replica on an allowed version the answer is ``503`` with a JSON body
-naming the versions on offer, at once (no hang). ``GET /health``: 200 when some replica may
+naming the versions on offer, at once (no hang). An answer stamped with the weight versions that
+generated it (each choice's ``weight_versions``, ``[{"version", "start", "end"}, ...]``, as vLLM's
+token-in-token-out route gives them) is judged by the same
+rule (:meth:`VersionRouter.judge`): ``x-fastsync-version`` is then the version of its last token,
+``x-fastsync-versions`` lists every one, ``x-fastsync-stale: 1`` marks an answer with tokens from
+below the floor. ``GET /health``: 200 when some replica may
 answer, else 503. ``GET /version``: every replica's version and state. ``POST /fastsync/state``
 (``{"name", "version"?, "state"?}``): what an update orchestrator reports. Binds to 127.0.0.1
 by default.
@@ -18,10 +23,26 @@ import threading
 from fastsync.errors import ConfigError
 from fastsync.route.router import NoReplicaError, VersionRouter
 
-__all__ = ["RouterFront", "DEFAULT_HOST"]
+__all__ = ["RouterFront", "DEFAULT_HOST", "stamped_versions"]
 
 DEFAULT_HOST = "127.0.0.1"
 _FORWARD = ("/v1/completions", "/v1/chat/completions")
+
+
+def stamped_versions(body: bytes) -> list[int]:
+    """The weight versions an answer says generated it, in token order (the last is its last
+    token's): each choice's ``weight_versions`` spans. [] when it carries none or is not JSON."""
+    import json
+
+    try:
+        doc = json.loads(body)
+        out = []
+        for c in doc.get("choices") or []:
+            for span in c.get("weight_versions") or []:
+                out.append(int(span["version"]))
+        return out
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return []
 
 
 class RouterFront:
@@ -83,9 +104,16 @@ class RouterFront:
                                           headers={"content-type": request.headers.get("content-type",
                                                                                        "application/json")}) as resp:
                 data = await resp.read()
-                self.answered.append((r.name, r.version, r.floor))
+                headers = {"x-fastsync-replica": r.name, "x-fastsync-version": str(r.version)}
+                stamp = stamped_versions(data)
+                if stamp:
+                    if not self.router.judge(r.name, stamp, r.floor):
+                        headers["x-fastsync-stale"] = "1"
+                    headers["x-fastsync-version"] = str(stamp[-1])
+                    headers["x-fastsync-versions"] = ",".join(str(v) for v in sorted(set(stamp)))
+                self.answered.append((r.name, int(headers["x-fastsync-version"]), r.floor))
                 return web.Response(body=data, status=resp.status, content_type="application/json",
-                                    headers={"x-fastsync-replica": r.name, "x-fastsync-version": str(r.version)})
+                                    headers=headers)
         except Exception as e:  # a replica that died mid-request: 502 naming it
             return web.json_response({"error": {"message": f"replica {r.name!r} failed: {type(e).__name__}: {e}",
                                                 "type": "replica_error"}}, status=502)

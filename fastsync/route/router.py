@@ -6,6 +6,13 @@ balancer, or :mod:`fastsync.route.http`) calls :meth:`set_state` when a replica 
 :meth:`pick` (or :meth:`eligible`, to apply its own balancing among them) per request.
 ``max_staleness=0`` is on-policy: only replicas on the newest version answer.
 
+A replica's reported version is what the router routes by; the answer's own stamp (the weight
+versions that generated it, e.g. vLLM's ``weight_versions`` spans) is what it was made with: a
+replica can flip while a request runs (pause mode ``keep``) or flip before it reports. After the
+answer, :meth:`judge` applies the same rule to the stamp: the answer is stale when any of its
+tokens came from a version below the floor the request was routed under, and a stamp newer than
+the replica's reported version raises it (the replica has flipped).
+
 Example::
 
     router = VersionRouter(max_staleness=1)
@@ -38,6 +45,7 @@ class VersionRouter:
         self._lock = threading.Lock()
         self._replicas: dict[str, ReplicaState] = {}
         self.routed: dict[str, int] = {}
+        self.stale_answers: dict[str, int] = {}  # per replica: answers whose stamp fell below the floor
 
     def set_state(self, name: str, *, version: int | None = None, state: str | None = None) -> None:
         with self._lock:
@@ -95,6 +103,21 @@ class VersionRouter:
             best.inflight += 1
             self.routed[best.name] = self.routed.get(best.name, 0) + 1
             return ReplicaState(best.name, best.version, best.state, best.inflight, floor)
+
+    def judge(self, name: str, versions: list[int], floor: int) -> bool:
+        """The staleness rule on an answer's stamp: True when every version that generated it is
+        at least ``floor`` (the floor :meth:`pick` routed it under). A version newer than the
+        replica's reported one becomes its version. ``versions`` empty (no stamp): True."""
+        if not versions:
+            return True
+        with self._lock:
+            r = self._replicas.get(name)
+            if r is not None and max(versions) > r.version:
+                r.version = max(versions)
+            ok = min(versions) >= floor
+            if not ok:
+                self.stale_answers[name] = self.stale_answers.get(name, 0) + 1
+            return ok
 
     def done(self, name: str) -> None:
         with self._lock:

@@ -24,6 +24,7 @@ import torch
 
 from fastsync.control import DEFAULT_HOST, ControlPlane
 from fastsync.errors import ConfigError, FastSyncError, LayoutError, SyncError
+from fastsync.sync.pause_modes import PAUSE_MODES, check_pause_mode
 from fastsync.sync.handshake import Versions, delta_choice_key, setup_connected_key, setup_plan_key
 from fastsync.layout.limits import MAX_WORLD_SIZE, check_count, check_seconds
 from fastsync.layout.types import EngineLayout, ParamSpec, TrainerLayout
@@ -122,6 +123,15 @@ class WeightSync:
     flip snapshot of every in-place parameter (refused at set-up, naming the option, when the
     engine host lacks the memory).
 
+    ``pause_mode`` (vLLM's names): what the engines do with the requests in flight at the pause
+    (the flip with ``staged=True``, the whole transfer without). ``wait`` (default: every
+    completion comes from one version, none is lost, so RL stays on-policy): they finish on the
+    old version, new ones queue; ``abort``: they are aborted (the host resubmits); ``keep``: they
+    stay in the engine across the flip and go on with the new weights (their KV recomputed), the
+    completion listing each version with the index of its first token. An engine handle that
+    cannot pause that way refuses it by name at set-up, before any byte moves; a handle that
+    does not declare ``pause_modes`` pauses its own way and is only given the default.
+
     ``fanout`` (``off`` by default): with several identical engines (``engines=[...]``, one handle
     each, same model and TP), ``auto``/``chain``/``direct`` plan the first replica once and feed
     the others as the planner's cost model chooses (``auto``), through relays between the engines'
@@ -155,6 +165,7 @@ class WeightSync:
         delta: bool = False,
         staged: bool = False,
         fanout: str = "off",
+        pause_mode: str = "wait",
     ) -> None:
         check_count("world_size", world_size, hi=MAX_WORLD_SIZE)
         check_count("rank", rank, lo=0, hi=world_size - 1)
@@ -188,8 +199,11 @@ class WeightSync:
         if staged and delta:
             raise ConfigError("staged=True and delta=True together are not supported yet (a delta patches the live "
                               "tensors in place); choose one")
+        if pause_mode not in PAUSE_MODES:
+            raise ConfigError(f"pause_mode must be one of {list(PAUSE_MODES)} (vLLM's pause modes), got {pause_mode!r}")
         if control_port is not None:
             check_count("control_port", control_port, hi=65535)
+        self.pause_mode = pause_mode
         self.model = model
         self.rank = rank
         self.world_size = world_size
@@ -330,6 +344,13 @@ class WeightSync:
                 raise ConfigError("trainer rank 0 needs the engine handles (engines=[...])")
             if self.control_port is None:
                 raise ConfigError("WeightSync needs control_port= (the engines' workers join the same TCPStore)")
+            for h in self.engines:  # before describe and connect: nothing moves
+                modes = getattr(h, "pause_modes", None)
+                if modes is None and self.pause_mode != "wait":
+                    raise ConfigError(f"pause_mode={self.pause_mode!r}: engine handle {type(h).__name__} does not say "
+                                      f"which pause modes it can do (no pause_modes); it pauses its own way")
+                if modes is not None:
+                    check_pause_mode(self.pause_mode, tuple(modes), f"engine handle {type(h).__name__}")
             layout, sources = self._trainer_layout()
             plan = self._build_plan(layout)
             plan_json = plan.dumps()
@@ -351,7 +372,8 @@ class WeightSync:
         self.control.set(setup_plan_key(self.name, self._setups), plan_json)
         try:
             for h in self.engines:
-                h.connect(plan_json, options)
+                mine = options if getattr(h, "pause_modes", None) is None else {**options, "pause_mode": self.pause_mode}
+                h.connect(plan_json, mine)
         except BaseException as e:
             self._publish_error(setup_connected_key(self.name, self._setups), e)
             raise

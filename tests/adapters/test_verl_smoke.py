@@ -40,6 +40,7 @@ def test_smoke_writes_in_place_into_verls_vllm_server(tmp_path) -> None:
     first, second = res["syncs"]
     assert first["paused_by_fastsync"] is True and second["paused_by_fastsync"] is True  # AsyncLLM paused by fastsync
     assert res["inflight_aborted"] is True, second  # the request in flight at the update was aborted, not continued
+    assert res["pause_mode"] == "abort" and res["engine_stall_seconds"] == res["engine_stall_s"] > 0
     # the replica's checkpoint worker replaced (verl's remove_replicas/add_replicas): a fresh session re-plans
     # against the live engine, which already serves version 2, and flips version 3
     readd = res["readd"]

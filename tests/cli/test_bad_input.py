@@ -107,6 +107,7 @@ CLI_CASES = [
      "--steps: expected an integer"),
     ("demo-transport-empty", ["demo", "--transport", ""], "--transport: must not be empty"),
     ("demo-tp-0", ["demo", "--tp", "0"], "--tp: must be at least 1"),
+    ("demo-pause-mode", ["demo", "--pause-mode", "sleep"], "argument --pause-mode: invalid choice: 'sleep'"),
     ("moe-tokens-0", ["moe-bench", "--model", "qwen3-30b-a3b", "--tokens", "0"], "--tokens: must be at least 1"),
     ("moe-timeout-inf", ["moe-bench", "--model", "qwen3-30b-a3b", "--timeout", "inf"], "--timeout: must be a finite number"),
     ("plugins-extra", ["plugins", "--bogus"], "unrecognized arguments"),

@@ -143,3 +143,61 @@ def test_serve_in_turns_continues_the_client_numbering():
         assert not th.is_alive() and got == [first + 1]  # the last request before stop
         first = got[0] + 2
     assert engine.calls == 4
+
+
+def test_pause_modes_are_refused_by_name_before_anything_moves():
+    """``keep`` / ``abort`` on an engine whose core steps only inside generate() (here: no engine
+    core at all, so any call into it would raise AttributeError), an unknown mode, a handle that
+    does not declare its modes, and verl's server (abort only): each a ConfigError naming the
+    mode, raised before describe or connect reaches an engine."""
+    from fastsync.layout.trainer import fsdp_layout
+    from fastsync.layout.types import ParamSpec
+    from fastsync.sync import WeightSync
+
+    engine = VllmEngine(llm=None)
+    assert engine.pause_modes == ("wait",)
+    for mode in ("keep", "abort"):
+        with pytest.raises(ConfigError, match=f"pause_mode='{mode}': this vLLM engine: its engine core runs in this "
+                                              "process"):
+            engine.connect("{}", {"pause_mode": mode, "control_port": 1})
+    with pytest.raises(ConfigError, match="pause_mode must be one of \\['abort', 'wait', 'keep'\\].*'pause'"):
+        WeightSync(rank=0, world_size=1, control=None, layout=None, sources=None, model=torch_module(),
+                   pause_mode="pause")
+
+    class Handle:  # records whether set-up ever reached it
+        def __init__(self, modes=None):
+            self.calls: list[str] = []
+            if modes is not None:
+                self.pause_modes = modes
+
+        def describe(self, options=None):
+            self.calls.append("describe")
+            raise AssertionError("describe reached")
+
+    import torch
+
+    params = {"w": ParamSpec("w", (3, 5), "float32")}
+    control = TCPStoreControl.server(port=0)
+    for h, mode in ((Handle(), "keep"), (Handle(("abort", "wait")), "keep"), (Handle(("wait",)), "abort")):
+        ws = WeightSync(rank=0, world_size=1, control=control, engines=[h], layout=fsdp_layout(params, 1),
+                        sources={"w": torch.zeros(3, 5)}, name=f"pm-{id(h)}", control_port=control.port,
+                        pause_mode=mode)
+        with pytest.raises(ConfigError, match=f"pause_mode='{mode}': engine handle Handle"):
+            ws.setup()
+        assert h.calls == []
+
+
+def torch_module():
+    import torch
+
+    return torch.nn.Linear(2, 2)
+
+
+def test_verl_server_engine_pauses_with_abort_only():
+    pytest.importorskip("fastsync_verl")
+    from fastsync_verl.server import ServerEngine
+
+    eng = ServerEngine(server=None, control=None, engine_id="0", workers=1, timeout_s=1.0)
+    for mode in ("wait", "keep"):
+        with pytest.raises(ConfigError, match=f"pause_mode='{mode}': verl's vLLM server"):
+            eng.connect("{}", {"pause_mode": mode})

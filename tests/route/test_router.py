@@ -170,3 +170,46 @@ def test_stop_the_world_is_default_and_failures_are_named():
         roll.run(2)
     assert {s["name"]: s["version"] for s in router.states()} == {"a": 2, "b": 1, "c": 2}
     assert RollingUpdate(router, ["a", "b", "c"], update, mode="rolling", fraction=1.0).waves() == [["a", "b"], ["c"]]
+
+
+def test_stamped_answers_are_judged_by_the_versions_that_made_them():
+    """A replica that flipped while the request ran (pause mode keep) answers with two versions:
+    the router reports the last as ``x-fastsync-version``, all in ``x-fastsync-versions``, raises
+    the replica's version from the stamp, and marks an answer with tokens below the floor stale."""
+    import asyncio
+
+    from aiohttp import web
+
+    stamp = {"spans": [{"version": 1, "start": 0, "end": 5}, {"version": 2, "start": 5, "end": 9}]}
+
+    async def completions(request):
+        return web.json_response({"choices": [{"text": "x", "weight_versions": stamp["spans"]}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = site._server.sockets[0].getsockname()[1]
+    th = threading.Thread(target=loop.run_forever, daemon=True)
+    th.start()
+    router = VersionRouter(max_staleness=0)
+    router.set_state("r0", version=1)
+    front = RouterFront(router, {"r0": f"http://127.0.0.1:{port}"}).start()
+    try:
+        status, body, headers = _post(front.url + "/v1/completions", {"prompt": "a"})
+        assert status == 200 and body["choices"][0]["weight_versions"] == stamp["spans"]  # forwarded unchanged
+        assert headers["x-fastsync-version"] == "2" and headers["x-fastsync-versions"] == "1,2"
+        assert "x-fastsync-stale" not in headers  # routed under floor 1: every token is >= 1
+        assert router.states()[0]["version"] == 2  # the stamp says r0 flipped
+        status, body, headers = _post(front.url + "/v1/completions", {"prompt": "b"})  # routed under floor 2
+        assert headers.get("x-fastsync-stale") == "1" and router.stale_answers == {"r0": 1}
+        stamp["spans"] = [{"version": 2, "start": 0, "end": 9}]
+        status, body, headers = _post(front.url + "/v1/completions", {"prompt": "c"})
+        assert "x-fastsync-stale" not in headers and headers["x-fastsync-versions"] == "2"
+    finally:
+        front.stop()
+        loop.call_soon_threadsafe(loop.stop)
+        th.join(10)

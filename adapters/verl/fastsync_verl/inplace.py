@@ -99,7 +99,7 @@ class InplaceTrainer:
                         if rank == 0 else [])
         self.ws = WeightSync(layout=layout, sources=sources, rank=rank, world_size=num_trainers, control=control,
                              engines=self.engines, transport=transport, timeout_s=timeout_s, verify=verify,
-                             name="inplace", delta=delta, fanout=fanout)
+                             name="inplace", delta=delta, fanout=fanout, pause_mode="abort")
         self.ready = False
         self.last_engines: list[list[dict]] = []
 

@@ -132,7 +132,17 @@ class ServerEngine:
     def describe(self, options: dict | None = None) -> list[dict]:
         return self._call("fastsync_describe", options or {})
 
+    #: verl's server pauses with ``abort`` (its partial rollout resubmits the aborted requests);
+    #: ``wait`` / ``keep`` are refused by name at connect, before any byte moves
+    pause_modes = ("abort",)
+
     def connect(self, plan_json: str, options: dict) -> list[dict]:
+        options = dict(options)
+        mode = options.pop("pause_mode", "abort")
+        if mode not in self.pause_modes:
+            raise ConfigError(f"pause_mode={mode!r}: verl's vLLM server cannot pause that way (it can: "
+                              f"{list(self.pause_modes)}: fastsync pauses it with "
+                              "AsyncLLM.pause_generation(mode='abort') and verl resubmits the aborted requests)")
         return self._call("fastsync_connect", plan_json, options)
 
     def update(self, version: int, timeout_s: float = 60.0) -> list[dict]:

@@ -1,11 +1,13 @@
 """Host-side handle of a vLLM engine for peer reload (``fastsync.reload.PeerReload``).
 
 :class:`VllmReloadEngine` is a :class:`VllmEngine` (same fence: a reload's writes and
-generation never overlap) with the calls ``PeerReload`` makes on joining engines and holders.
+generation never overlap; the engine core is paused in the job's pause mode around them, and later
+outputs are labelled with the version the reload brought) with the calls ``PeerReload`` makes on joining engines and holders.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from fastsync.engines.vllm.host import VllmEngine
@@ -35,13 +37,17 @@ class VllmReloadEngine(VllmEngine):
 
     def reload_receive(self, plan_json: str, options: dict) -> list[dict]:
         what = f"joining engine {self.name}: reload receive"
-        with self._fenced(what):
-            return self._rpc("fastsync_reload_receive", plan_json, options, what=what)
+        with self._fenced(what), self._paused(None, what, time.monotonic() + self.lock_timeout_s) as box:
+            got = self._rpc("fastsync_reload_receive", plan_json, options, what=what)
+            box["flipped"] = True
+            return got
 
     def load_checkpoint(self, model_dir: str, version: int = 0) -> list[dict]:
         what = f"engine {self.name}: load checkpoint {model_dir}"
-        with self._fenced(what):
-            return self._rpc("fastsync_load_checkpoint", model_dir, version, what=what)
+        with self._fenced(what), self._paused(None, what, time.monotonic() + self.lock_timeout_s) as box:
+            got = self._rpc("fastsync_load_checkpoint", model_dir, version, what=what)
+            box["flipped"] = True
+            return got
 
     def alive(self) -> bool:
         """False once any of this engine's engine-core processes is gone (killed, crashed)."""
