@@ -31,6 +31,10 @@ AWKWARD = dict(vocab_size=1000, hidden_size=200, intermediate_size=300, num_hidd
                num_key_value_heads=2, head_dim=64, max_position_embeddings=256, initializer_range=0.2)
 AWKWARD_MOE = dict(vocab_size=1001, hidden_size=224, num_hidden_layers=2, num_attention_heads=7, num_key_value_heads=1,
                    head_dim=64, max_position_embeddings=256, initializer_range=0.2)
+def _without(d: dict, *keys: str) -> dict:
+    return {k: v for k, v in d.items() if k not in keys}
+
+
 HAND = {  # architectures with a hand-written map: (config class, model class, config)
     "llama": ("LlamaConfig", "LlamaForCausalLM", AWKWARD),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(AWKWARD, tie_word_embeddings=True)),
@@ -158,3 +162,48 @@ def test_recorded_layout_equals_the_hand_written_map(which, tmp_path):
                     engine_tensors_for_rank(inv, recorded, tp_size=tp, tp_rank=rank)
                 continue
             assert engine_tensors_for_rank(inv, recorded, tp_size=tp, tp_rank=rank) == want
+
+
+#: architectures fastsync has NO hand-written map for: the sync runs on the recorded layout
+NEW = {
+    # q/k/v biases; Qwen2 derives head_dim = hidden / heads: 224 / 7 = 32 (vLLM CPU attention takes 32)
+    # (no head_dim key: transformers' Qwen2 ignores it, vLLM would not)
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(_without(AWKWARD, "head_dim"), hidden_size=224,
+                                                      num_attention_heads=7, num_key_value_heads=1)),
+    # q/k/v and gate/up already fused in the checkpoint (qkv_proj, gate_up_proj); head_dim 224 / 7 = 32
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(_without(AWKWARD, "head_dim"), hidden_size=224, num_attention_heads=7,
+                                                   num_key_value_heads=1, pad_token_id=0, bos_token_id=1,
+                                                   eos_token_id=2, original_max_position_embeddings=256)),
+    # tied embeddings, four norms per layer, soft-capped logits, sliding-window layers
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(AWKWARD, query_pre_attn_scalar=64, sliding_window=64,
+                                                         pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # a shared expert with its sigmoid gate beside 6 routed experts (hidden 224: vLLM-CPU's MoE kernels)
+    "qwen2-moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(_without(AWKWARD_MOE, "head_dim"), intermediate_size=300, moe_intermediate_size=100,
+                       shared_expert_intermediate_size=150, num_experts=6, num_experts_per_tok=2)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(AWKWARD, sliding_window=None)),
+    # q/k norms over the whole projection, norms after attention and MLP
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(_without(AWKWARD, "head_dim"), hidden_size=224,
+                                                      num_attention_heads=7, num_key_value_heads=1, pad_token_id=0,
+                                                      bos_token_id=1, eos_token_id=2)),
+    # gate/up fused in the checkpoint, partial rotary, post-attention and post-MLP norms
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(AWKWARD, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", sorted(NEW))
+def test_new_architecture_syncs_on_its_recorded_layout(which, tmp_path):
+    pytest.importorskip("vllm")
+    pytest.importorskip("nixl")
+    from fastsync import plugins
+    from fastsync.demo.run import run_demo, summarize
+
+    d, arch = _build(which, NEW, tmp_path)
+    assert arch not in plugins.architectures()  # no hand-written map, no inventory enumerator
+    rep = run_demo(model_dir=str(d), num_trainers=2, baseline=False, repeats=1, dtype="float32", log=lambda *_: None)
+    s = summarize(rep)
+    print(f"\n{which}: engine start {rep['engine_start_s']:.1f} s, sync {rep['sync_s_max_over_ranks']['fastsync']}, "
+          f"tokens before {rep['before_engine'][0]}, after {rep['after_engine'][0]}")
+    assert s["changed"], "the training step did not change the engine's greedy tokens"
+    assert s["match"], (rep["after_engine"], rep["after_trainer"])
