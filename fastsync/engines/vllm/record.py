@@ -88,6 +88,10 @@ class Recording:
     dtypes: dict[str, str] = field(default_factory=dict)
 
 
+#: dtype marker of a checkpoint tensor tied to another (``"tied:model.embed_tokens.weight"``)
+TIED = "tied:"
+
+
 def _sid(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
@@ -314,7 +318,7 @@ def record_copies(model: torch.nn.Module, params: dict[str, tuple[tuple[int, ...
 
             def feed() -> Any:
                 for name, (shape, dtype) in params.items():
-                    if name in rec.refused:
+                    if name in rec.refused or dtype.startswith(TIED):
                         continue
                     current[:] = [name]
                     yield names.get(name, name), RecordingTensor.root(name, tuple(shape), getattr(torch, dtype), sink)
@@ -386,7 +390,13 @@ def hf_params(hf_config: Any) -> dict[str, tuple[tuple[int, ...], str]] | None:
             model = transformers.AutoModelForCausalLM.from_config(hf_config)
     except Exception:
         return None
-    return {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in model.state_dict().items()}
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    seen: dict[int, str] = {}
+    for n, t in model.state_dict().items():
+        first = seen.setdefault(_sid(t), n)
+        # a tied tensor (lm_head.weight = embed_tokens.weight): listed, never fed to the loaders
+        out[n] = (tuple(t.shape), f"{TIED}{first}" if first != n else str(t.dtype).removeprefix("torch."))
+    return out
 
 
 def _literal(pattern: str) -> str | None:
