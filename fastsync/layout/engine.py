@@ -44,6 +44,7 @@ __all__ = [
     "expert_range",
     "scale_name",
     "padded_vocab",
+    "rank_intervals",
 ]
 
 VOCAB_PADDING = 64
@@ -128,6 +129,14 @@ def _intervals(ep: EngineParam, tp: int, tp_rank: int, ep_size: int, ep_rank: in
             return None
         iv[d] = [(a, b)]
     return iv
+
+
+def rank_intervals(ep: EngineParam, *, tp: int, tp_rank: int, ep_size: int = 1,
+                   ep_rank: int = 0) -> list[list[tuple[int, int]]] | None:
+    """Per dim, the global intervals of ``ep`` whose concatenation is rank ``tp_rank``'s local
+    tensor (None: the rank holds none of it). Used to map a rank's recorded layout back to full
+    coordinates (``fastsync.engines.vllm.recorded_map``)."""
+    return _intervals(ep, tp, tp_rank, ep_size, ep_rank)
 
 
 def _src_box(seg: Segment, inter: Box) -> Box:

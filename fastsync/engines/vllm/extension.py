@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import platform
 import time
 from collections.abc import Callable
@@ -73,6 +74,18 @@ log = logging.getLogger(__name__)
 
 #: The value to pass as ``worker_extension_cls``.
 EXTENSION = "fastsync.engines.vllm.FastSyncWorkerExtension"
+
+#: Where the worker's engine layout comes from unless ``fastsync_describe(layout=...)`` says.
+LAYOUT_ENV = "FASTSYNC_VLLM_LAYOUT"
+LAYOUT_MODES = ("auto", "recorded", "hand")
+
+
+class _Shape:
+    """What ``NameMap.validate`` reads of a parameter: its shape."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        self.shape = tuple(shape)
+
 
 _ARCH_REQ_XCOMP_PERM = 0x1023
 _XFEATURE_XTILEDATA = 18
@@ -290,10 +303,9 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
 
         from fastsync import plugins
         from fastsync.layout.engine import engine_tensors_for_rank, vllm_rank_coords
-        from fastsync.layout.namemap import get_name_map
         from fastsync.models.inventory import inventory_from_config
 
-        unknown = set(options) - {"rank_offset", "config", "prepare"}
+        unknown = set(options) - {"rank_offset", "config", "prepare", "layout"}
         if unknown:
             raise ConfigError(f"fastsync_describe: unknown option(s) {sorted(unknown)}")
         model = self.model_runner.model  # type: ignore[attr-defined]
@@ -304,8 +316,9 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
         live = read_live_params(model)
         dtypes = {lp.dtype for lp in live.values()}
         dtype = "bfloat16" if "bfloat16" in dtypes else sorted(dtypes)[0]
-        inventory = inventory_from_config(config, name=arch, dtype=dtype)
-        name_map = get_name_map(arch, config, engine=ENGINE)
+        name_map, param_shapes, recorded_s = self._fastsync_name_map(model, config, arch, options, tp_size, tp_rank,
+                                                                     rank, dtype)
+        inventory = None if param_shapes is not None else inventory_from_config(config, name=arch, dtype=dtype)
         # A plugin may describe this engine itself (fastsync_engine_layout); else the name map does.
         expected = plugins.hook().fastsync_engine_layout(engine=model, rank=rank)
         if expected is None:
@@ -348,7 +361,11 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
             # the HF parameters the engine's own config implies, with their full shapes: the
             # trainer's must agree (a pieces-only check cannot see a trainer tensor larger than
             # what the engine reads, e.g. an MLP with more rows than the engine's)
-            "params": {n: list(p.shape) for n, p in inventory.params.items()},
+            "params": ({n: list(p.shape) for n, p in inventory.params.items()} if inventory is not None
+                       else {n: list(shape) for n, shape in (param_shapes or {}).items()}),
+            # "recorded": the layout came from running vLLM's own loaders on recording tensors
+            "layout": "hand" if param_shapes is None else "recorded",
+            "record_s": recorded_s,
             # parameters the engine pads (the vocabulary to a multiple of 64, the CPU MoE kernel's
             # intermediate size to a multiple of 32): fastsync writes the logical sub-box, the
             # padding stays as the engine made it
@@ -357,6 +374,68 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
             "prepare_s": prepare_s,
             "transport_warm_s": agent_s,
         }
+
+    def _fastsync_name_map(self, model: Any, config: dict, arch: str, options: dict, tp_size: int, tp_rank: int,
+                           rank: int, dtype: str) -> tuple[Any, dict | None, float]:
+        """The hand-written name map, or one recorded from vLLM's own loaders (``layout``
+        option, default ``$FASTSYNC_VLLM_LAYOUT`` or ``auto``: hand-written where one exists,
+        recorded otherwise; ``recorded``: always record; ``hand``: never). Returns the map, the
+        checkpoint's parameter shapes when recorded (None: the hand map's inventory), and the
+        seconds the recording took."""
+        from fastsync import plugins
+        from fastsync.layout.namemap import get_name_map
+
+        mode = options.get("layout") or os.environ.get(LAYOUT_ENV) or "auto"
+        if mode not in LAYOUT_MODES:
+            raise ConfigError(f"fastsync_describe: layout={mode!r} (option or ${LAYOUT_ENV}) must be one of "
+                              f"{LAYOUT_MODES}")
+        if mode == "hand":
+            return get_name_map(arch, config, engine=ENGINE), None, 0.0
+        if mode == "auto":
+            nm = plugins.hook().fastsync_name_map(architecture=arch, config=config, engine=ENGINE)
+            if nm is not None:
+                return get_name_map(arch, config, engine=ENGINE), None, 0.0
+        return self._fastsync_record(model, arch, tp_size, tp_rank, rank, dtype)
+
+    def _fastsync_record(self, model: Any, arch: str, tp_size: int, tp_rank: int, rank: int,
+                         dtype: str) -> tuple[Any, dict, float]:
+        from fastsync.engines.vllm.recorded_map import record_engine_layout, refusal
+
+        t0 = time.perf_counter()
+        mc = self.vllm_config.model_config  # type: ignore[attr-defined]
+        pc = self.vllm_config.parallel_config  # type: ignore[attr-defined]
+        ep = tp_size * int(getattr(pc, "data_parallel_size", 1)) if getattr(pc, "enable_expert_parallel", False) else 1
+        got = record_engine_layout(model, mc.hf_config, model_dir=str(mc.model), architecture=arch, tp_size=tp_size,
+                                   tp_rank=tp_rank, ep_size=ep, model_dtype=dtype)
+        if got.fallback:
+            raise refusal(got, rank)
+        got.name_map.validate({n: _Shape(s) for n, s in got.params.items()})
+        self._fastsync_recorded = got
+        log.info("fastsync: engine rank %d recorded its layout from vLLM's loaders: %d engine tensors from %d "
+                 "checkpoint tensors in %.2f s", rank, len(got.name_map.params), len(got.params),
+                 time.perf_counter() - t0)
+        return got.name_map, got.params, time.perf_counter() - t0
+
+    def fastsync_record_layout(self) -> dict:
+        """Record this worker's layout from vLLM's own loaders (no bytes move) and return the name
+        map as JSON plus what was refused, for tests and tools."""
+        def run() -> dict:
+            from fastsync.engines.vllm.recorded_map import record_engine_layout
+            from fastsync.layout.namemap_wire import name_map_to_json
+            from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+            mc = self.vllm_config.model_config  # type: ignore[attr-defined]
+            model = self.model_runner.model  # type: ignore[attr-defined]
+            arch = (_config_dict(mc.hf_config).get("architectures") or ["?"])[0]
+            dtypes = {str(p.dtype).removeprefix("torch.") for p in model.parameters()}
+            t0 = time.perf_counter()
+            got = record_engine_layout(model, mc.hf_config, model_dir=str(mc.model), architecture=arch,
+                                       tp_size=get_tensor_model_parallel_world_size(),
+                                       tp_rank=get_tensor_model_parallel_rank(),
+                                       model_dtype="bfloat16" if "bfloat16" in dtypes else sorted(dtypes)[0])
+            return {"name_map": name_map_to_json(got.name_map), "fallback": got.fallback,
+                    "params": {n: list(s) for n, s in got.params.items()}, "record_s": time.perf_counter() - t0}
+        return _result(run)
 
     def fastsync_connect(self, plan_json: str, options: dict) -> dict:
         """Build this rank's receiver for ``plan_json`` and register its memory with the transport.

@@ -1,0 +1,199 @@
+"""Engine layouts recorded from vLLM's own weight loaders (``engines/vllm/record.py``).
+
+Inside a REAL vLLM CPU worker, ``fastsync_record_layout`` runs the model's ``load_weights`` on
+recording tensors for every checkpoint parameter (names and shapes only) and derives a NameMap.
+For the architectures fastsync has a hand-written map for, the recorded map must equal it: same
+engine tensors, shapes, parallel styles and parts, same segments once merged, same unused
+checkpoint tensors; and the per-rank tensors both give at TP 2 and 3 are identical. For
+architectures without a hand-written map, the whole sync runs on the recorded map (``run_demo``:
+FSDP2 trainers write into the engine; greedy tokens equal the trainer's).
+
+The recorder's refusals are checked on CPU without vLLM: a transpose, arithmetic, ``item()``, a
+value-changing cast, a broadcasting copy, each named with the checkpoint tensor.
+
+One engine per model (each start is about a minute here); models have awkward sizes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from fastsync.engines.vllm.record import RecordRefused, _Sink, RecordingTensor, view_box  # noqa: E402
+from fastsync.engines.vllm.recorded_map import merge_segments  # noqa: E402
+from fastsync.layout.namemap import NameMap, Segment  # noqa: E402
+
+AWKWARD = dict(vocab_size=1000, hidden_size=200, intermediate_size=300, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=64, max_position_embeddings=256, initializer_range=0.2)
+AWKWARD_MOE = dict(vocab_size=1001, hidden_size=224, num_hidden_layers=2, num_attention_heads=7, num_key_value_heads=1,
+                   head_dim=64, max_position_embeddings=256, initializer_range=0.2)
+def _without(d: dict, *keys: str) -> dict:
+    return {k: v for k, v in d.items() if k not in keys}
+
+
+HAND = {  # architectures with a hand-written map: (config class, model class, config)
+    "llama": ("LlamaConfig", "LlamaForCausalLM", AWKWARD),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(AWKWARD, tie_word_embeddings=True)),
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(AWKWARD_MOE, intermediate_size=300, moe_intermediate_size=100, num_experts=6,
+                       num_experts_per_tok=2, norm_topk_prob=True)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(AWKWARD_MOE, intermediate_size=100, num_local_experts=5, num_experts_per_tok=2)),
+}
+
+
+# ---- the recorder on CPU, no vLLM --------------------------------------------------------------
+
+def _sink_for(shape: tuple[int, ...]) -> tuple[_Sink, torch.Tensor]:
+    twin = torch.empty(shape, device="meta")
+    return _Sink({twin.untyped_storage()._cdata: ("p", twin)}), twin
+
+
+def test_view_box_reads_boxes_and_refuses_reordered_views():
+    base = torch.empty(6, 10, device="meta")
+    assert view_box(base.narrow(0, 2, 3), (6, 10), "x") == ((2, 5), (0, 10))
+    assert view_box(base[1:4, 3:7], (6, 10), "x") == ((1, 4), (3, 7))
+    assert view_box(base.chunk(2, dim=1)[1], (6, 10), "x") == ((0, 6), (5, 10))
+    assert view_box(base[3].unsqueeze(0), (6, 10), "x") == ((3, 4), (0, 10))
+    assert view_box(base.t(), (6, 10), "x") is None
+    assert view_box(base.view(-1)[5:15], (6, 10), "x") is None  # a flat run across rows is no box
+
+
+def test_recording_tensor_records_narrow_chunk_and_unsqueeze_copies():
+    sink, twin = _sink_for((2, 12, 7))
+    w = RecordingTensor.root("ckpt.w", (12, 7), torch.float32, sink)
+    up = w.chunk(2, dim=0)[1]                      # rows 6:12
+    twin[1].narrow(0, 0, 6).copy_(up.narrow(0, 0, 6))
+    twin[0, 6:12].copy_(w[0:6].to(torch.bfloat16))  # a floating-point cast is a copy too
+    got = sink.copies["p"]
+    assert [(c.dst_box, c.src_box) for c in got] == [(((1, 2), (0, 6), (0, 7)), ((6, 12), (0, 7))),
+                                                     (((0, 1), (6, 12), (0, 7)), ((0, 6), (0, 7)))]
+
+
+@pytest.mark.parametrize("op, match", [
+    (lambda w: w.t(), "operation t reorders"),
+    (lambda w: w * 2, "applies aten.mul"),
+    (lambda w: w.to(torch.int8), "cast torch.float32 -> torch.int8"),
+    (lambda w: w[torch.tensor([0, 2])], "applies aten.index|does not return a view"),
+])
+def test_recording_refuses_what_is_not_a_copy_of_a_box(op, match):
+    sink, twin = _sink_for((4, 4))
+    w = RecordingTensor.root("model.layers.0.mlp.w", (4, 4), torch.float32, sink)
+    with pytest.raises(RecordRefused, match=f"'model.layers.0.mlp.w'.*({match})"):
+        twin.copy_(op(w))
+    with pytest.raises(RecordRefused, match="'model.layers.0.mlp.w'.*aten._local_scalar_dense"):
+        w[0, 0].item()
+    with pytest.raises(RecordRefused, match="broadcasting copy_ into engine parameter 'p'"):
+        twin.copy_(w[0:1])
+
+
+def test_merge_segments_joins_translated_neighbours_only():
+    a = Segment("w", ((0, 1), (0, 4), (0, 3)), ((0, 1), (0, 4), (0, 3)))
+    b = Segment("w", ((0, 1), (4, 8), (0, 3)), ((0, 1), (4, 8), (0, 3)))
+    c = Segment("w", ((1, 2), (0, 8), (0, 3)), ((1, 2), (0, 8), (0, 3)))
+    assert merge_segments([a, b, c]) == [Segment("w", ((0, 2), (0, 8), (0, 3)), ((0, 2), (0, 8), (0, 3)))]
+    shifted = Segment("w", ((0, 1), (0, 4), (0, 3)), ((1, 2), (4, 8), (0, 3)))  # another translation: kept apart
+    assert len(merge_segments([a, shifted])) == 2
+
+
+# ---- against the real vLLM CPU engine ------------------------------------------------------------
+
+def _canonical(nm: NameMap) -> dict:
+    out = {}
+    for p in nm.params:
+        parts = tuple((q.size, q.heads if len(p.parts) > 1 else 0) for q in p.parts)
+        out[p.name] = (p.shape, p.style, p.shard_dim if p.style in ("column", "row") else 0, parts, p.expert_dim,
+                       p.dtype, tuple(merge_segments(list(p.segments))))
+    return out
+
+
+def _build(which: str, table: dict, root: Path) -> tuple[Path, str]:
+    transformers = pytest.importorskip("transformers")
+    cls, arch, kw = table[which]
+    d = root / which
+    torch.manual_seed(0)
+    getattr(transformers, arch)(getattr(transformers, cls)(**kw)).to(torch.bfloat16).save_pretrained(d)
+    return d, arch
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", sorted(HAND))
+def test_recorded_layout_equals_the_hand_written_map(which, tmp_path):
+    pytest.importorskip("vllm")
+    from vllm import LLM
+
+    from fastsync.demo.run import engine_kwargs
+    from fastsync.layout.engine import engine_tensors_for_rank
+    from fastsync.layout.namemap import get_name_map
+    from fastsync.layout.namemap_wire import name_map_from_json
+    from fastsync.models.inventory import inventory_from_config
+
+    d, arch = _build(which, HAND, tmp_path)
+    llm = LLM(**engine_kwargs(str(d), 1, "bfloat16"))
+    try:
+        got = llm.collective_rpc("fastsync_record_layout")[0]
+    finally:
+        del llm
+    assert "error" not in got, got
+    assert got["fallback"] == {}
+    recorded = name_map_from_json(got["name_map"])
+    inv = inventory_from_config(json.loads((d / "config.json").read_text()))
+    hand = get_name_map(arch, inv.config, inv.params)
+    print(f"\n{which}: recorded {len(recorded.params)} engine tensors from {len(got['params'])} checkpoint tensors "
+          f"in {got['record_s']:.2f} s")
+    assert set(got["params"]) == set(inv.params)  # the trainer's names, from the config
+    rc, hc = _canonical(recorded), _canonical(hand)
+    assert sorted(rc) == sorted(hc)
+    for name in hc:
+        assert rc[name] == hc[name], name
+    assert set(recorded.unused) == set(hand.unused)
+    assert all(hand.is_engine_only(n) for n in recorded.engine_only), recorded.engine_only
+    recorded.validate(inv.params)
+    for tp in (2, 3):  # the same per-rank tensors where the hand map splits over TP
+        for rank in range(tp):
+            try:
+                want = engine_tensors_for_rank(inv, hand, tp_size=tp, tp_rank=rank)
+            except Exception as e:  # e.g. 7 heads over 2 ranks: the recorded map must refuse too
+                with pytest.raises(type(e)):
+                    engine_tensors_for_rank(inv, recorded, tp_size=tp, tp_rank=rank)
+                continue
+            assert engine_tensors_for_rank(inv, recorded, tp_size=tp, tp_rank=rank) == want
+
+
+#: architectures fastsync has NO hand-written map for: the sync runs on the recorded layout
+NEW = {
+    # q/k/v biases; Qwen2 derives head_dim = hidden / heads: 224 / 7 = 32 (vLLM CPU attention takes 32)
+    # (no head_dim key: transformers' Qwen2 ignores it, vLLM would not)
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(_without(AWKWARD, "head_dim"), hidden_size=224,
+                                                      num_attention_heads=7, num_key_value_heads=1)),
+    # q/k/v and gate/up already fused in the checkpoint (qkv_proj, gate_up_proj); head_dim 224 / 7 = 32
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(_without(AWKWARD, "head_dim"), hidden_size=224, num_attention_heads=7,
+                                                   num_key_value_heads=1, pad_token_id=0, bos_token_id=1,
+                                                   eos_token_id=2, original_max_position_embeddings=256)),
+    # a shared expert with its sigmoid gate beside 6 routed experts (hidden 224: vLLM-CPU's MoE kernels)
+    "qwen2-moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(_without(AWKWARD_MOE, "head_dim"), intermediate_size=300, moe_intermediate_size=100,
+                       shared_expert_intermediate_size=150, num_experts=6, num_experts_per_tok=2)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", sorted(NEW))
+def test_new_architecture_syncs_on_its_recorded_layout(which, tmp_path):
+    pytest.importorskip("vllm")
+    pytest.importorskip("nixl")
+    from fastsync import plugins
+    from fastsync.demo.run import run_demo, summarize
+
+    d, arch = _build(which, NEW, tmp_path)
+    assert arch not in plugins.architectures()  # no hand-written map, no inventory enumerator
+    rep = run_demo(model_dir=str(d), num_trainers=2, baseline=False, repeats=1, dtype="float32", log=lambda *_: None)
+    s = summarize(rep)
+    print(f"\n{which}: engine start {rep['engine_start_s']:.1f} s, sync {rep['sync_s_max_over_ranks']['fastsync']}, "
+          f"tokens before {rep['before_engine'][0]}, after {rep['after_engine'][0]}")
+    assert s["changed"], "the training step did not change the engine's greedy tokens"
+    assert s["match"], (rep["after_engine"], rep["after_trainer"])
