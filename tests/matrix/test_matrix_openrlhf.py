@@ -46,6 +46,10 @@ def _calls():
     def last_kind(self):
         return self.trainer._fastsync_sync.ws.last_kind
 
+    def planned(self):  # trainer rank 0's plan: replicas planned once, relays or not
+        plan = self.trainer._fastsync_sync.ws.plan
+        return plan.fanout.replicas if plan.fanout is not None else 1, plan.has_relays
+
     def full_weights(self):  # collective: ZeRO-3 gathers on every rank
         import deepspeed
 
@@ -53,7 +57,7 @@ def _calls():
         with deepspeed.zero.GatheredParameters([p for _, p in params]):
             return {n: p.data.clone() for n, p in params} if self.rank == 0 else None
 
-    return build, last_kind, full_weights
+    return build, last_kind, full_weights, planned
 
 
 @pytest.fixture(scope="module")
@@ -114,11 +118,12 @@ def test_openrlhf_matrix(rig, cell):
     opts = {k.split(".", 1)[1]: v for k, v in vars(ap.parse_args(flags)).items()}
     FastSyncOptions(**opts).validate()  # what options_from_args checks in the trainer worker
     opts["control_host"] = rig.control_host
-    build, last_kind, full_weights = _calls()
+    build, last_kind, full_weights, planned = _calls()
     ray, version = rig.ray, first_version(cell)
     ray.get([t.close.remote() for t in rig.trainers], timeout=60)  # the previous cell's session
     ray.get([t.make_trainer.remote(rig.engines, opts) for t in rig.trainers], timeout=120)
     ray.get([t.__ray_call__.remote(build, version - 1) for t in rig.trainers], timeout=300)
+    assert ray.get(rig.trainers[0].__ray_call__.remote(planned), timeout=60) == (2, route == "relayed")
     for step in range(2 if payload == "delta" else 1):
         rig.train_step(seed=version + step)  # a real ZeRO-3 AdamW step: every weight moves
         want = rig.trainer_tokens()
