@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("executor",),  # data-plane primitives: programs, packing, staging, transforms, pipeline
     ("transport",),  # NIXL / torch.distributed / rank-0 byte movers
     ("sync",),  # the lifecycle: WeightSync, sender, receiver, gather, handshake
-    ("reload", "route"),  # peer reload (holders as sources, plan cache); rolling updates, version routing
+    ("reload", "route", "host"),  # peer reload; rolling updates, version routing; the host kit adapters stand on
     ("engines",),  # one package per inference engine (vllm/)
     ("_builtin", "testing"),  # built-in plugin registrations; test oracles
     ("bench", "demo"),  # benchmark harnesses; the demo

@@ -148,7 +148,7 @@ def test_trainers_to_rollouts_bit_identical_and_split(A: int, R: int) -> None:
             shares = [sent[r][f"fastsync/trainer{r}/sent_bytes"] for r in range(A)]
             assert sum(shares) == total
             assert max(shares) <= 0.6 * total, shares  # each rank sends about half, not rank 0 everything
-            held = [sum(t.nbytes for t in e._sources.values()) for e in actors]
+            held = [sum(t.nbytes for t in e._end.sender.sources.values()) for e in actors]
             assert max(held) < sum(t.nbytes for _, t in weights), held  # keeps only what it sends
     finally:
         for e in actors + rollouts:

@@ -7,6 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 from fastsync import (
+    RpcEngine,
+    node_address,
+    share_over_torch,
     DEFAULT_HOST,
     ConfigError,
     FastSyncError,
@@ -24,7 +27,8 @@ from fastsync import (
 
 __all__ = ["DEFAULT_HOST", "TCPStoreControl", "ConfigError", "FastSyncError", "LayoutError", "SyncError",
            "replicated_layout", "zero3_layout", "ParamSpec", "TrainerLayout", "WeightSync", "patch_moe",
-           "worker_extension_class", "raise_worker_errors", "one_version"]
+           "worker_extension_class", "raise_worker_errors", "one_version", "RpcEngine",
+           "node_address", "share_over_torch"]
 
 
 def zero3_layout(params: dict[str, ParamSpec], world_size: int) -> TrainerLayout:

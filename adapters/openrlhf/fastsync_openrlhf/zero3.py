@@ -28,15 +28,14 @@ from typing import Any
 import torch
 
 from fastsync_openrlhf._fastsync import (
-    DEFAULT_HOST,
+    RpcEngine,
+    node_address,
+    share_over_torch,
     ConfigError,
     LayoutError,
     ParamSpec,
     SyncError,
-    TCPStoreControl,
     WeightSync,
-    one_version,
-    raise_worker_errors,
     replicated_layout,
     zero3_layout,
 )
@@ -46,50 +45,25 @@ __all__ = ["RayEngine", "DeepSpeedWeightSync", "zero3_sources"]
 log = logging.getLogger(__name__)
 
 
-class RayEngine:
-    """fastsync's engine handle (what ``WeightSync`` drives) for one ``FastSyncRolloutRayActor``.
-    ``begin_update`` submits the fenced update and returns at once; ``wait_update`` waits for it
-    with a deadline. ``control_host`` is added to the connect options (the engine's workers join
-    trainer rank 0's control plane there)."""
-
-    def __init__(self, actor: Any, *, index: int, control_host: str, timeout_s: float) -> None:
-        self.actor = actor
-        self.index = index
-        self.control_host = control_host
-        self.timeout_s = timeout_s
-        self._pending: dict[int, Any] = {}
-
-    def _get(self, ref: Any, what: str, timeout_s: float | None = None) -> Any:
+def _ray_result(index: int) -> Any:
+    def result(ref: Any, timeout_s: float, what: str) -> Any:
         import ray
 
-        t = self.timeout_s if timeout_s is None else timeout_s
         try:
-            got = ray.get(ref, timeout=t)
+            return ray.get(ref, timeout=timeout_s)
         except ray.exceptions.GetTimeoutError as e:
-            raise SyncError(f"vLLM engine {self.index}: {what} did not answer within {t:.0f} s") from e
+            raise SyncError(f"vLLM engine {index}: {what} did not answer within {timeout_s:.0f} s") from e
         except ray.exceptions.RayError as e:
-            raise SyncError(f"vLLM engine {self.index}: {what} failed: {type(e).__name__}: {e}") from e
-        return raise_worker_errors(got, f"vLLM engine {self.index} {what}")
+            raise SyncError(f"vLLM engine {index}: {what} failed: {type(e).__name__}: {e}") from e
+    return result
 
-    def describe(self, options: dict | None = None) -> list[dict]:
-        return self._get(self.actor.fastsync_describe.remote(options or {}), "describe")
 
-    def connect(self, plan_json: str, options: dict) -> list[dict]:
-        return self._get(self.actor.fastsync_connect.remote(plan_json, {**options, "control_host": self.control_host}),
-                         "connect")
-
-    def begin_update(self, version: int, timeout_s: float = 60.0) -> int:
-        self._pending[version] = self.actor.fastsync_update.remote(version, timeout_s)
-        return version
-
-    def wait_update(self, token: int, timeout_s: float = 60.0) -> list[dict]:
-        ref = self._pending.pop(token, None)
-        if ref is None:
-            raise SyncError(f"vLLM engine {self.index}: wait_update({token}) without begin_update")
-        return self._get(ref, f"update to version {token}", timeout_s + 30.0)
-
-    def version(self) -> int:
-        return one_version(self._get(self.actor.fastsync_version.remote(), "version"), f"vLLM engine {self.index}")
+def RayEngine(actor: Any, *, index: int, control_host: str, timeout_s: float) -> RpcEngine:
+    """fastsync's engine handle (what ``WeightSync`` drives) for one ``FastSyncRolloutRayActor``:
+    the host kit's ``RpcEngine`` over Ray actor calls. ``control_host`` is added to the connect
+    options (the engine's workers join trainer rank 0's control plane there)."""
+    return RpcEngine(lambda method, *args: getattr(actor, method).remote(*args), _ray_result(index),
+                     name=f"vLLM engine {index}", timeout_s=timeout_s, connect_options={"control_host": control_host})
 
 
 def _dtype(t: torch.Tensor) -> str:
@@ -139,7 +113,7 @@ class DeepSpeedWeightSync:
         self.name = name
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self.control_host = control_host or _node_ip()
+        self.control_host = control_host or node_address()
         self.control: Any = None
         self.ws: WeightSync | None = None
         self.version = 0
@@ -159,19 +133,8 @@ class DeepSpeedWeightSync:
         """Trainer rank 0 serves fastsync's control store; its port and the job secret reach the
         other ranks over DeepSpeed's own process group (the job's channel), and the engines in
         ``WeightSync``'s connect options (over Ray)."""
-        import torch.distributed as dist
-
-        if self.control is not None:
-            return self.control
-        if self.rank == 0:
-            self.control = TCPStoreControl.server(port=0, host=self.control_host, timeout_s=self.timeout_s)
-            box = [self.control.port, self.control.secret]
-        else:
-            box = [None, None]
-        dist.broadcast_object_list(box, src=0)
-        if self.rank != 0:
-            self.control = TCPStoreControl.client(int(box[0]), host=self.control_host, timeout_s=self.timeout_s,
-                                                  secret=box[1])
+        if self.control is None:
+            self.control = share_over_torch(self.rank, host=self.control_host, timeout_s=self.timeout_s)
         return self.control
 
     def setup(self) -> None:
@@ -224,14 +187,3 @@ class DeepSpeedWeightSync:
         if self.ws is not None:
             self.ws.close()
             self.ws = None
-
-
-def _node_ip() -> str:
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except Exception:  # noqa: BLE001 - no Ray: a single-host run
-        pass
-    return DEFAULT_HOST

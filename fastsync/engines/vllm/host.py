@@ -33,10 +33,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from fastsync import errors
 from fastsync.control import ControlPlane
 from fastsync.engines.vllm.pause import DEFAULT_PAUSE_MODE, PAUSE_MODES, check_pause_mode, completion_record, core_call
-from fastsync.errors import ConfigError, FastSyncError, SyncError
+from fastsync.errors import ConfigError, SyncError
+from fastsync.host.replies import error_reply, one_version, raise_worker_errors
 from fastsync.security import check_mac, derive_key, mac
 
 __all__ = ["VllmEngine", "RemoteEngine", "serve", "raise_worker_errors", "error_reply", "one_version"]
@@ -47,39 +47,6 @@ def _request_key(control: ControlPlane) -> bytes:
     if not secret:
         raise ConfigError("engine requests are signed with the job secret: the control plane has none (control.secret)")
     return derive_key(secret, "engine requests")
-
-
-def error_reply(e: BaseException) -> dict:
-    """The ``{"error": [class name, message]}`` reply for an exception raised while answering a
-    request (inside a worker's ``collective_rpc`` or in :func:`serve`). A FastSyncError keeps its
-    class; anything else (a vLLM RuntimeError, a TypeError from bad arguments) comes back as a
-    SyncError whose message names the original type, so the caller gets an answer, not a dead
-    engine or a reply that never comes."""
-    if isinstance(e, FastSyncError):
-        return {"error": [type(e).__name__, str(e)]}
-    return {"error": ["SyncError", f"{type(e).__name__}: {e}"]}
-
-
-def raise_worker_errors(results: list[Any], what: str) -> list[Any]:
-    """Re-raise the first ``{"error": [cls, msg]}`` a worker returned, as that fastsync error."""
-    for r in results:
-        if isinstance(r, dict) and "error" in r:
-            cls_name, msg = r["error"]
-            cls = getattr(errors, cls_name, FastSyncError)
-            if not (isinstance(cls, type) and issubclass(cls, FastSyncError)):
-                cls = FastSyncError
-            raise cls(f"{what}: {msg}")
-    return results
-
-
-def one_version(versions: list[Any], who: str) -> int:
-    """The one weight version every worker of an engine reports (``fastsync_version`` over any
-    RPC: ``collective_rpc``, a Ray actor call, HTTP); SyncError naming ``who`` and the versions
-    when the workers disagree (a torn engine must never be served as one version)."""
-    got = sorted({int(v) for v in versions})
-    if len(got) != 1:
-        raise SyncError(f"{who}: workers serve different versions {got}" if got else f"{who}: no worker answered")
-    return got[0]
 
 
 class VllmEngine:

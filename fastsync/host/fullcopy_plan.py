@@ -1,9 +1,11 @@
-"""The static plan behind the verl backend. Each rollout rank receives a full copy under the HF
-names verl sends. The trainer layout is either ``replicated:N`` (verl handed every trainer rank
-the FULL tensors) or the FSDP2 shards read from the DTensor placements (``fastsync_verl.shards``:
-each rank sends from its own shard, nothing is gathered). Both sides build the plan from the same
-published inventory (names, shapes, dtypes in verl's order, plus the shards when there are any),
-so it is identical everywhere; the sender's setup checks the plan hash."""
+"""The static plan of the buffered full-copy channel (:mod:`fastsync.host.fullcopy`): each
+receiver rank gets a full copy of every tensor, under the names the host sends, into its own
+registered buffer (a host's fallback when it cannot write into the engine's live weights: verl
+with SGLang or without the worker extension). The trainer layout is either ``replicated:N`` (the
+host handed every trainer rank the FULL tensors) or the trainer's own shards (e.g. FSDP2 DTensor
+placements: each rank sends from its own shard, nothing is gathered). Both sides build the plan
+from the same published inventory (names, shapes, dtypes in the host's order, plus the shards
+when there are any), so it is identical everywhere; the sender's setup checks the plan hash."""
 
 from __future__ import annotations
 
@@ -12,24 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
-from fastsync import (
-    ConfigError,
-    EngineLayout,
-    EngineTensor,
-    ParamSpec,
-    Shard,
-    Piece,
-    Plan,
-    TrainerLayout,
-    alloc_touched,
-    build_plan,
-    dtype_name,
-    full_box,
-    replicated_layout,
-    torch_dtype,
-)
+from fastsync.errors import ConfigError
+from fastsync.executor.staging import alloc_touched, dtype_name, torch_dtype
+from fastsync.plan import Plan, build_plan
+from fastsync.layout.box import box_shape, full_box
+from fastsync.layout.trainer import replicated_layout
+from fastsync.layout.types import Box, EngineLayout, EngineTensor, ParamSpec, Piece, Shard, TrainerLayout
 
-__all__ = ["Inventory", "VerlPlan", "full_copy_engine_layout", "build_verl_plan", "flat_views"]
+__all__ = ["Inventory", "FullCopyPlan", "full_copy_engine_layout", "build_full_copy_plan", "inventory_from_json",
+           "inventory_of", "flat_views", "send_boxes", "shard_views"]
 
 Inventory = list[tuple[str, tuple[int, ...], str]]
 
@@ -46,7 +39,7 @@ def full_copy_engine_layout(params: dict[str, ParamSpec], num_receivers: int) ->
 
 
 @dataclass(slots=True)
-class VerlPlan:
+class FullCopyPlan:
     inventory: Inventory
     params: dict[str, ParamSpec]
     trainer: TrainerLayout
@@ -72,19 +65,19 @@ def inventory_from_json(raw: bytes | str) -> tuple[Inventory, Shards | None]:
                  for n, sh in obj["shards"].items()}
 
 
-def build_verl_plan(inventory: Inventory, num_trainers: int, num_receivers: int,
+def build_full_copy_plan(inventory: Inventory, num_trainers: int, num_receivers: int,
                     max_transfer_bytes: int | None, cap_bytes: int | None = None,
-                    shards: Shards | None = None) -> VerlPlan:
+                    shards: Shards | None = None) -> FullCopyPlan:
     """``replicated:num_trainers`` (or the given FSDP2 ``shards``) -> full copy per receiver.
     ``max_transfer_bytes`` splits large tensors so the planner can spread one tensor's bytes over
     several trainer ranks; None picks 1/16 of a trainer rank's fair share (at most ``cap_bytes``,
-    verl's bucket size), so a few equal large tensors still divide evenly."""
+    the host's bucket size), so a few equal large tensors still divide evenly."""
     if not inventory:
-        raise ConfigError("verl sent no weights: nothing to plan")
+        raise ConfigError("the host sent no weights: nothing to plan")
     params: dict[str, ParamSpec] = {}
     for name, shape, dtype in inventory:
         if name in params:
-            raise ConfigError(f"verl sent parameter {name!r} twice in one sync")
+            raise ConfigError(f"the host sent parameter {name!r} twice in one sync")
         params[name] = ParamSpec(name, tuple(shape), dtype)
     if max_transfer_bytes is None:
         share = sum(p.nbytes for p in params.values()) // (num_trainers * 16)
@@ -96,11 +89,11 @@ def build_verl_plan(inventory: Inventory, num_trainers: int, num_receivers: int,
         if missing:
             raise ConfigError(f"fastsync: no trainer shard of parameter {missing[0]!r} ({len(missing)} missing)")
         trainer = TrainerLayout(num_trainers, params, {n: tuple(shards[n]) for n in params}, kind="fsdp",
-                                description="FSDP2 DTensor shards handed over by verl's actor ranks")
+                                description="the trainer ranks' own shards")
         trainer.validate()
     engine = full_copy_engine_layout(params, num_receivers)
     plan = build_plan(params, trainer, engine, max_transfer_bytes=max_transfer_bytes)
-    return VerlPlan(inventory, params, trainer, engine, plan, sharded=shards is not None)
+    return FullCopyPlan(inventory, params, trainer, engine, plan, sharded=shards is not None)
 
 
 def flat_views(specs: list[tuple[str, tuple[int, ...], str]]) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
@@ -122,9 +115,23 @@ def flat_views(specs: list[tuple[str, tuple[int, ...], str]]) -> tuple[list[torc
     return flats, views
 
 
+def shard_views(trainer: TrainerLayout, rank: int) -> tuple[dict[str, Box], dict[str, torch.Tensor]]:
+    """This rank's one shard box per parameter and a registered view for each (carved by
+    :func:`flat_views`), for a host that copies its local shards in before every sync.
+    ConfigError naming the parameter when a rank holds more than one shard of it."""
+    mine = trainer.shards_on(rank)
+    many = [n for n, sh in mine.items() if len(sh) != 1]
+    if many:
+        raise ConfigError(f"fastsync trainer rank {rank}: parameter {many[0]!r} has {len(mine[many[0]])} shards on "
+                          "this rank; expected one (FSDP2 Shard(d))")
+    boxes = {n: sh[0].box for n, sh in mine.items()}
+    _, views = flat_views([(n, box_shape(b), trainer.params[n].dtype) for n, b in boxes.items()])
+    return boxes, views
+
+
 def send_boxes(plan: Plan, rank: int) -> dict[str, tuple[tuple[int, int], ...]]:
     """Per parameter ``rank`` sends from: the hull of its transfers' source boxes. A rank keeps
-    only these regions of verl's full tensors (about its share, not the whole model)."""
+    only these regions of the host's full tensors (about its share, not the whole model)."""
     hull: dict[str, list[list[int]]] = {}
     for t in plan.transfers:
         if t.src_rank != rank:

@@ -1,0 +1,162 @@
+"""One verl actor rank's end of a fastsync session (``FastSyncCheckpointEngine`` opens one per
+session and closes it when the session changes).
+
+Trainer rank 0 decides the session's path once (``fastsync_verl.inplace``): **in place** (this
+rank's FSDP2 shards, copied into one registered buffer, written by fastsync's ``WeightSync`` into
+the live engine tensors of every replica) or **full copy** (fastsync's buffered full-copy
+channel, ``fastsync.host.fullcopy``: from the local shards, or from verl's full tensors where
+shards cannot serve; verl's own loader takes the copy on the rollout side).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from verl.workers.rollout.utils import ensure_async_iterator
+
+from fastsync import ConfigError, ControlPlane, ParamSpec, TrainerLayout, trainer_layout_from_module
+from fastsync import FullCopySender, shard_views
+from fastsync_verl.inplace import InplaceTrainer, decide_mode, read_mode
+from fastsync_verl.shards import ShardedWeights, local_shard
+
+__all__ = ["TrainerEnd"]
+
+
+class TrainerEnd:
+    """``owner``: the ``FastSyncCheckpointEngine`` (its options; its counters ``setups``,
+    ``full_tensor_syncs``, ``last_path``, ``last_metrics`` are updated here; ``drop_session()``
+    after a failed set-up makes the next sync open a fresh session)."""
+
+    def __init__(self, owner: Any, *, rank: int, num_trainers: int, num_receivers: int,
+                 control: ControlPlane) -> None:
+        self.owner, self.rank, self.num_trainers, self.num_receivers = owner, rank, num_trainers, num_receivers
+        self.control = control
+        self.mode: dict | None = None
+        self.sender: FullCopySender | None = None
+        self.inplace: InplaceTrainer | None = None
+        self.sources: dict[str, torch.Tensor] = {}  # in place: this rank's shards, registered
+        self._local_names: dict[str, str] = {}  # HF name -> state_dict name
+
+    async def send(self, weights: Iterable[tuple[str, torch.Tensor]], module: Any, why: str | None,
+                   version: int) -> dict[str, float]:
+        o, rank = self.owner, self.rank
+        t0 = time.perf_counter()
+        if self.mode is None:
+            self.mode = await asyncio.to_thread(self._decide, why)
+        o.last_path = self.mode["mode"]
+        if self.mode["mode"] == "inplace":
+            if module is None:
+                raise ConfigError(f"fastsync trainer rank {rank}: trainer rank 0 chose the in-place path but this "
+                                  f"rank cannot send from FSDP2 shards: {why}")
+            return await self._send_inplace(module, version, t0)
+        tx = self._full_copy_sender()
+        if module is not None:
+            if tx.plan is None:
+                tx.plan_shards(self._layout(module))
+            self._copy_shards(module, tx.sources)
+        else:
+            if tx.sharded:
+                raise ConfigError(f"fastsync trainer rank {rank}: this session was planned from FSDP2 shards and verl "
+                                  "now hands full tensors; set engine_kwargs.fastsync.trainer_shards consistently")
+            o.full_tensor_syncs += 1
+            tx.start_tensors()
+            async for name, tensor in ensure_async_iterator(weights):
+                tx.take(name, tensor)
+            tx.end_of_tensors()
+        if not tx.ready:
+            try:
+                await asyncio.to_thread(tx.setup)
+            except BaseException:
+                o.drop_session()
+                raise
+            o.setups += 1
+        t1 = time.perf_counter()
+        m = await asyncio.to_thread(tx.sync, version)
+        return self._metrics(sum(m.bytes_per_link.values()), t0, t1, from_shards=module is not None)
+
+    def _decide(self, why: str | None) -> dict:
+        o = self.owner
+        if self.rank == 0:
+            return decide_mode(self.control, self.num_receivers, why, o.inplace, o.timeout_s * 4)
+        return read_mode(self.control, o.timeout_s * 4, f"trainer rank {self.rank}")
+
+    async def _send_inplace(self, module: Any, version: int, t0: float) -> dict[str, float]:
+        o = self.owner
+        if self.inplace is None:
+            layout = self._layout(module)
+            _, self.sources = shard_views(layout, self.rank)
+            assert self.mode is not None
+            self.inplace = InplaceTrainer(rank=self.rank, num_trainers=self.num_trainers, control=self.control,
+                                          leaders=self.mode["leaders"], layout=layout, sources=self.sources,
+                                          transport=o.transport, timeout_s=o.timeout_s, verify=o.verify,
+                                          delta=o.delta, fanout=o.fanout)
+        self._copy_shards(module, self.sources)
+        t1 = time.perf_counter()
+        setting_up = not self.inplace.ready
+        try:
+            m = await asyncio.to_thread(self.inplace.sync, version)
+        except BaseException:
+            if setting_up:
+                o.drop_session()  # the next sync opens a fresh session: every rank sets up again
+            raise
+        if setting_up:
+            o.setups += 1
+        sent = sum((m.get("bytes_per_link") or {}).values()) if isinstance(m, dict) else 0
+        return self._metrics(sent, t0, t1, from_shards=True, inplace=True)
+
+    def _metrics(self, sent: int, t0: float, t1: float, *, from_shards: bool, inplace: bool = False) -> dict:
+        r = self.rank
+        m = {f"fastsync/trainer{r}/sent_bytes": float(sent), f"fastsync/trainer{r}/collect_s": t1 - t0,
+             f"fastsync/trainer{r}/send_s": time.perf_counter() - t1, f"fastsync/trainer{r}/from_shards": float(from_shards)}
+        if inplace:
+            m[f"fastsync/trainer{r}/inplace"] = 1.0
+        self.owner.last_metrics = m
+        return m
+
+    def _full_copy_sender(self) -> FullCopySender:
+        o = self.owner
+        if self.sender is None:
+            self.sender = FullCopySender(rank=self.rank, num_trainers=self.num_trainers,
+                                         num_receivers=self.num_receivers, control=self.control,
+                                         transport=o.transport, timeout_s=o.timeout_s,
+                                         max_transfer_bytes=o.max_transfer_bytes, cap_bytes=o.bucket_size,
+                                         verify=o.verify, staging_bytes=o.staging_bytes)
+        return self.sender
+
+    def _layout(self, module: Any) -> TrainerLayout:
+        """The trainer layout from the DTensor placements (identical on every rank, HF names);
+        remembers which state_dict entry holds each HF name's local shard."""
+        names = ShardedWeights(None, module).hf_names()
+        layout = trainer_layout_from_module(module, self.rank, self.num_trainers)
+        params = {names[n]: ParamSpec(names[n], tuple(p.shape), p.dtype) for n, p in layout.params.items()}
+        trainer = TrainerLayout(self.num_trainers, params, {names[n]: tuple(layout.shards[n]) for n in layout.params},
+                                kind="fsdp", description="FSDP2 DTensor shards handed over by verl's actor ranks")
+        trainer.validate()
+        mine = trainer.shards_on(self.rank)
+        self._local_names = {hf: sd for sd, hf in names.items() if hf in mine}
+        return trainer
+
+    def _copy_shards(self, module: Any, sources: dict[str, torch.Tensor]) -> None:
+        """This rank's local shards into its registered buffer: a local copy of about 1/N of the
+        model (the shards' storage may move between syncs, e.g. with parameter offload)."""
+        state = module.state_dict(keep_vars=True)
+        for hf, sd in self._local_names.items():
+            t = state.get(sd)
+            if t is None:
+                raise ConfigError(f"fastsync trainer rank {self.rank}: parameter {sd!r} disappeared since the plan")
+            local = local_shard(t)
+            dst = sources[hf]
+            if tuple(local.shape) != tuple(dst.shape) or local.dtype != dst.dtype:
+                raise ConfigError(f"fastsync trainer rank {self.rank}: local shard of {sd!r} is {tuple(local.shape)} "
+                                  f"{local.dtype}, the plan expects {tuple(dst.shape)} {dst.dtype}; the model changed")
+            dst.copy_(local)
+
+    def close(self) -> None:
+        for end in (self.sender, self.inplace):
+            if end is not None:
+                end.close()
+        self.sender = self.inplace = None
