@@ -199,7 +199,8 @@ def _run_on_hosts(args: argparse.Namespace, cfg, transports: list[str], progress
     return result
 
 
-def print_table(result: dict, out=sys.stdout) -> None:
+def print_table(result: dict, out=None) -> None:
+    out = out if out is not None else sys.stdout  # read at call time: a default bound at import outlives a replaced stdout
     gb = result["bytes_per_sync"] / 1e9
     print(f"{result['model']}: {gb:.2f} GB per sync, {result['num_transfers']} planned transfers, "
           f"{result['trainers']} trainer -> {result['rollouts']} inference processes", file=out)
