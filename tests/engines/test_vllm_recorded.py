@@ -222,6 +222,12 @@ NEW = {
     "qwen2-moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
                   dict(_without(AWKWARD_MOE, "head_dim"), intermediate_size=300, moe_intermediate_size=100,
                        shared_expert_intermediate_size=150, num_experts=6, num_experts_per_tok=2)),
+    # (1 + w) RMSNorms, four per layer plus q/k norms, embeddings scaled by sqrt(hidden), a sliding-window
+    # layer then a full one, query_pre_attn_scalar. Untied: with random tied embeddings the scaled input
+    # embedding dominates the residual and the model echoes its last token whatever the step changes
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(AWKWARD, sliding_window=64, query_pre_attn_scalar=64,
+                                                             layer_types=["sliding_attention", "full_attention"],
+                                                             tie_word_embeddings=False)),
 }
 
 
