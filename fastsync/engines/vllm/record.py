@@ -32,8 +32,6 @@ How, in order (:func:`record_copies`):
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 from typing import Any
 

@@ -85,21 +85,34 @@ def _literal(pattern: str) -> str | None:
 _VLLM_FUSED = {("w1", "w3"): "w13", ("gate_proj", "up_proj"): "gate_up_proj"}
 
 
-def _fused_expert_name(t: Any) -> tuple[str, str] | None:
-    """For transformers' expert-merging converter (``.experts.*.w1.weight`` + ``.experts.*.w3.weight``
-    -> ``.experts.gate_up_proj``), the fused name pair (transformers', vLLM's)."""
-    srcs, tgts = list(getattr(t, "source_patterns", []) or []), list(getattr(t, "target_patterns", []) or [])
+def _expert_converter(t: Any) -> tuple[str, list[str]] | None:
+    """A transformers expert-merging converter as (its target, literal; its source patterns with
+    dots unescaped), e.g. (``mlp.experts.gate_up_proj``, [``mlp.experts.*.gate_proj.weight``, ...]);
+    None for any other conversion."""
+    srcs = [sp.replace("\\.", ".") for sp in getattr(t, "source_patterns", []) or []]
+    tgts = list(getattr(t, "target_patterns", []) or [])
     if type(t).__name__ != "WeightConverter" or len(tgts) != 1 or not srcs:
         return None
     tgt = _literal(tgts[0])
+    if tgt is None or not all("experts.*." in sp for sp in srcs):
+        return None
+    return tgt, srcs
+
+
+def _fused_expert_name(t: Any) -> tuple[str, str] | None:
+    """For transformers' expert-merging converter (``.experts.*.w1.weight`` + ``.experts.*.w3.weight``
+    -> ``.experts.gate_up_proj``), the fused name pair (transformers', vLLM's)."""
+    conv = _expert_converter(t)
+    if conv is None:
+        return None
+    tgt, srcs = conv
     names = []
-    for sp in srcs:
-        body = sp.replace("\\.", ".")
+    for body in srcs:
         if not (body.startswith(".experts.*.") and body.endswith(".weight")):
             return None
         names.append(body[len(".experts.*."):-len(".weight")])
     fused = _VLLM_FUSED.get(tuple(names), names[0] if len(names) == 1 else None)
-    if tgt is None or not tgt.startswith(".experts.") or fused is None:
+    if not tgt.startswith(".experts.") or fused is None:
         return None
     return tgt, f".experts.{fused}"
 
@@ -167,11 +180,10 @@ def expert_splits(hf_config: Any, params: dict[str, tuple[tuple[int, ...], str]]
         return {}
     out: dict[str, list[tuple[str, tuple[int, slice]]]] = {}
     for t in mapping:
-        srcs = [sp.replace("\\.", ".") for sp in getattr(t, "source_patterns", []) or []]
-        tgts = list(getattr(t, "target_patterns", []) or [])
-        tgt = _literal(tgts[0]) if type(t).__name__ == "WeightConverter" and len(tgts) == 1 else None
-        if not tgt or "experts." not in tgt or not srcs or not all("experts.*." in sp for sp in srcs):
+        conv = _expert_converter(t)
+        if conv is None or "experts." not in conv[0]:
             continue
+        tgt, srcs = conv
         pieces = [sp.split("experts.*.", 1)[1] for sp in srcs]  # e.g. gate_proj.weight, up_proj.weight
         stem = tgt.rsplit("experts.", 1)[0] + "experts."  # mlp.experts.
         for name, (shape, _) in params.items():

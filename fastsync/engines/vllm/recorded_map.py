@@ -248,10 +248,9 @@ def record_engine_layout(model: Any, hf_config: Any, *, model_dir: str | None, a
     """Record this worker's layout: list the checkpoint's tensors (``params``, else the trainer's
     transformers names from the config, else the safetensors headers), run vLLM's loaders on
     recording tensors, derive the name map."""
+    from fastsync.engines.vllm.layout import live_aliases
     from fastsync.engines.vllm.record import record_copies
     from fastsync.engines.vllm.record_names import checkpoint_params, expert_splits, loader_names
-
-    from fastsync.engines.vllm.layout import live_aliases
 
     params = params if params is not None else checkpoint_params(hf_config, model_dir)
     aliases = live_aliases(model)  # before the recording swaps meta twins in
