@@ -62,9 +62,8 @@ def _full_state(model: Any) -> dict:
             for n, t in model.state_dict(keep_vars=True).items()}
 
 
-def _reference(model_dir: str, full: dict, prompts: list[list[int]], max_tokens: int,
-               dtype: str = "bfloat16") -> list[list[int]]:
-    """The trainer model's own greedy tokens, with its weights in the engine's ``dtype``."""
+def _hf_model(model_dir: str, full: dict, dtype: str) -> Any:
+    """The trainer's transformers model rebuilt from ``model_dir``'s config, holding ``full`` in ``dtype``."""
     import torch
     import transformers
 
@@ -72,6 +71,13 @@ def _reference(model_dir: str, full: dict, prompts: list[list[int]], max_tokens:
     dt = getattr(torch, dtype)
     ref = transformers.AutoModelForCausalLM.from_config(config, dtype=dt)
     ref.load_state_dict({n: t.to(dt) for n, t in full.items()}, strict=False)
+    return ref
+
+
+def _reference(model_dir: str, full: dict, prompts: list[list[int]], max_tokens: int,
+               dtype: str = "bfloat16") -> list[list[int]]:
+    """The trainer model's own greedy tokens, with its weights in the engine's ``dtype``."""
+    ref = _hf_model(model_dir, full, dtype)
     ref.eval()
     return hf_greedy(ref, prompts, max_tokens)
 
@@ -79,14 +85,7 @@ def _reference(model_dir: str, full: dict, prompts: list[list[int]], max_tokens:
 def _save_reference(model_dir: str, full: dict, out_dir: str, dtype: str) -> None:
     """The trainer's weights saved as an HF checkpoint (transformers writes the checkpoint's own
     names, e.g. per-expert weights), for a fresh vLLM engine to load with vLLM's own loaders."""
-    import torch
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(model_dir)
-    dt = getattr(torch, dtype)
-    ref = transformers.AutoModelForCausalLM.from_config(config, dtype=dt)
-    ref.load_state_dict({n: t.to(dt) for n, t in full.items()}, strict=False)
-    ref.save_pretrained(out_dir)
+    _hf_model(model_dir, full, dtype).save_pretrained(out_dir)
 
 
 def _train_step(model: Any, opt: Any, vocab: int, seed: int) -> float:
