@@ -5,8 +5,6 @@ engines, started once for the module."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -35,16 +33,10 @@ def two(tmp_path_factory):
 
     from fastsync.engines.vllm.host import VllmEngine
 
-    saved = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # two engines on one host: no shared pinning
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # two engines on one host: no shared pinning
         d = str(build_tiny_checkpoint("tiny-qwen3", tmp_path_factory.mktemp("ckpt") / "tiny-qwen3"))
         llms = [LLM(**engine_kwargs(d, 1, "float32")) for _ in range(2)]
-    finally:
-        if saved is None:
-            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-        else:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = saved
     hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     yield {"llms": llms, "engines": [VllmEngine(x) for x in llms], "hf": hf, "control": TCPStoreControl.server(port=0)}
     for x in llms:

@@ -25,7 +25,7 @@ pytest.importorskip("nixl._api", reason="NIXL not installed")
 pytest.importorskip("ray")
 
 sys.path.insert(0, os.path.dirname(__file__))
-from matrix_support import CELLS, DELTA_NOT_RELAYED, FANOUT, assert_digest, cell_id, first_version, reference_digest  # noqa: E402
+from matrix_support import FANOUT, assert_digest, cell_id, cell_params, first_version, reference_digest  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -96,16 +96,7 @@ def _tokens(rig, engine) -> list[list[int]]:
     return [list(rig.ray.get(engine.generate.remote(p, sp), timeout=120).outputs[0].token_ids) for p in PROMPTS]
 
 
-def _cells():
-    from fastsync.errors import ConfigError
-
-    for cell in CELLS:
-        marks = [pytest.mark.xfail(strict=True, raises=ConfigError, reason=DELTA_NOT_RELAYED)] \
-            if cell == ("delta", "relayed") else []
-        yield pytest.param(cell, id=cell_id(cell), marks=marks)
-
-
-@pytest.mark.parametrize("cell", list(_cells()))
+@pytest.mark.parametrize("cell", cell_params())
 def test_openrlhf_matrix(rig, cell):
     import argparse
 

@@ -17,12 +17,11 @@ pytest.importorskip("nixl")
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "engines"))
-from matrix_support import CELLS, DELTA_NOT_RELAYED, FANOUT, assert_digest, cell_id, first_version, reference_digest, sparse_step  # noqa: E402
+from matrix_support import FANOUT, assert_digest, cell_id, cell_params, first_version, reference_digest, sparse_step  # noqa: E402
 from wt_support import build_awkward_qwen3  # noqa: E402
 
 from fastsync.control import TCPStoreControl  # noqa: E402
 from fastsync.demo.run import engine_kwargs, hf_greedy  # noqa: E402
-from fastsync.errors import ConfigError  # noqa: E402
 from fastsync.layout.box import box_slices  # noqa: E402
 from fastsync.layout.trainer import fsdp_layout  # noqa: E402
 from fastsync.layout.types import ParamSpec  # noqa: E402
@@ -41,16 +40,10 @@ def two(tmp_path_factory):
 
     from fastsync.engines.vllm.host import VllmEngine
 
-    saved = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # two engines on one host: no shared pinning
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # two engines on one host: no shared pinning
         d = build_awkward_qwen3(tmp_path_factory.mktemp("ckpt") / "awkward-qwen3")
         llms = [LLM(**engine_kwargs(d, 1, "float32")) for _ in range(2)]
-    finally:
-        if saved is None:
-            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-        else:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = saved
     engines = [VllmEngine(x) for x in llms]
     described = engines[0].describe()[0]["tensors"]  # the replicas are identical: one layout serves both
     hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
@@ -73,14 +66,7 @@ def _check_engines(two, full, version: int, what: str) -> None:
         assert e.generate(PROMPTS, 6) == want_tokens, f"{what}, engine {i}: tokens differ from the trainer's"
 
 
-def _cells():
-    for cell in CELLS:
-        marks = [pytest.mark.xfail(strict=True, raises=ConfigError, reason=DELTA_NOT_RELAYED)] \
-            if cell == ("delta", "relayed") else []
-        yield pytest.param(cell, id=cell_id(cell), marks=marks)
-
-
-@pytest.mark.parametrize("cell", list(_cells()))
+@pytest.mark.parametrize("cell", cell_params())
 def test_weight_sync_matrix(two, cell):
     payload, route = cell
     hf, control = two["hf"], two["control"]
