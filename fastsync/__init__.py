@@ -21,7 +21,8 @@ torch.distributed, NIXL, vLLM) are imported lazily, on first use of a name that 
 * MoE: ``patch_moe`` (swap HF v5 MoE blocks), ``RoutingReplay``.
 * Engines: ``FastSyncWorkerExtension`` (vLLM's ``worker_extension_cls``, to subclass or compose);
   ``RemoteEngine`` / ``serve_engine`` (an engine handle answered over the control plane by a host
-  that drives the engine, e.g. verl's rollout server), ``raise_worker_errors`` / ``worker_error_reply``, ``one_version`` (every worker on one weight version).
+  that drives the engine, e.g. verl's rollout server), ``raise_worker_errors`` / ``worker_error_reply``, ``one_version`` (every worker on one weight version); vLLM's pause
+  modes by name: ``PAUSE_MODES``, ``check_pause_mode``.
 * Plugins: ``hookimpl``, ``register_plugin``, ``unregister_plugin``; errors: ``FastSyncError``
   and its subclasses.
 """
@@ -70,6 +71,8 @@ _LAZY: dict[str, tuple[str, str]] = {
     "raise_worker_errors": ("fastsync.host.replies", "raise_worker_errors"),
     "worker_error_reply": ("fastsync.host.replies", "error_reply"),
     "one_version": ("fastsync.host.replies", "one_version"),
+    "PAUSE_MODES": ("fastsync.sync.pause_modes", "PAUSE_MODES"),
+    "check_pause_mode": ("fastsync.sync.pause_modes", "check_pause_mode"),
     # the host kit (fastsync.host)
     "open_control": ("fastsync.host.control", "open_control"),
     "control_address": ("fastsync.host.control", "control_address"),

@@ -171,7 +171,8 @@ def rollout_worker_cls():
 
         def state(self) -> dict:
             e = self.checkpoint_engine
-            return {**e.describe(), "path": e.last_path, "stall_s": e.last_stall_s,
+            return {**e.describe(), "path": e.last_path, "stall_s": e.last_stall_s, "drain_s": e.last_drain_s,
+                    "phases": {k: round(v, 4) for k, v in e.last_phases.items()},
                     "paused_by_fastsync": e.last_paused_here,
                     "adapter": f"{type(self.server_adapter).__module__}.{type(self.server_adapter).__name__}"}
 
@@ -188,6 +189,30 @@ class Replica:
     async def release_kv_cache(self) -> None: ...
     async def resume_kv_cache(self) -> None: ...
     async def resume_generation(self) -> None: ...
+
+
+#: the long request in flight at the last sync
+LONG_PROMPT, LONG_TOKENS = [9, 10, 11], 500
+
+
+def _inflight(server, got, old_long: list[int], max_tokens: int, step: int) -> dict:
+    """What the long request in flight at the last sync got: how it ended, its version stamps
+    (``fastsync_verl.stamps``: ``[[global_steps, first token index], ...]``) and whether its tokens
+    are right: those before the flip the old weights' own greedy continuation, those after it
+    the new weights' continuation of the prompt and the tokens before (checked on the first
+    ``max_tokens`` of them: a fresh request on the new weights)."""
+    toks, ex = list(got.token_ids), dict(got.extra_fields)
+    spans = ex.get("weight_versions") or []
+    out = {"stop_reason": got.stop_reason, "tokens": len(toks), "weight_versions": spans,
+           "min_global_steps": ex.get("min_global_steps"), "max_global_steps": ex.get("max_global_steps"),
+           "global_steps": ex.get("global_steps")}
+    cut = spans[1][1] if len(spans) >= 2 else len(toks)
+    out["old_part_matches"] = toks[:cut] == old_long[:cut]
+    if len(spans) >= 2:
+        n = min(max_tokens, len(toks) - cut)
+        fresh = generate(server, [LONG_PROMPT + toks[:cut]], n, f"new{step}")[0]
+        out["new_part_matches"] = toks[cut:cut + n] == fresh
+    return out
 
 
 def generate(server, prompts: list[list[int]], max_tokens: int, tag: str) -> list[list[int]]:
@@ -214,8 +239,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="H >= 2: a Ray node per network-namespace host of this machine, the trainers on host 0, "
                          "verl's vLLM replica across hosts 1..H-1 (H - 1 must divide --tp)")
     ap.add_argument("--nic-gbps", type=float, default=2.0, help="with --hosts: each host's NIC rate")
+    ap.add_argument("--pause-mode", choices=("abort", "wait", "keep"), default="abort",
+                    help="engine_kwargs.fastsync.pause_mode: what the long request in flight at the last sync "
+                         "meets (aborted, finished on the old weights first, or kept across the flip)")
+    ap.add_argument("--staged", action="store_true",
+                    help="engine_kwargs.fastsync.staged=true: generation goes on while the writes land, the "
+                         "pause is only the flip")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
+    a.kwargs = {**KWARGS, "pause_mode": a.pause_mode, "staged": a.staged}
     trainers_n = 2
     why = _check_hosts(a.hosts, a.tp)
     if why is not None:  # before anything starts
@@ -320,7 +352,7 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
     ce = CheckpointEngineConfig(backend="fastsync", custom_backend_module="fastsync_verl",
                                 update_weights_bucket_megabytes=1,
                                 engine_kwargs={"fastsync": {"control_host": a.control_host, "timeout_s": a.timeout_s,
-                                                            **KWARGS}})
+                                                            **a.kwargs}})
     rollout = RolloutConfig(name="vllm", mode="async", tensor_model_parallel_size=a.tp, dtype="float32",
                             enforce_eager=True, max_model_len=512, load_format="auto", free_cache_engine=False,
                             enable_sleep_mode=False, max_num_batched_tokens=512, max_num_seqs=8,
@@ -346,7 +378,7 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
     launched = [s.launch_server.remote(*master) for s in servers]
     gloo = _free_port()
     trainer_cls = ray.remote(num_cpus=0)(Trainer).options(**a.place(0))
-    trainers = [trainer_cls.remote(r, trainers_n, gloo, model_dir, a.timeout_s, KWARGS, a.control_host)
+    trainers = [trainer_cls.remote(r, trainers_n, gloo, model_dir, a.timeout_s, a.kwargs, a.control_host)
                 for r in range(trainers_n)]
     ray.get(launched, timeout=600)
     worker_cls = ray.remote(num_cpus=0)(rollout_worker_cls())
@@ -366,9 +398,10 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
     for step in range(1, a.syncs + 1):
         ray.get([t.train_step.remote(step) for t in trainers], timeout=300)
         inflight = None
-        if step == a.syncs:  # a long request in flight when the update starts: the fence must abort it
-            inflight = server.generate.remote(prompt_ids=[9, 10, 11], request_id="inflight",
-                                              sampling_params={"temperature": 0.0, "max_tokens": 500,
+        if step == a.syncs:  # a long request in flight when the update starts (what it meets: --pause-mode)
+            old_long = generate(server, [LONG_PROMPT], LONG_TOKENS, f"old{step}")[0]  # the old weights' answer
+            inflight = server.generate.remote(prompt_ids=LONG_PROMPT, request_id="inflight",
+                                              sampling_params={"temperature": 0.0, "max_tokens": LONG_TOKENS,
                                                                "ignore_eos": True})
             time.sleep(0.05)
         nic0, s0 = a.nic(), time.perf_counter()
@@ -380,6 +413,7 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
         steps = ray.get(server.__ray_call__.remote(lambda self: self.global_steps), timeout=60)
         syncs.append({"step": step, "match": after == want, "changed": after != before, "sync_s": round(sync_s, 3),
                       "path": state["path"], "stall_s": round(state["stall_s"], 4), "server_global_steps": steps,
+                      "drain_s": round(state["drain_s"], 4), "stall_phases": state["phases"],
                       "rollout_setups": state["setups"], "paused_by_fastsync": state["paused_by_fastsync"],
                       "trainer_setups": [d["setups"] for d in ray.get(
                           [t.execute_checkpoint_engine.remote("describe") for t in trainers], timeout=60)]})
@@ -388,7 +422,7 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
                                       "engine_hosts_rx": [nic1[h][1] - nic0[h][1] for h in range(1, len(nic0))]}
         if inflight is not None:
             got = ray.get(inflight, timeout=300)
-            syncs[-1]["inflight"] = {"stop_reason": got.stop_reason, "tokens": len(got.token_ids)}
+            syncs[-1]["inflight"] = _inflight(server, got, old_long, a.max_tokens, step)
         before = after
     adapter = ray.get(worker.state.remote(), timeout=60)["adapter"]
     readd = None
@@ -425,11 +459,13 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
             "verl_generator_iterated": any(c["iterated"] for c in counts),
             "server_global_steps": syncs[-1]["server_global_steps"],
             "inflight_aborted": syncs[-1].get("inflight", {}).get("stop_reason") == "aborted",
+            "inflight": syncs[-1].get("inflight"),
             "sync_s_median": round(statistics.median(s["sync_s"] for s in syncs[1:] or syncs), 4),
             "engine_stall_s": round(statistics.median(s["stall_s"] for s in syncs[1:] or syncs), 4),
-            # the same figure under the name fastsync demo --json uses; verl's server pauses with "abort"
+            # the same figure under the name fastsync demo --json uses
             "engine_stall_seconds": round(statistics.median(s["stall_s"] for s in syncs[1:] or syncs), 4),
-            "pause_mode": "abort",
+            "stall_ratio": round(statistics.median(s["stall_s"] / s["sync_s"] for s in syncs[1:] or syncs), 3),
+            "pause_mode": a.pause_mode, "staged": a.staged,
             "syncs": syncs,
             "rollout_setups": syncs[-1]["rollout_setups"], "trainer_setups": [s["trainer_setups"] for s in syncs][-1],
             "readd": readd,

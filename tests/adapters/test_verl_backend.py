@@ -111,6 +111,14 @@ def test_registered_in_verls_registry() -> None:
         CheckpointEngineRegistry.new("fastsync", bucket_size=BUCKET, delta=True, fanout="chain")
     with pytest.raises(ConfigError, match="engine_kwargs.fastsync.delta must be true or false"):
         CheckpointEngineRegistry.new("fastsync", bucket_size=BUCKET, delta="yes")
+    with pytest.raises(ConfigError, match=r"engine_kwargs.fastsync.pause_mode must be one of \['abort', 'wait', 'keep'\].*'drain'"):
+        CheckpointEngineRegistry.new("fastsync", bucket_size=BUCKET, pause_mode="drain")
+    with pytest.raises(ConfigError, match="engine_kwargs.fastsync.staged must be true or false"):
+        CheckpointEngineRegistry.new("fastsync", bucket_size=BUCKET, staged="on")
+    with pytest.raises(ConfigError, match="engine_kwargs.fastsync.staged=true with engine_kwargs.fastsync.delta=true"):
+        CheckpointEngineRegistry.new("fastsync", bucket_size=BUCKET, staged=True, delta=True)
+    e = CheckpointEngineRegistry.new("fastsync", bucket_size=BUCKET, pause_mode="keep", staged=True)
+    assert (e.pause_mode, e.staged) == ("keep", True)
 
 
 def test_topology_as_the_manager_dispatches_it() -> None:

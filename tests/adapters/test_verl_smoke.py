@@ -50,3 +50,31 @@ def test_smoke_writes_in_place_into_verls_vllm_server(tmp_path) -> None:
     assert res["server"].endswith("vllm_async_server.vLLMHttpServer")
     assert res["server_adapter"] == "verl.workers.rollout.vllm_rollout.vllm_rollout.ServerAdapter"
     assert res["extension"] == "fastsync_verl.extension.FastSyncVerlWorkerExtension"
+
+
+@pytest.mark.slow
+def test_staged_keep_carries_a_request_across_the_flip_with_its_versions(tmp_path) -> None:
+    """``engine_kwargs.fastsync.staged=true, pause_mode=keep``: the writes land while verl's server
+    keeps generating, the pause is only the flip, and a 500-token request in flight at the second
+    sync stays in the engine: its tokens before the flip are the old weights' greedy continuation,
+    those after it the new weights' (a fresh request on prompt + the tokens before), and verl's
+    record of it (``TokenOutput.extra_fields``) carries both versions with the first token index
+    of the new one and verl's own ``min_global_steps`` / ``max_global_steps``."""
+    out = subprocess.run([sys.executable, SCRIPT, "--json", "--syncs", "2", "--staged", "--pause-mode", "keep"],
+                         capture_output=True, text=True, timeout=900, cwd=tmp_path,
+                         env={**os.environ, "TMPDIR": str(tmp_path)})
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    assert lines, out.stderr[-3000:]
+    res = json.loads(lines[-1])
+    assert out.returncode == 0, res
+    assert res["match"] is True and res["changed"] is True and res["inplace"] is True
+    assert res["pause_mode"] == "keep" and res["staged"] is True
+    inflight = res["inflight"]
+    assert inflight["stop_reason"] == "completed" and inflight["tokens"] == 500, inflight  # kept, not aborted
+    (v_old, start_old), (v_new, first_new) = inflight["weight_versions"]
+    assert (v_old, start_old, v_new) == (1, 0, 2) and 0 < first_new < 500, inflight
+    assert (inflight["min_global_steps"], inflight["max_global_steps"]) == (1, 2), inflight
+    assert inflight["old_part_matches"] is True and inflight["new_part_matches"] is True, inflight
+    second = res["syncs"][1]
+    assert second["paused_by_fastsync"] is True and set(second["stall_phases"]) >= {"pause_s", "flip_s", "after_s"}
+    assert 0 < res["engine_stall_seconds"] and second["drain_s"] == 0.0  # keep: no drain, the stall is the flip

@@ -193,11 +193,21 @@ def torch_module():
     return torch.nn.Linear(2, 2)
 
 
-def test_verl_server_engine_pauses_with_abort_only():
+def test_verl_server_engine_refuses_a_pause_mode_the_rollout_was_not_given():
+    """verl's server does vLLM's three modes; the trainer's ``pause_mode``/``staged`` must be what the
+    rollout rank was configured with (both read ``engine_kwargs.fastsync``): refused at connect,
+    naming the keys, before any call reaches the server (``server=None`` here)."""
     pytest.importorskip("fastsync_verl")
     from fastsync_verl.server import ServerEngine
 
     eng = ServerEngine(server=None, control=None, engine_id="0", workers=1, timeout_s=1.0)
+    assert tuple(eng.pause_modes) == ("abort", "wait", "keep")
     for mode in ("wait", "keep"):
-        with pytest.raises(ConfigError, match=f"pause_mode='{mode}': verl's vLLM server"):
+        with pytest.raises(ConfigError, match=f"asks pause_mode='{mode}'.*engine_kwargs.fastsync.pause_mode='abort'"):
             eng.connect("{}", {"pause_mode": mode})
+    with pytest.raises(ConfigError, match="staged=True but this rollout rank.*staged=False"):
+        eng.connect("{}", {"pause_mode": "abort", "staged": True})
+    with pytest.raises(ConfigError, match="pause_mode must be one of"):
+        eng.connect("{}", {"pause_mode": "drain"})
+    with pytest.raises(ConfigError, match="pause_mode must be one of"):
+        ServerEngine(server=None, control=None, engine_id="0", workers=1, timeout_s=1.0, pause_mode="drain")

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
 
-from fastsync import ConfigError, SyncError, TCPStoreControl
+from fastsync import PAUSE_MODES, ConfigError, SyncError, TCPStoreControl
 from fastsync import control_address, join_control, open_control
 from fastsync_verl.inplace import INPLACE_MODES
 from fastsync_verl.rollout_end import Receive, RolloutEnd
@@ -71,7 +71,13 @@ class FastSyncCheckpointEngine(CheckpointEngine):
     cannot serve; "on": refuse instead of falling back; "off": always full tensors), on the
     in-place path ``delta`` (True: after a dense first sync, only what changed; NIXL) and
     ``fanout`` ("off", "auto", "chain", "direct": several identical replicas planned once, fed
-    through relays between their ranks or straight from the trainer ranks; see ``WeightSync``).
+    through relays between their ranks or straight from the trainer ranks; see ``WeightSync``),
+    ``pause_mode`` (vLLM's: "abort", the default, as verl's own manager pauses, its partial
+    rollout resubmitting the aborted requests; "wait": requests in flight finish on the old
+    weights first; "keep": they stay in the engine across the flip, each completion stamped with
+    every version that generated it) and ``staged`` (True: the writes land off the live model
+    while the engine keeps generating, and the pause is only the flip; costs a shadow copy of the
+    in-place weights on each engine rank).
 
     Sessions and versions are handed out by the master trainer rank (``fastsync_verl.session``):
     it spends a version in every ``prepare`` (failed or not, so a retry never meets the failed
@@ -86,7 +92,8 @@ class FastSyncCheckpointEngine(CheckpointEngine):
                  control_host: str | None = None, control_port: int = 0, timeout_s: float = 120.0,
                  max_transfer_bytes: int | None = None, staging_bytes: int = 64 << 20, verify: bool = False,
                  keep_registered: bool = True, trainer_shards: str = "auto", inplace: str = "auto",
-                 delta: bool = False, fanout: str = "off", **unknown: Any) -> None:
+                 delta: bool = False, fanout: str = "off", pause_mode: str = "abort", staged: bool = False,
+                 **unknown: Any) -> None:
         if unknown:
             raise ConfigError(f"checkpoint_engine.engine_kwargs.fastsync: unknown key(s) {sorted(unknown)}")
         if bucket_size <= 0:
@@ -105,7 +112,16 @@ class FastSyncCheckpointEngine(CheckpointEngine):
         if delta and fanout == "chain":  # WeightSync's rule, said in verl's words, before anything starts
             raise ConfigError("engine_kwargs.fastsync.delta=true with engine_kwargs.fastsync.fanout=chain: relays forward "
                               "dense batches, not delta pages; use fanout=direct (or auto, which sends deltas direct)")
+        if pause_mode not in PAUSE_MODES:
+            raise ConfigError(f"engine_kwargs.fastsync.pause_mode must be one of {list(PAUSE_MODES)} (vLLM's pause "
+                              f"modes), got {pause_mode!r}")
+        if not isinstance(staged, bool):
+            raise ConfigError(f"engine_kwargs.fastsync.staged must be true or false, got {staged!r}")
+        if staged and delta:
+            raise ConfigError("engine_kwargs.fastsync.staged=true with engine_kwargs.fastsync.delta=true: a delta "
+                              "patches the live weights, a staged receive lands off them; choose one")
         self.delta, self.fanout = delta, fanout
+        self.pause_mode, self.staged = pause_mode, staged
         self.trainer_shards = trainer_shards
         self.inplace = inplace
         if trainer_shards != "off" and "verl.workers.engine.fsdp.transformer_impl" in sys.modules:
@@ -131,7 +147,9 @@ class FastSyncCheckpointEngine(CheckpointEngine):
         self.last_metrics: dict[str, float] = {}
         self.setups = 0  # sender/receiver set-ups done (one per session this rank synced in)
         self.full_tensor_syncs = 0  # syncs in which this trainer rank consumed verl's full tensors
-        self.last_stall_s = 0.0  # rollout leader, in place: generation paused for the last sync
+        self.last_stall_s = 0.0  # rollout leader, in place: generation blocked in the last sync
+        self.last_drain_s = 0.0  # rollout leader, pause_mode=wait: the requests in flight finishing first
+        self.last_phases: dict[str, float] = {}  # rollout leader, in place: the stall's parts (ServerEngine)
         self.last_paused_here = False  # rollout leader, in place: fastsync paused AsyncLLM (verl had not)
         self.last_path = ""  # "inplace" or "fulltensor": the path the last sync took
 

@@ -10,7 +10,8 @@ and its MTP drafter handling. The server then applies ``rollout.engine_kwargs.vl
 swaps in :class:`FastSyncVerlWorkerExtension`: a subclass of verl's extension (nothing of verl's
 is dropped: its ``__new__`` patches run, its methods answer as before) that also answers
 fastsync's ``collective_rpc`` calls (``fastsync_describe``, ``fastsync_connect``,
-``fastsync_begin`` / ``fastsync_finish``, ``fastsync_version``), which write into the live engine
+``fastsync_update``, the staged ``fastsync_stage`` / ``fastsync_stage_ready`` / ``fastsync_flip``,
+``fastsync_version``), which write into the live engine
 tensors inside vLLM's engine-core loop (no forward pass runs during the call).
 
 verl's ``vLLMHttpServer.collective_rpc`` awaits the workers but drops what they return, so the
@@ -44,7 +45,8 @@ from fastsync import FastSyncWorkerExtension  # noqa: E402
 
 
 #: the fastsync calls ``fastsync_verl_call`` runs (each already answers errors as a reply)
-VERL_CALLS = ("fastsync_describe", "fastsync_connect", "fastsync_update", "fastsync_version")
+VERL_CALLS = ("fastsync_describe", "fastsync_connect", "fastsync_update", "fastsync_version",
+              "fastsync_stage", "fastsync_stage_ready", "fastsync_flip")
 
 
 class FastSyncVerlWorkerExtension(FastSyncWorkerExtension, vLLMColocateWorkerExtension):

@@ -93,13 +93,15 @@ class InplaceTrainer:
 
     def __init__(self, *, rank: int, num_trainers: int, control: Any, leaders: list[list[int]],
                  layout: TrainerLayout, sources: dict[str, torch.Tensor], transport: str, timeout_s: float,
-                 verify: bool, delta: bool = False, fanout: str = "off") -> None:
+                 verify: bool, delta: bool = False, fanout: str = "off", pause_mode: str = "abort",
+                 staged: bool = False) -> None:
         self.rank = rank
         self.engines = ([RemoteEngine(control, engine_id=engine_id(r), timeout_s=timeout_s) for r, _ in leaders]
                         if rank == 0 else [])
         self.ws = WeightSync(layout=layout, sources=sources, rank=rank, world_size=num_trainers, control=control,
                              engines=self.engines, transport=transport, timeout_s=timeout_s, verify=verify,
-                             name="inplace", delta=delta, fanout=fanout, pause_mode="abort")
+                             name="inplace", delta=delta, fanout=fanout, pause_mode=pause_mode,
+                             staged=staged)
         self.ready = False
         self.last_engines: list[list[dict]] = []
 

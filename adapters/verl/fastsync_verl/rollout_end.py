@@ -69,7 +69,8 @@ class RolloutEnd:
         if not adapter._ensure_server_handle():
             raise SyncError(f"fastsync rollout rank {rank}: verl's server adapter has no server handle")
         engine = ServerEngine(adapter.server_handle, self.control, engine_id=engine_id(rank), workers=workers,
-                              timeout_s=o.timeout_s, global_steps=global_steps)
+                              timeout_s=o.timeout_s, global_steps=global_steps, pause_mode=o.pause_mode,
+                              staged=o.staged)
         first = self._next_request
         try:
             last = await asyncio.to_thread(serve_engine, engine, self.control, engine_id=engine_id(rank),
@@ -79,6 +80,8 @@ class RolloutEnd:
             raise
         self._next_request = last + 2
         o.last_stall_s = engine.last_stall_s
+        o.last_drain_s = engine.last_drain_s
+        o.last_phases = dict(engine.last_phases)
         o.last_paused_here = engine.last_paused_here
         if engine.last_version != version:
             raise SyncError(f"fastsync rollout rank {rank}: version {version} was not flipped in verl's server "

@@ -17,22 +17,31 @@ Who does what, per sync (verl's ``CheckpointEngineManager.update_weights``, back
 
 The fence (``update``), on the real mechanisms of vLLM 0.32 and verl 0.9.1:
 
-1. ``AsyncLLM.pause_generation(mode="abort", clear_cache=True)`` on the server's engine, unless
+0. With ``engine_kwargs.fastsync.staged=true`` the version is first received off the live model:
+   ``fastsync_stage`` opens it and a thread of each worker lands the writes in staging and shadow
+   memory while AsyncLLM keeps scheduling; ``fastsync_stage_ready`` is asked (each a utility
+   call between two engine steps) until every worker has it. Only then the pause.
+1. ``AsyncLLM.pause_generation(mode=..., clear_cache=True)`` in the job's pause mode
+   (``engine_kwargs.fastsync.pause_mode``: ``abort``, the default, ``wait`` or ``keep``), unless
    the engine is already paused (``AsyncLLM.is_paused()``; verl's manager pauses first through
-   ``vLLMHttpServer.abort_all_requests`` on the vLLM versions it supports). verl 0.9.1's
-   ``abort_all_requests`` calls ``pause_generation(wait_for_inflight_requests=False, ...)``,
-   an argument vLLM 0.32 no longer has (TypeError), so fastsync reaches ``pause_generation``
-   itself: through Ray's ``__ray_call__`` on the server actor, scheduled on the actor's event
-   loop (the loop AsyncLLM's output handler runs on). In-flight requests are aborted (verl
-   resubmits them: partial rollout), new ones queue and are not scheduled.
-2. The update is ONE ``collective_rpc``: vLLM runs it as a utility call inside
-   ``EngineCore.run_busy_loop`` (``_process_input_queue``), between two
-   ``_process_engine_step`` calls, so no forward pass runs while the workers open the version,
-   wait for every write, repack and flip (``fastsync_update``).
-3. ``vLLMHttpServer.clear_kv_cache`` (prefix / multimodal / encoder caches computed with the
-   old weights), ``set_global_steps`` (verl's record of the weights' version), then
-   ``resume_generation`` only if step 1 paused. The time between pause and resume is the
-   engine's stall (``last_stall_s``).
+   ``vLLMHttpServer.abort_all_requests`` on the vLLM versions it supports), then checked paused.
+   verl 0.9.1's ``abort_all_requests`` calls ``pause_generation(wait_for_inflight_requests=False,
+   ...)``, an argument vLLM 0.32 no longer has (TypeError), so fastsync reaches
+   ``pause_generation`` itself: through Ray's ``__ray_call__`` on the server actor, scheduled on the
+   actor's event loop (the loop AsyncLLM's output handler runs on). ``abort``: requests in flight
+   are aborted (verl resubmits them: partial rollout); ``wait``: they finish on the old weights
+   first (the drain, not counted as stall); ``keep``: they stay in the engine, their KV caches
+   dropped, and go on after the flip recomputed on the new weights. New requests queue.
+2. ONE ``collective_rpc``: vLLM runs it as a utility call inside ``EngineCore.run_busy_loop``
+   (``_process_input_queue``), between two ``_process_engine_step`` calls, so no forward pass runs
+   while the workers flip the staged version (``fastsync_flip``: copy the shadows in, repack) or,
+   not staged, open the version, wait for every write, repack and flip (``fastsync_update``).
+3. In one call on the engine loop: ``vLLMHttpServer.clear_kv_cache`` (prefix / multimodal /
+   encoder caches computed with the old weights), ``AsyncLLM.update_weight_version`` (vLLM labels
+   every output token with verl's ``global_steps``: ``fastsync_verl.stamps`` puts the spans on
+   verl's rollout records), ``set_global_steps`` (verl's record of the weights' version), then
+   ``resume_generation`` only if step 1 paused. Pause to resume, less the ``wait`` drain, is the
+   engine's stall (``last_stall_s``; ``last_phases`` splits it).
 
 A failed sync leaves every worker on its last complete version (the extension rolls back) and
 the engine is resumed all the same.
@@ -40,14 +49,15 @@ the engine is resumed all the same.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import logging
 import time
 from typing import Any
 
-from fastsync import ConfigError, SyncError, one_version, raise_worker_errors
+from fastsync import PAUSE_MODES, ConfigError, SyncError, check_pause_mode, one_version, raise_worker_errors
+from fastsync_verl import stamps
+from fastsync_verl.asyncllm import after_flip, is_paused, label, pause
 
 __all__ = ["ServerEngine", "capability", "install", "installed", "SERVER_ADAPTER"]
 
@@ -58,39 +68,6 @@ _EXT_KEY = "actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls"
 _ids = itertools.count(1)
 
 
-# ---- AsyncLLM pause / resume on verl's server actor -----------------------------------------
-def _on_engine_loop(server: Any, what: str, coro_fn: Any, timeout_s: float) -> Any:
-    """Run ``coro_fn(engine)`` (an AsyncLLM coroutine) on the server actor's event loop and
-    return its result. Runs inside the actor through ``__ray_call__`` (a thread of the actor,
-    not its loop), so it schedules the coroutine on the loop AsyncLLM's output handler runs on."""
-    import ray
-
-    def call(self: Any) -> Any:
-        engine = getattr(self, "engine", None)
-        handler = getattr(engine, "output_handler", None)
-        if engine is None or handler is None:
-            raise SyncError(f"verl's vLLM server has no running AsyncLLM to {what} (node rank "
-                            f"{getattr(self, 'node_rank', '?')}, or the server is not launched)")
-        fut = asyncio.run_coroutine_threadsafe(coro_fn(engine), handler.get_loop())
-        return fut.result(timeout_s)
-
-    return ray.get(server.__ray_call__.remote(call), timeout=timeout_s + 30)
-
-
-def is_paused(server: Any, timeout_s: float = 60.0) -> bool:
-    return bool(_on_engine_loop(server, "ask whether it is paused", lambda e: e.is_paused(), timeout_s))
-
-
-def pause(server: Any, timeout_s: float = 60.0) -> None:
-    """``AsyncLLM.pause_generation(mode="abort", clear_cache=True)``: in-flight requests aborted,
-    new ones queued and not scheduled until :func:`resume`."""
-    _on_engine_loop(server, "pause", lambda e: e.pause_generation(mode="abort", clear_cache=True), timeout_s)
-
-
-def resume(server: Any, timeout_s: float = 60.0) -> None:
-    _on_engine_loop(server, "resume", lambda e: e.resume_generation(), timeout_s)
-
-
 # ---- the engine handle the leader serves ----------------------------------------------------
 class ServerEngine:
     """describe / connect / update / version of one verl vLLM server (one replica) for
@@ -98,16 +75,20 @@ class ServerEngine:
     and the workers' replies come back through the control store ``control``."""
 
     def __init__(self, server: Any, control: Any, *, engine_id: str, workers: int, timeout_s: float,
-                 global_steps: int | None = None) -> None:
+                 global_steps: int | None = None, pause_mode: str = "abort", staged: bool = False) -> None:
         self.server = server
         self.control = control  # the session's TCPStoreControl (prefix included)
         self.engine_id = engine_id
         self.workers = workers
         self.timeout_s = timeout_s
         self.global_steps = global_steps
-        self.last_stall_s = 0.0
+        self.pause_mode = check_pause_mode(pause_mode, PAUSE_MODES, "verl's vLLM server")
+        self.staged = staged
+        self.last_stall_s = 0.0  # generation blocked: pause to resume, less the drain under wait
+        self.last_drain_s = 0.0  # under wait: the requests in flight finishing on the old weights
         self.last_version = 0
         self.last_paused_here = False  # the last update paused AsyncLLM itself (verl had not)
+        self.last_phases: dict[str, float] = {}  # the last update's pause, flip (or update), after-flip times
 
     def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
         import ray
@@ -132,44 +113,76 @@ class ServerEngine:
     def describe(self, options: dict | None = None) -> list[dict]:
         return self._call("fastsync_describe", options or {})
 
-    #: verl's server pauses with ``abort`` (its partial rollout resubmits the aborted requests);
-    #: ``wait`` / ``keep`` are refused by name at connect, before any byte moves
-    pause_modes = ("abort",)
+    #: vLLM's three pause modes, through ``AsyncLLM.pause_generation(mode=...)`` (module doc)
+    pause_modes = PAUSE_MODES
 
     def connect(self, plan_json: str, options: dict) -> list[dict]:
+        """Connect every worker. The trainer's ``pause_mode`` and ``staged`` must be this rank's
+        (both ends read them from the same ``engine_kwargs.fastsync``): checked before any byte moves."""
         options = dict(options)
-        mode = options.pop("pause_mode", "abort")
-        if mode not in self.pause_modes:
-            raise ConfigError(f"pause_mode={mode!r}: verl's vLLM server cannot pause that way (it can: "
-                              f"{list(self.pause_modes)}: fastsync pauses it with "
-                              "AsyncLLM.pause_generation(mode='abort') and verl resubmits the aborted requests)")
-        return self._call("fastsync_connect", plan_json, options)
+        mode = check_pause_mode(options.pop("pause_mode", self.pause_mode), self.pause_modes, "verl's vLLM server")
+        if mode != self.pause_mode or bool(options.get("staged")) != self.staged:
+            raise ConfigError(f"verl vLLM server {self.engine_id}: the trainer asks pause_mode={mode!r}, "
+                              f"staged={bool(options.get('staged'))} but this rollout rank was configured with "
+                              f"engine_kwargs.fastsync.pause_mode={self.pause_mode!r}, staged={self.staged}")
+        got = self._call("fastsync_connect", plan_json, options)
+        stamps.install(self.server, self.timeout_s)  # version stamps on verl's rollout records
+        import ray
+
+        served = ray.get(self.server.__ray_call__.remote(lambda srv: srv.global_steps), timeout=60)
+        self._label(self.version() if served is None else served)  # verl's record of what it serves
+        return got
+
+    def _label(self, steps: int) -> None:
+        """Name the weights AsyncLLM now serves (``update_weight_version``): every completion's
+        ``weight_versions`` spans carry it, and ``fastsync_verl.stamps`` puts them on verl's records."""
+        label(self.server, steps, self.timeout_s)
+
+    def _stage(self, version: int, timeout_s: float, deadline: float) -> None:
+        """Staged receive: open ``version`` (the writes land off the live model on a thread of each
+        worker) and ask, between engine steps, until every worker has it; generation goes on."""
+        self._call("fastsync_stage", version, timeout_s)
+        nap = 0.005
+        while not all(r.get("done") for r in self._call("fastsync_stage_ready", version)):
+            if time.monotonic() > deadline:
+                break  # the flip ends the receive by its deadline and reports what was missing
+            time.sleep(nap)
+            nap = min(2 * nap, 0.05)
 
     def update(self, version: int, timeout_s: float = 60.0) -> list[dict]:
-        """Fenced update (module doc): pause unless paused, one collective_rpc that opens the
-        version, waits for every write, repacks and flips, then clear caches, record the
-        version with verl, resume if this call paused."""
+        """Fenced update (module doc): staged, receive first while generating; then pause in this
+        job's mode unless paused, one collective_rpc that flips (staged) or opens, waits for every
+        write, repacks and flips; clear caches, label and record the version, resume if this
+        call paused. ``last_stall_s``: pause to resume less the ``wait`` drain."""
+        deadline = time.monotonic() + timeout_s
+        self.last_drain_s = 0.0
+        if self.staged:
+            self._stage(version, timeout_s, deadline)
+        paused_here = self.last_paused_here = not is_paused(self.server)  # verl's manager may have paused it
         t0 = time.perf_counter()
-        paused_here = not is_paused(self.server)
-        self.last_paused_here = paused_here
+        ph = self.last_phases = {}
         try:
             if paused_here:
-                pause(self.server)
-                if not is_paused(self.server):  # checked, never assumed: no write while AsyncLLM schedules
-                    raise SyncError(f"verl vLLM server {self.engine_id}: AsyncLLM still schedules after "
-                                    f"pause_generation; version {version} not opened")
-            got = self._call("fastsync_update", version, timeout_s, timeout_s=timeout_s + 10)
-            import ray
-
-            ray.get(self.server.clear_kv_cache.remote(), timeout=60)
-            steps = version if self.global_steps is None else self.global_steps
-            ray.get(self.server.set_global_steps.remote(steps), timeout=60)
+                pause(self.server, self.pause_mode, timeout_s=max(1.0, deadline - time.monotonic()))
+            ph["pause_s"] = time.perf_counter() - t0
+            self.last_drain_s = ph["pause_s"] if paused_here and self.pause_mode == "wait" else 0.0
+            left = max(1.0, deadline - time.monotonic())
+            t1 = time.perf_counter()
+            got = self._call("fastsync_flip" if self.staged else "fastsync_update", version, left, timeout_s=left + 10)
+            ph["flip_s" if self.staged else "update_s"] = time.perf_counter() - t1
+            ph["worker_flip_s"] = max(float(g.get("flip_s", 0.0)) for g in got) if self.staged else 0.0
             self.last_version = version
-            return [{**g, "paused_by_fastsync": paused_here} for g in got]
+            return [{**g, "paused_by_fastsync": paused_here, "drain_s": self.last_drain_s} for g in got]
         finally:
-            if paused_here:
-                resume(self.server)
-            self.last_stall_s = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            steps = version if self.global_steps is None else self.global_steps
+            # caches of the old weights dropped, the weights labelled and recorded with verl, then
+            # resumed if this call paused: one call on the engine loop; on a failed sync only the resume
+            flipped = self.last_version == version
+            if flipped or paused_here:
+                after_flip(self.server, steps if flipped else None, paused_here)
+            ph["after_s"] = time.perf_counter() - t1
+            self.last_stall_s = max(0.0, time.perf_counter() - t0 - self.last_drain_s)
 
     def version(self) -> int:
         return one_version(self._call("fastsync_version"), f"verl vLLM server {self.engine_id}")

@@ -93,7 +93,8 @@ class TrainerEnd:
             self.inplace = InplaceTrainer(rank=self.rank, num_trainers=self.num_trainers, control=self.control,
                                           leaders=self.mode["leaders"], layout=layout, sources=self.sources,
                                           transport=o.transport, timeout_s=o.timeout_s, verify=o.verify,
-                                          delta=o.delta, fanout=o.fanout)
+                                          delta=o.delta, fanout=o.fanout, pause_mode=o.pause_mode,
+                                          staged=o.staged)
         self._copy_shards(module, self.sources)
         t1 = time.perf_counter()
         setting_up = not self.inplace.ready
