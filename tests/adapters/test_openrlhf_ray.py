@@ -78,3 +78,39 @@ def test_broadcast_to_vllm_makes_engine_generate_like_the_trainer_step_after_ste
         versions.append(rig.engine_version())
         previous = want
     assert versions == [[1], [2]]
+
+
+def test_samples_carry_the_weight_versions_that_generated_them(rig, tmp_path):
+    """OpenRLHF's own ``generate_responses`` (its SingleTurnAgentExecutor, a real word-level HF
+    tokenizer) on fastsync's rollout actor: each response carries ``weight_versions`` and, in the
+    ``extra_logs`` OpenRLHF turns into ``Experience.info``, ``weight_version_min/max``; a sample
+    whose generation runs across a sync carries both versions, the new one from a token index
+    inside the response."""
+    import time
+
+    import transformers
+    from vllm import SamplingParams
+
+    from fastsync_verl.cpu import write_word_tokenizer
+
+    model_dir = rig.model_dir
+    tok_dir = tmp_path / "tok"
+    write_word_tokenizer(str(tok_dir), transformers.AutoConfig.from_pretrained(model_dir).vocab_size)
+    tok = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
+    served = rig.engine_version()[0]
+    short = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    got = rig.ray.get(rig.engine.generate_responses.remote("t5 t6 t7", "", short, 64, tok, 2), timeout=120)
+    assert len(got) == 2
+    for r in got:
+        assert r["weight_versions"] == [[[served, 0]]], r["weight_versions"]  # one generate call, one span
+        assert (r["extra_logs"]["weight_version_min"], r["extra_logs"]["weight_version_max"]) == (served, served)
+    rig.train_step(seed=served + 1)
+    long = SamplingParams(max_tokens=180, temperature=0.0, ignore_eos=True)
+    ref = rig.engine.generate_responses.remote("t5 t6 t7", "", long, 256, tok, 1)
+    time.sleep(0.5)  # the request is decoding when the sync starts
+    assert [g["version"] for g in rig.broadcast_to_vllm()] == [served + 1] * 2
+    [r] = rig.ray.get(ref, timeout=300)
+    [spans] = r["weight_versions"]
+    assert [v for v, _ in spans] == [served, served + 1], spans  # it ran across the flip
+    assert spans[0][1] == 0 and 0 < spans[1][1] < 180, spans
+    assert (r["extra_logs"]["weight_version_min"], r["extra_logs"]["weight_version_max"]) == (served, served + 1)

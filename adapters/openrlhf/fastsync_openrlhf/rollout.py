@@ -8,12 +8,24 @@ and forwards fastsync's calls to every worker through ``collective_rpc``, as Ope
 own ``update_weight``. ``collective_rpc`` runs inside the engine-core loop, so no forward pass runs
 while a version is written and flipped (fastsync's fence).
 
+**Version stamps.** The engine's weights are labelled with fastsync's version at connect and at
+every flip (``AsyncLLM.update_weight_version``, inside a ``keep`` pause of the scheduler so the
+first token sampled on the new weights already carries the new label; skipped when OpenRLHF's
+async trainer paused first), and vLLM stamps each completion with the versions that sampled it
+(``CompletionOutput.weight_versions``). ``generate_responses`` (what OpenRLHF's samples generator
+calls) runs each sample as OpenRLHF does and adds to its response ``weight_versions`` (per
+``generate`` call of the sample: ``[[version, first token index], ...]``) and, in
+``extra_logs`` (which OpenRLHF turns into ``Experience.info``), ``weight_version_min`` /
+``weight_version_max``: the oldest and newest version that sampled a token of it.
+
 Imported by the driver (to rebind the name) and by the rollout Ray workers: nothing here imports
 DeepSpeed.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import logging
 import os
 import sys
@@ -35,6 +47,32 @@ _base = vllm_engine.RolloutRayActor
 RolloutBase: type = getattr(_base, "__ray_actor_class__", _base)  # the plain class, also after a rebinding
 
 
+#: inside one sample of ``generate_responses``: the spans of each ``generate`` call it made
+_SAMPLE_SPANS: contextvars.ContextVar[list | None] = contextvars.ContextVar("fastsync_sample_spans", default=None)
+
+
+def _spans(request_output: Any) -> list[list]:
+    outs = getattr(request_output, "outputs", None) or []
+    got = getattr(outs[0], "weight_versions", None) if outs else None
+    return [[_version(s.version), int(s.start)] for s in (got or [])]
+
+
+def _version(label: str) -> Any:
+    try:
+        return int(label)
+    except (TypeError, ValueError):
+        return label  # vLLM's "default": nothing labelled the weights yet
+
+
+def stamp_response(response: dict, calls: list[list[list]]) -> dict:
+    """Add ``weight_versions`` (per generate call) and ``extra_logs`` ``weight_version_min/max``."""
+    response["weight_versions"] = calls
+    versions = [v for spans in calls for v, _ in spans if isinstance(v, int)]
+    if versions and isinstance(response.get("extra_logs"), dict):
+        response["extra_logs"].update(weight_version_min=min(versions), weight_version_max=max(versions))
+    return response
+
+
 class FastSyncRollout(RolloutBase):  # type: ignore[misc, valid-type]
     async def __init__(self, *args: Any, **kwargs: Any) -> None:
         ext = kwargs.get("worker_extension_cls")
@@ -54,12 +92,49 @@ class FastSyncRollout(RolloutBase):  # type: ignore[misc, valid-type]
         return await self._rpc("fastsync_describe", options or {})
 
     async def fastsync_connect(self, plan_json: str, options: dict) -> list:
-        return await self._rpc("fastsync_connect", plan_json, options)
+        got = await self._rpc("fastsync_connect", plan_json, options)
+        if not any(isinstance(g, dict) and "error" in g for g in got):
+            served = await self._rpc("fastsync_version")
+            await self.llm.update_weight_version(str(served[0]))  # what every completion is stamped with
+        return got
 
     async def fastsync_update(self, version: int, timeout_s: float = 60.0) -> list:
         """Begin, wait for every write, post-process and flip, on every worker (one fenced call);
-        a worker that fails answers ``{"error": ...}`` and keeps its previous version."""
-        return await self._rpc("fastsync_update", version, timeout_s, timeout_s=timeout_s + 30.0)
+        a worker that fails answers ``{"error": ...}`` and keeps its previous version. Then the
+        label (module doc), inside a ``keep`` pause unless the engine was paused already."""
+        paused_here = not await self.llm.is_paused()
+        if paused_here:  # requests stay in the engine, caches kept: only the label's step is held
+            await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
+        try:
+            got = await self._rpc("fastsync_update", version, timeout_s, timeout_s=timeout_s + 30.0)
+            if not any(isinstance(g, dict) and "error" in g for g in got):
+                await self.llm.update_weight_version(str(version))
+            return got
+        finally:
+            if paused_here:
+                await self.llm.resume_generation()
+
+    # ---- version stamps on OpenRLHF's samples ----------------------------------------------
+    async def generate(self, prompt_token_ids: Any, sampling_params: Any, multi_modal_data: Any = None) -> Any:
+        out = await super().generate(prompt_token_ids, sampling_params, multi_modal_data=multi_modal_data)
+        calls = _SAMPLE_SPANS.get()
+        if calls is not None:
+            calls.append(_spans(out))
+        return out
+
+    async def generate_responses(self, prompt: str, label: str, sampling_params: Any, max_length: int,
+                                 hf_tokenizer: Any, num_samples: int = 1, images: Any = None) -> list:
+        """OpenRLHF's, one sample per task (each with its own record of spans), then stamped."""
+        parent = super()
+
+        async def one() -> dict:
+            calls: list = []
+            _SAMPLE_SPANS.set(calls)  # this task's own context
+            [response] = await parent.generate_responses(prompt, label, sampling_params, max_length, hf_tokenizer,
+                                                         num_samples=1, images=images)
+            return stamp_response(response, calls)
+
+        return list(await asyncio.gather(*(asyncio.create_task(one()) for _ in range(num_samples))))
 
     async def fastsync_version(self) -> list:
         return await self._rpc("fastsync_version")
