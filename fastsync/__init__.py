@@ -22,7 +22,8 @@ torch.distributed, NIXL, vLLM) are imported lazily, on first use of a name that 
 * Engines: ``FastSyncWorkerExtension`` (vLLM's ``worker_extension_cls``, to subclass or compose);
   ``RemoteEngine`` / ``serve_engine`` (an engine handle answered over the control plane by a host
   that drives the engine, e.g. verl's rollout server), ``raise_worker_errors`` / ``worker_error_reply``, ``one_version`` (every worker on one weight version); vLLM's pause
-  modes by name: ``PAUSE_MODES``, ``check_pause_mode``.
+  modes by name: ``PAUSE_MODES``, ``check_pause_mode``; ``weight_spans`` (which weight versions
+  sampled a vLLM completion).
 * Plugins: ``hookimpl``, ``register_plugin``, ``unregister_plugin``; errors: ``FastSyncError``
   and its subclasses.
 """
@@ -73,6 +74,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "one_version": ("fastsync.host.replies", "one_version"),
     "PAUSE_MODES": ("fastsync.sync.pause_modes", "PAUSE_MODES"),
     "check_pause_mode": ("fastsync.sync.pause_modes", "check_pause_mode"),
+    "weight_spans": ("fastsync.engines.vllm.pause", "weight_spans"),
     # the host kit (fastsync.host)
     "open_control": ("fastsync.host.control", "open_control"),
     "control_address": ("fastsync.host.control", "control_address"),

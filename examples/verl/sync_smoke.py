@@ -453,6 +453,7 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
             ray.get(h.execute_checkpoint_engine.remote("close"), timeout=30)
         except Exception:  # noqa: BLE001
             pass
+    stall = round(statistics.median(s["stall_s"] for s in syncs[1:] or syncs), 4)
     return {"match": all(s["match"] for s in syncs), "changed": all(s["changed"] for s in syncs),
             "inplace": all(s["path"] == "inplace" for s in syncs),
             "trainer_full_tensor_calls": sum(c["full_tensor_calls"] for c in counts),
@@ -461,9 +462,8 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
             "inflight_aborted": syncs[-1].get("inflight", {}).get("stop_reason") == "aborted",
             "inflight": syncs[-1].get("inflight"),
             "sync_s_median": round(statistics.median(s["sync_s"] for s in syncs[1:] or syncs), 4),
-            "engine_stall_s": round(statistics.median(s["stall_s"] for s in syncs[1:] or syncs), 4),
-            # the same figure under the name fastsync demo --json uses
-            "engine_stall_seconds": round(statistics.median(s["stall_s"] for s in syncs[1:] or syncs), 4),
+            "engine_stall_s": stall,
+            "engine_stall_seconds": stall,  # the same figure under the name fastsync demo --json uses
             "stall_ratio": round(statistics.median(s["stall_s"] / s["sync_s"] for s in syncs[1:] or syncs), 3),
             "pause_mode": a.pause_mode, "staged": a.staged,
             "syncs": syncs,

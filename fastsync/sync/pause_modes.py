@@ -15,10 +15,11 @@ PAUSE_MODES = ("abort", "wait", "keep")
 DEFAULT_PAUSE_MODE = "wait"
 
 
-def check_pause_mode(mode: Any, supported: tuple[str, ...], engine: str) -> str:
-    """``mode`` if ``engine`` can pause that way; ConfigError naming the mode otherwise."""
+def check_pause_mode(mode: Any, supported: tuple[str, ...], engine: str, key: str = "pause_mode") -> str:
+    """``mode`` if ``engine`` can pause that way; ConfigError naming the mode (and the option
+    ``key`` it came from, e.g. a host's config key) otherwise."""
     if mode not in PAUSE_MODES:
-        raise ConfigError(f"pause_mode must be one of {list(PAUSE_MODES)} (vLLM's pause modes), got {mode!r}")
+        raise ConfigError(f"{key} must be one of {list(PAUSE_MODES)} (vLLM's pause modes), got {mode!r}")
     if mode not in supported:
         raise ConfigError(f"pause_mode={mode!r}: {engine} cannot pause that way (it can: {list(supported)})")
     return mode

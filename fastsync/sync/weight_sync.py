@@ -199,8 +199,7 @@ class WeightSync:
         if staged and delta:
             raise ConfigError("staged=True and delta=True together are not supported yet (a delta patches the live "
                               "tensors in place); choose one")
-        if pause_mode not in PAUSE_MODES:
-            raise ConfigError(f"pause_mode must be one of {list(PAUSE_MODES)} (vLLM's pause modes), got {pause_mode!r}")
+        check_pause_mode(pause_mode, PAUSE_MODES, "WeightSync")
         if control_port is not None:
             check_count("control_port", control_port, hi=65535)
         self.pause_mode = pause_mode

@@ -23,12 +23,13 @@ from fastsync import (
     one_version,
     replicated_layout,
     trainer_layout_from_spec,
+    weight_spans,
 )
 
 __all__ = ["DEFAULT_HOST", "TCPStoreControl", "ConfigError", "FastSyncError", "LayoutError", "SyncError",
            "replicated_layout", "zero3_layout", "ParamSpec", "TrainerLayout", "WeightSync", "patch_moe",
            "worker_extension_class", "raise_worker_errors", "one_version", "RpcEngine",
-           "node_address", "share_over_torch"]
+           "node_address", "share_over_torch", "weight_spans"]
 
 
 def zero3_layout(params: dict[str, ParamSpec], world_size: int) -> TrainerLayout:

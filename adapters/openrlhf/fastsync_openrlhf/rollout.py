@@ -34,6 +34,7 @@ from typing import Any
 import ray
 from openrlhf.trainer.ray import vllm_engine
 
+from fastsync_openrlhf._fastsync import weight_spans
 from fastsync_openrlhf.rollout_worker import EXTENSION
 
 __all__ = ["FastSyncRolloutRayActor", "FastSyncRollout", "RolloutBase", "OPENRLHF_EXTENSION"]
@@ -51,17 +52,9 @@ RolloutBase: type = getattr(_base, "__ray_actor_class__", _base)  # the plain cl
 _SAMPLE_SPANS: contextvars.ContextVar[list | None] = contextvars.ContextVar("fastsync_sample_spans", default=None)
 
 
-def _spans(request_output: Any) -> list[list]:
-    outs = getattr(request_output, "outputs", None) or []
-    got = getattr(outs[0], "weight_versions", None) if outs else None
-    return [[_version(s.version), int(s.start)] for s in (got or [])]
-
-
-def _version(label: str) -> Any:
-    try:
-        return int(label)
-    except (TypeError, ValueError):
-        return label  # vLLM's "default": nothing labelled the weights yet
+def _failed(replies: list) -> bool:
+    """Whether a worker answered ``{"error": ...}`` (it kept its previous version)."""
+    return any(isinstance(g, dict) and "error" in g for g in replies)
 
 
 def stamp_response(response: dict, calls: list[list[list]]) -> dict:
@@ -93,7 +86,7 @@ class FastSyncRollout(RolloutBase):  # type: ignore[misc, valid-type]
 
     async def fastsync_connect(self, plan_json: str, options: dict) -> list:
         got = await self._rpc("fastsync_connect", plan_json, options)
-        if not any(isinstance(g, dict) and "error" in g for g in got):
+        if not _failed(got):
             served = await self._rpc("fastsync_version")
             await self.llm.update_weight_version(str(served[0]))  # what every completion is stamped with
         return got
@@ -107,7 +100,7 @@ class FastSyncRollout(RolloutBase):  # type: ignore[misc, valid-type]
             await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
         try:
             got = await self._rpc("fastsync_update", version, timeout_s, timeout_s=timeout_s + 30.0)
-            if not any(isinstance(g, dict) and "error" in g for g in got):
+            if not _failed(got):
                 await self.llm.update_weight_version(str(version))
             return got
         finally:
@@ -119,7 +112,7 @@ class FastSyncRollout(RolloutBase):  # type: ignore[misc, valid-type]
         out = await super().generate(prompt_token_ids, sampling_params, multi_modal_data=multi_modal_data)
         calls = _SAMPLE_SPANS.get()
         if calls is not None:
-            calls.append(_spans(out))
+            calls.append(weight_spans(out))
         return out
 
     async def generate_responses(self, prompt: str, label: str, sampling_params: Any, max_length: int,

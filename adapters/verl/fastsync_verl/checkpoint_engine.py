@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
 
-from fastsync import PAUSE_MODES, ConfigError, SyncError, TCPStoreControl
+from fastsync import PAUSE_MODES, ConfigError, SyncError, TCPStoreControl, check_pause_mode
 from fastsync import control_address, join_control, open_control
 from fastsync_verl.inplace import INPLACE_MODES
 from fastsync_verl.rollout_end import Receive, RolloutEnd
@@ -112,9 +112,7 @@ class FastSyncCheckpointEngine(CheckpointEngine):
         if delta and fanout == "chain":  # WeightSync's rule, said in verl's words, before anything starts
             raise ConfigError("engine_kwargs.fastsync.delta=true with engine_kwargs.fastsync.fanout=chain: relays forward "
                               "dense batches, not delta pages; use fanout=direct (or auto, which sends deltas direct)")
-        if pause_mode not in PAUSE_MODES:
-            raise ConfigError(f"engine_kwargs.fastsync.pause_mode must be one of {list(PAUSE_MODES)} (vLLM's pause "
-                              f"modes), got {pause_mode!r}")
+        check_pause_mode(pause_mode, PAUSE_MODES, "verl's vLLM server", key="engine_kwargs.fastsync.pause_mode")
         if not isinstance(staged, bool):
             raise ConfigError(f"engine_kwargs.fastsync.staged must be true or false, got {staged!r}")
         if staged and delta:

@@ -130,13 +130,9 @@ class ServerEngine:
         import ray
 
         served = ray.get(self.server.__ray_call__.remote(lambda srv: srv.global_steps), timeout=60)
-        self._label(self.version() if served is None else served)  # verl's record of what it serves
+        # name the weights AsyncLLM serves with verl's record of them: every completion's spans carry it
+        label(self.server, self.version() if served is None else served, self.timeout_s)
         return got
-
-    def _label(self, steps: int) -> None:
-        """Name the weights AsyncLLM now serves (``update_weight_version``): every completion's
-        ``weight_versions`` spans carry it, and ``fastsync_verl.stamps`` puts them on verl's records."""
-        label(self.server, steps, self.timeout_s)
 
     def _stage(self, version: int, timeout_s: float, deadline: float) -> None:
         """Staged receive: open ``version`` (the writes land off the live model on a thread of each

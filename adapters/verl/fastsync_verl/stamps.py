@@ -32,22 +32,15 @@ SERVER_MODULE = "verl.workers.rollout.vllm_rollout.vllm_async_server"
 def stamp(output: Any, result: dict) -> None:
     """Add the version fields (module doc) of one finished ``RequestOutput`` to ``result``;
     nothing when vLLM gave no spans (an aborted request with no output)."""
-    outs = getattr(output, "outputs", None) or []
-    spans = getattr(outs[0], "weight_versions", None) if outs else None
-    if not spans:
+    from fastsync import weight_spans
+
+    got = weight_spans(output)
+    if not got:
         return
-    got = [[_steps(s.version), int(s.start)] for s in spans]
     result["weight_versions"] = got
     steps = [v for v, _ in got if isinstance(v, int)]
     if steps:
         result["min_global_steps"], result["max_global_steps"] = min(steps), max(steps)
-
-
-def _steps(label: str) -> Any:
-    try:
-        return int(label)
-    except (TypeError, ValueError):
-        return label  # vLLM's own label ("default": nothing labelled it yet)
 
 
 def _install_here(server: Any) -> bool:

@@ -31,7 +31,7 @@ from fastsync.errors import SyncError
 from fastsync.sync.pause_modes import DEFAULT_PAUSE_MODE, PAUSE_MODES, check_pause_mode
 
 __all__ = ["PAUSE_MODES", "DEFAULT_PAUSE_MODE", "check_pause_mode", "supported_pause_modes", "core_call",
-           "completion_record"]
+           "completion_record", "weight_spans"]
 
 def supported_pause_modes(llm: Any) -> tuple[tuple[str, ...], str]:
     """The modes an offline ``vllm.LLM`` can do, and why not the others. Its engine core must run
@@ -69,9 +69,19 @@ def completion_record(out: Any) -> dict:
     Versions are fastsync's (ints); a span vLLM labelled otherwise (``"default"``: before the
     first connect) is kept as vLLM's label."""
     c = out.outputs[0]
-    spans = [[_version(s.version), int(s.start)] for s in (c.weight_versions or [])]
+    spans = weight_spans(out)
     return {"request_id": out.request_id, "token_ids": list(c.token_ids), "finish_reason": c.finish_reason,
             "weight_version": spans[-1][0] if spans else None, "versions": spans}
+
+
+def weight_spans(out: Any) -> list[list]:
+    """vLLM's weight-version spans of a finished ``RequestOutput`` (its first completion) as
+    ``[[version, first_token_index], ...]``: versions as ints where the label is one (fastsync's
+    and the hosts' labels are), vLLM's own label kept otherwise (``"default"``); ``[]`` when vLLM
+    gave none (an aborted request with no output)."""
+    outs = getattr(out, "outputs", None) or []
+    spans = getattr(outs[0], "weight_versions", None) if outs else None
+    return [[_version(s.version), int(s.start)] for s in (spans or [])]
 
 
 def _version(label: str) -> Any:
