@@ -84,8 +84,8 @@ def test_samples_carry_the_weight_versions_that_generated_them(rig, tmp_path):
     """OpenRLHF's own ``generate_responses`` (its SingleTurnAgentExecutor, a real word-level HF
     tokenizer) on fastsync's rollout actor: each response carries ``weight_versions`` and, in the
     ``extra_logs`` OpenRLHF turns into ``Experience.info``, ``weight_version_min/max``; a sample
-    whose generation runs across a sync carries both versions, the new one from a token index
-    inside the response."""
+    whose generation runs across a sync (held in the engine by OpenRLHF's own ``pause_generation``,
+    as its async trainer does) carries both versions, the new one from a token index inside it."""
     import time
 
     import transformers
@@ -105,12 +105,23 @@ def test_samples_carry_the_weight_versions_that_generated_them(rig, tmp_path):
         assert r["weight_versions"] == [[[served, 0]]], r["weight_versions"]  # one generate call, one span
         assert (r["extra_logs"]["weight_version_min"], r["extra_logs"]["weight_version_max"]) == (served, served)
     rig.train_step(seed=served + 1)
-    long = SamplingParams(max_tokens=180, temperature=0.0, ignore_eos=True)
+    long = SamplingParams(max_tokens=240, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()  # how long this machine takes for the whole request, to pause a quarter in
+    rig.ray.get(rig.engine.generate_responses.remote("t5 t6 t7", "", long, 256, tok, 1), timeout=300)
+    whole_s = time.perf_counter() - t0
     ref = rig.engine.generate_responses.remote("t5 t6 t7", "", long, 256, tok, 1)
-    time.sleep(0.5)  # the request is decoding when the sync starts
-    assert [g["version"] for g in rig.broadcast_to_vllm()] == [served + 1] * 2
+    time.sleep(whole_s / 4)  # decoding: some tokens on the old weights
+    # as OpenRLHF's async trainer does around a sync: the request is held in the engine (keep), so it
+    # is certainly in flight at the flip however fast this machine decodes; fastsync then does not
+    # pause again, and labels the new weights before the resume
+    rig.ray.get(rig.engine.pause_generation.remote(), timeout=60)
+    try:
+        assert rig.ray.get(rig.engine.get_num_unfinished_requests.remote(), timeout=60) == 1, "finished before the sync"
+        assert [g["version"] for g in rig.broadcast_to_vllm()] == [served + 1] * 2
+    finally:
+        rig.ray.get(rig.engine.resume_generation.remote(), timeout=60)
     [r] = rig.ray.get(ref, timeout=300)
     [spans] = r["weight_versions"]
     assert [v for v, _ in spans] == [served, served + 1], spans  # it ran across the flip
-    assert spans[0][1] == 0 and 0 < spans[1][1] < 180, spans
+    assert spans[0][1] == 0 and 0 < spans[1][1] < 240, spans
     assert (r["extra_logs"]["weight_version_min"], r["extra_logs"]["weight_version_max"]) == (served, served + 1)
