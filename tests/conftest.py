@@ -1,11 +1,21 @@
-"""Fixtures shared across test folders."""
+"""Fixtures shared across test folders, and ``tests/support`` (the CPU rigs and stand-ins, not in
+the wheel) on ``sys.path`` and ``PYTHONPATH``, so Ray workers and job processes find it too."""
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
+
+SUPPORT = str(Path(__file__).resolve().parent / "support")
+if SUPPORT not in sys.path:
+    sys.path.insert(0, SUPPORT)
+if SUPPORT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (SUPPORT, os.environ.get("PYTHONPATH")) if p)
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("sync",),  # the lifecycle: WeightSync, sender, receiver, gather, handshake
     ("reload", "route", "host"),  # peer reload; rolling updates, version routing; the host kit adapters stand on
     ("engines",),  # one package per inference engine (vllm/)
-    ("_builtin", "testing"),  # built-in plugin registrations; test oracles
+    ("_builtin",),  # built-in plugin registrations
     ("bench", "demo"),  # benchmark harnesses; the demo
     ("cli", "gpu"),  # the command line; the GPU check (scripts/gpu_check.sh)
     ("",),  # fastsync/__init__.py: the public API, above everything

@@ -1,8 +1,8 @@
 """A wheel built from the tree runs without the source checkout: installed into its own folder and
 imported from there (the checkout is neither the working directory nor on the path), ``fastsync
 plugins`` finds the built-ins through the wheel's entry points, ``fastsync bench`` syncs and
-verifies across processes, ``fastsync demo`` syncs a real vLLM engine from it, and the OpenRLHF adapter's CPU stand-in ships inside it (its benchmark
-used to read it from the checkout's tests/)."""
+verifies across processes, ``fastsync demo`` syncs a real vLLM engine from it, and no CPU rig,
+stand-in or adapter benchmark is in it (they live in tests/support and examples/)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -35,12 +36,16 @@ def test_wheel_runs_bench_and_demo_without_the_checkout(tmp_path) -> None:
     def py(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, *args], cwd=run, env=env, capture_output=True, text=True, timeout=timeout)
 
-    where = py("-c", "import fastsync, fastsync_verl, fastsync_openrlhf.cpu_standins as s, os; "
-               "print(fastsync.__file__); print(fastsync_verl.__file__); print(os.listdir(s.PATH))")
+    where = py("-c", "import fastsync, fastsync_verl, fastsync_openrlhf; "
+               "print(fastsync.__file__); print(fastsync_verl.__file__); print(fastsync_openrlhf.__file__)")
     assert where.returncode == 0, where.stderr[-2000:]
     lines = where.stdout.splitlines()
-    assert all(line.startswith(str(site)) for line in lines[:2]), lines
-    assert "flash_attn" in lines[2]
+    assert len(lines) == 3 and all(line.startswith(str(site)) for line in lines), lines
+    # test rigs stay out of the wheel: CPU rigs and stand-ins in tests/support, benchmarks in examples/
+    rigs = [n for n in zipfile.ZipFile(wheel).namelist()
+            if any(k in n for k in ("cpu_rig", "cpu_standins", "flash_attn", "fastsync_rigs", "/bench.py",
+                                    "bench_trainer", "fastsync_verl/cpu.py", "fastsync/testing/"))]
+    assert rigs == [], rigs
     plugins = py("-m", "fastsync.cli", "plugins", "--json")
     assert plugins.returncode == 0 and "builtin_transports" in plugins.stdout, plugins.stderr[-2000:]
     bench = py("-m", "fastsync.cli", "bench", "--trainers", "2", "--rollouts", "1", "--size-gb", "0.01", "--transport",

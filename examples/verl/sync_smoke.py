@@ -34,7 +34,8 @@ What is verl's here and what is a stand-in (honestly):
 Prints ``match`` (after every sync the server's greedy tokens equal the trainer model's own),
 ``inplace`` (the session took the in-place path: the writes landed in the live engine tensors),
 ``trainer_full_tensor_calls`` (0), the version verl's server records, and the generation stall.
-verl's CPU gaps are bridged by ``fastsync_verl.cpu`` (dist-info shim, CPU platform, tokenizer).
+verl's CPU gaps are bridged by the test rig ``tests/support/fastsync_rigs/verl_cpu.py`` (dist-info
+shim, CPU platform, tokenizer), not in the wheel.
 """
 
 from __future__ import annotations
@@ -49,6 +50,12 @@ import sys
 import tempfile
 import time
 
+#: verl's CPU bridges (``fastsync_rigs.verl_cpu``), for this process and, through PYTHONPATH, Ray's workers
+SUPPORT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "support"))
+if SUPPORT not in sys.path:
+    sys.path.insert(0, SUPPORT)
+if SUPPORT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (SUPPORT, os.environ.get("PYTHONPATH")) if p)
 
 #: engine_kwargs.fastsync: refuse the fallbacks, so a run that did not go in place fails by name
 KWARGS = {"trainer_shards": "on", "inplace": "on"}
@@ -76,7 +83,7 @@ class Trainer:
         from verl.checkpoint_engine import CheckpointEngineRegistry
         from verl.utils.import_utils import import_external_libs
 
-        from fastsync_verl.cpu import use_cpu_platform
+        from fastsync_rigs.verl_cpu import use_cpu_platform
 
         use_cpu_platform()
         from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
@@ -157,7 +164,7 @@ def rollout_worker_cls():
         """verl's CheckpointEngineWorker with verl's own vLLM ServerAdapter (server_adapter=None)."""
 
         def __init__(self, rollout_config, model_config, port: int, rank: int = 0, world: int = 1,
-                     local_world: int | None = None, master_addr: str = "127.0.0.1") -> None:
+                     local_world: int | None = None, master_addr: str = "127.0.0.1", replica: int = 0) -> None:
             import torch
 
             torch.set_num_threads(1)
@@ -167,7 +174,7 @@ def rollout_worker_cls():
             local = world if local_world is None else local_world
             os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), MASTER_ADDR=master_addr, MASTER_PORT=str(port),
                               RAY_LOCAL_WORLD_SIZE=str(local), LOCAL_RANK=str(rank % local))
-            super().__init__(rollout_config, model_config, None, replica_rank=0)
+            super().__init__(rollout_config, model_config, None, replica_rank=replica)  # finds vllm_server_{replica}_*
 
         def state(self) -> dict:
             e = self.checkpoint_engine
@@ -289,7 +296,7 @@ def _main(a, trainers_n: int, rig) -> int:
     import logging
 
     logging.disable(logging.WARNING)  # --json: stdout carries only the report
-    from fastsync_verl.cpu import vllm_dist_shim, write_word_tokenizer
+    from fastsync_rigs.verl_cpu import vllm_dist_shim, write_word_tokenizer
 
     vllm_dist_shim(os.path.join(work, "dist"))  # before anything imports verl's vLLM modules
     import ray
@@ -305,7 +312,7 @@ def _main(a, trainers_n: int, rig) -> int:
            "PYTHONPATH": os.environ.get("PYTHONPATH", ""), "TOKENIZERS_PARALLELISM": "false",
            "VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # vLLM's auto-binding asserts on a single-NUMA host
     ray_tmp = tempfile.mkdtemp(prefix="fsr", dir="/tmp")  # AF_UNIX socket paths under it must stay < 108 bytes
-    setup_hook = {"worker_process_setup_hook": "fastsync_verl.cpu.use_cpu_platform"}
+    setup_hook = {"worker_process_setup_hook": "fastsync_rigs.verl_cpu.use_cpu_platform"}
     if rig is not None:  # each node's NIC, UCX and gloo settings come from its host's environment
         env.pop("GLOO_SOCKET_IFNAME")
         address = rig.start_ray(ray_tmp, num_cpus=2, env={**env, "PYTHONPATH": os.pathsep.join(sys.path)})

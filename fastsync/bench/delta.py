@@ -9,7 +9,7 @@ After every optimizer step the trainer syncs the same weights twice over NIXL: f
 (against the version the engines hold), then dense (the ordinary planned writes), each timed
 from the moment every process passed a barrier to the last engine's flip. After each sync every
 engine rank compares CRCs of all its tensors with those the trainer computes independently from
-its own weights (``fastsync.testing.local.reference_engine_tensors``): ``verified``.
+its own weights (``fastsync.bench.local.reference_engine_tensors``): ``verified``.
 
 Presets are scaled down for a CPU host (``scaled_config``): same architecture and head size,
 fewer layers, narrower MLP, smaller vocabulary.
@@ -102,7 +102,7 @@ def _trainer(cfg: DeltaBenchConfig, results: Any) -> None:
     from fastsync.control import TCPStoreControl
     from fastsync.layout.types import Shard
     from fastsync.sync.delta_sender import DeltaSender
-    from fastsync.testing.local import reference_engine_tensors
+    from fastsync.bench.local import reference_engine_tensors
 
     try:
         control = TCPStoreControl.client(cfg.port, host=cfg.control_host, timeout_s=cfg.timeout_s)
@@ -178,7 +178,7 @@ def _engine(cfg: DeltaBenchConfig, rank: int, results: Any) -> None:
             results.put({"kind": "engine", "rank": rank, "version": version, "end": t1,
                          "verified": got == expect[str(rank)], "bytes_inbox": rx.inbox_bytes,
                          "stages": dict(rx.last_metrics.stages)})
-            rx.inner.prepare()  # refresh the in-place backup between syncs, off the timed path
+            rx.prepare()  # refresh the in-place backup between syncs, off the timed path
         rx.close()
         results.put({"kind": "exit", "role": "engine", "rank": rank})
     except BaseException as e:

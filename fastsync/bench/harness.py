@@ -174,10 +174,24 @@ def make_schedule(transports: list[str], steps: int, warmup: int = 1, verify: bo
     return out
 
 
+def engine_stall_seconds(row: dict, mode: str) -> float:
+    """How long an engine rank's live tensors held no complete version during one sync (what an
+    engine generating from them would have to pause for): the whole receive when dense writes
+    land in place, only the flip's copy (``apply``) with a shadow, and for a delta only writing
+    it in and what follows (``apply``, ``verify``, ``postprocess``), not its arrival."""
+    stages = row.get("stages", {})
+    if (row.get("payload") or {}).get("mode") == "delta":
+        return sum(stages.get(k, 0.0) for k in ("apply", "verify", "postprocess"))
+    if mode == "shadow":
+        return stages.get("apply", 0.0)
+    return row["end"] - row["start"]
+
+
 def summarize(rows: list[dict], schedule: list[tuple[str, int, bool]], warmup: int, model: BenchModel,
-              num_procs: int) -> dict:
+              num_procs: int, mode: str = "inplace") -> dict:
     """Per transport: median seconds per sync (over the timed syncs), aggregate GB/s, stage
-    medians per role, and whether the verified sync passed on every receiver."""
+    medians per role, the engines' stall (:func:`engine_stall_seconds`, the slowest engine rank
+    per sync) and whether the verified sync passed on every receiver."""
     by_v: dict[int, list[dict]] = defaultdict(list)
     for r in rows:
         if r.get("kind") == "sync":
@@ -188,7 +202,7 @@ def summarize(rows: list[dict], schedule: list[tuple[str, int, bool]], warmup: i
         order[name].append((v, verify))
     nbytes = model.plan.bytes_total
     for name, vs in order.items():
-        secs, stages_t, stages_r, errors = [], defaultdict(list), defaultdict(list), []
+        secs, stages_t, stages_r, errors, ratios, stalls = [], defaultdict(list), defaultdict(list), [], [], []
         verified = None
         exact: list[bool] = []
         for i, (v, verify) in enumerate(vs):
@@ -203,6 +217,10 @@ def summarize(rows: list[dict], schedule: list[tuple[str, int, bool]], warmup: i
             if i < warmup or bad or len(rs) != num_procs:
                 continue
             secs.append(max(r["end"] for r in rs) - min(r["start"] for r in rs))
+            stalls.append(max(engine_stall_seconds(r, mode) for r in rs if r["role"] == "engine"))
+            sent = [r["payload"] for r in rs if r["role"] == "trainer" and r.get("payload", {}).get("mode") == "delta"]
+            if sent:  # --delta: stream bytes against the dense bytes of the same version
+                ratios.append(sum(p["bytes_sent"] for p in sent) / max(1, sum(p["bytes_dense"] for p in sent)))
             for r in rs:
                 if "prepare_s" in r:
                     stages_r["prepare_between_syncs"].append(r["prepare_s"])
@@ -217,9 +235,13 @@ def summarize(rows: list[dict], schedule: list[tuple[str, int, bool]], warmup: i
                       for link, n in r.get("bytes_per_link", {}).items() if link.startswith("r"))
         out[name] = {
             "trainer_egress_bytes_max": max(egress) if egress else None,
+            "payload": "delta" if ratios else "dense",
+            "delta_bytes_ratio": statistics.median(ratios) if ratios else None,
             "relayed_bytes": relayed if last else None,
             "seconds_median": med,
             "seconds_all": secs,
+            # the bench's engines do not generate: no requests are in flight during its syncs
+            "engine_stall_seconds": statistics.median(stalls) if stalls else None,
             "gbps": (nbytes / med / 1e9) if med else None,
             "verified": verified,
             "exact": all(exact) if exact else None,
@@ -318,7 +340,7 @@ def run_bench(cfg: WorkerConfig, transports: list[str], steps: int, warmup: int 
         ended = time.time()
         alive = [f"{k[0]} {k[1]}" for k, p in cluster.procs.items() if p.exitcode is None]
         model = cluster.model
-    result = summarize(rows, schedule, warmup, model, num_procs)
+    result = summarize(rows, schedule, warmup, model, num_procs, cfg.mode)
     files = {"trace_file": trace_file, "plot_file": plot_file}
     if trace_file is not None or plot_file is not None:
         write_bench_trace(trace_file, rows, schedule, plot=plot_file, warmup=warmup,

@@ -10,8 +10,10 @@ runs processes inside a host. Loss (and a cut, which is 100 % loss) is a classic
 sends packets at random to a class that drops them: it needs only ``htb``, ``pfifo`` and
 ``cls_bpf``, which minimal kernels have. Loss counts the packets the qdisc sees, which on a veth
 are GSO segments of up to 64 KiB, not 1500-byte frames (with GSO off, this VM's CPU caps a veth
-at ~45 MB/s). Latency needs ``netem``; on a kernel without it (this project's VMs) a rig with
-``latency_ms > 0`` is refused, naming the missing qdisc.
+at ~45 MB/s). Latency needs ``netem``. This project's VMs (kernel 6.18) have neither ``netem``
+(``CONFIG_NET_SCH_NETEM is not set``) nor the ``fq`` qdisc (``CONFIG_NET_SCH_FQ is not set``), so
+no delay by earliest-departure-time stamps from BPF either; there a rig with ``latency_ms > 0`` is
+refused, naming the missing qdisc.
 
 Addresses come from the benchmarking range 198.18.0.0/15 (RFC 2544) and exist only inside the
 namespaces the rig made; host ``i`` is ``198.18.0.{i+1}``. Names carry the owner's pid
@@ -55,7 +57,7 @@ from typing import Any
 from fastsync.errors import ConfigError
 
 __all__ = ["HostRig", "Host", "rig_unavailable", "sweep_stale", "run_in_host", "PREFIX", "MAX_HOSTS",
-           "MAX_NIC_GBPS", "check_shape", "netem_available", "host_env"]
+           "MAX_NIC_GBPS", "NO_DELAY_QDISC", "check_shape", "netem_available", "host_env"]
 
 PREFIX = "fsrig"
 NIC = "nic0"
@@ -92,6 +94,11 @@ def rig_unavailable() -> str | None:
 
 
 _NETEM: list[bool] = []
+
+
+#: why a kernel without netem cannot delay packets another way either (the refusals say it)
+NO_DELAY_QDISC = ("which this kernel does not have (CONFIG_NET_SCH_NETEM is not set); nor does it have the 'fq' "
+                  "qdisc (CONFIG_NET_SCH_FQ is not set), so no delay by departure-time stamps from BPF either")
 
 
 def netem_available() -> bool:
@@ -224,17 +231,21 @@ class HostRig:
 
     ``latency_ms``: one-way delay added on each host's egress (host to host: ``latency_ms``;
     round trip ``2 * latency_ms``). ``loss_pct``: random loss on each host's egress.
+    ``queue_ms``: the NIC queue's depth in time at line rate (``tbf latency``; default 200 ms).
     """
 
     def __init__(self, num_hosts: int, nic_gbps: float, latency_ms: float = 0.0, loss_pct: float = 0.0, *,
-                 guard: bool = True) -> None:
+                 guard: bool = True, queue_ms: float = 200.0) -> None:
         check_shape(num_hosts, nic_gbps, latency_ms, loss_pct)
+        if not 1.0 <= queue_ms <= 1000.0:
+            raise ConfigError(f"host rig: queue_ms (the NIC queue, in ms of line rate) must be in [1, 1000], got {queue_ms}")
+        self.queue_ms = float(queue_ms)
         why = rig_unavailable()
         if why is not None:
             raise ConfigError(f"host rig: {why}")
         if latency_ms and not netem_available():
-            raise ConfigError("host rig: latency_ms needs the 'netem' qdisc (sch_netem), which this kernel does not "
-                              "have; run with latency_ms=0 (--latency-ms 0) or on a kernel with netem")
+            raise ConfigError(f"host rig: latency_ms needs the 'netem' qdisc (sch_netem), {NO_DELAY_QDISC}; run with "
+                              "latency_ms=0 (--latency-ms 0) or on a kernel with netem")
         sweep_stale()
         self.nic_gbps, self.latency_ms, self.loss_pct = float(nic_gbps), float(latency_ms), float(loss_pct)
         self.owner = os.getpid()
@@ -286,7 +297,9 @@ class HostRig:
     def _tbf_args(self) -> list[str]:
         rate_bps = self.nic_gbps * 1e9
         burst = max(64 << 10, int(rate_bps / 8 * 0.002))  # ~2 ms of line rate, at least 64 KiB
-        return ["tbf", "rate", f"{rate_bps / 1e6:.3f}mbit", "burst", str(burst), "latency", "200ms"]
+        # queue_ms: how long a packet may wait in the NIC's queue (tbf drops beyond it); 200 ms is
+        # deep, a real NIC's transmit queue holds a few ms
+        return ["tbf", "rate", f"{rate_bps / 1e6:.3f}mbit", "burst", str(burst), "latency", f"{self.queue_ms:g}ms"]
 
     def _shape(self, ns: str, dev: str, latency_ms: float, loss_pct: float) -> None:
         """``tbf`` at the NIC rate as root; under it an ``htb`` with a pass class and a drop class

@@ -38,7 +38,7 @@ class BenchModel:
 def scaled_dims(size_bytes: int, tp: int):
     """Qwen3-MoE-like dims whose bf16 inventory is close to ``size_bytes``: many tensors of mixed
     sizes (norms, router, attention, fused experts, embedding and lm_head)."""
-    from fastsync.testing.synthetic import ModelDims
+    from fastsync.bench.synthetic import ModelDims
 
     if size_bytes >= 256 << 20:
         base = dict(hidden=1024, q_dim=1024, kv_dim=256, experts=16, moe_inter=512, vocab=16384)
@@ -50,7 +50,7 @@ def scaled_dims(size_bytes: int, tp: int):
         if base[k] % tp:
             raise ConfigError(f"--rollouts {tp} does not divide the synthetic model's {k}={base[k]}")
     one = ModelDims(layers=1, **base)
-    from fastsync.testing.synthetic import small_model
+    from fastsync.bench.synthetic import small_model
 
     p1 = sum(p.nbytes for p in small_model(one).values())
     p2 = sum(p.nbytes for p in small_model(ModelDims(layers=2, **base)).values())
@@ -66,7 +66,7 @@ def build_bench_model(*, trainers: int, rollouts: int, size_bytes: int | None = 
     TP=``rollouts // replicas`` each. With replicas, the plan is built once per replica and fanned
     out with ``fanout`` (``chain``: each byte leaves its trainer rank once, engine ranks relay)."""
     from fastsync.plan.planner import build_plan
-    from fastsync.testing.synthetic import engine_layout, fsdp_layout, small_model
+    from fastsync.bench.synthetic import engine_layout, fsdp_layout, small_model
 
     if trainers < 1 or rollouts < 1:
         raise ConfigError(f"need at least one trainer and one engine rank, got {trainers} and {rollouts}")
@@ -132,15 +132,32 @@ def shard_values(spec: ParamSpec, box: tuple, out: torch.Tensor | None = None) -
     return out
 
 
-def full_values(spec: ParamSpec, shards: tuple[Shard, ...], version: int) -> torch.Tensor:
-    """The whole parameter at ``version``, assembled from its shards' draws."""
+def full_values(spec: ParamSpec, shards: tuple[Shard, ...], version: int,
+                delta_fraction: float | None = None) -> torch.Tensor:
+    """The whole parameter at ``version``, assembled from its shards' draws: every element
+    negated at odd versions, or (``delta_fraction``, ``fastsync bench --delta``) a seeded
+    fraction of each shard's elements negated at every version (:func:`step_values`)."""
     full = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype))
     for sh in shards:
         if box_numel(sh.box):
-            full[box_slices(sh.box)] = shard_values(spec, sh.box)
-    if version % 2:
+            part = shard_values(spec, sh.box)
+            if delta_fraction is not None:
+                for v in range(1, version + 1):
+                    step_values(spec, sh.box, v, delta_fraction, part)
+            full[box_slices(sh.box)] = part
+    if delta_fraction is None and version % 2:
         full.neg_()
     return full
+
+
+def step_values(spec: ParamSpec, box: tuple, version: int, fraction: float, out: torch.Tensor) -> None:
+    """Move ``out`` (the shard ``box`` of ``spec``) from ``version - 1`` to ``version`` the way an
+    optimizer step moves a few elements: negate a seeded ``fraction`` of them (the same draw in
+    every process; what a delta sync then carries)."""
+    g = torch.Generator().manual_seed(_seed(f"{spec.name}@{version}", box))
+    mask = torch.rand(out.numel(), generator=g) < fraction
+    flat = out.view(-1)
+    flat[mask] = -flat[mask]
 
 
 def trainer_buffers(model: BenchModel, rank: int, device: str = "cpu"
@@ -173,11 +190,12 @@ def trainer_buffers(model: BenchModel, rank: int, device: str = "cpu"
     return flat, views, shards
 
 
-def reference_tensors(model: BenchModel, rank: int, version: int) -> dict[str, torch.Tensor]:
+def reference_tensors(model: BenchModel, rank: int, version: int,
+                      delta_fraction: float | None = None) -> dict[str, torch.Tensor]:
     """What inference ``rank`` must hold after syncing ``version`` (computed without transports)."""
-    from fastsync.testing.local import reference_engine_tensors
+    from fastsync.bench.local import reference_engine_tensors
 
     needed = {p.src for t in model.engine.tensors[rank].values() for p in t.pieces}
-    full = {n: full_values(model.params[n], model.trainer.shards[n], version) for n in needed}
+    full = {n: full_values(model.params[n], model.trainer.shards[n], version, delta_fraction) for n in needed}
     sub = EngineLayout(model.engine.world_size, {rank: model.engine.tensors[rank]}, {}, model.engine.kind)
     return reference_engine_tensors(full, sub)[rank]

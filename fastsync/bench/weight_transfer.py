@@ -59,7 +59,7 @@ PROMPTS = [[5, 6, 7, 8], [100, 200, 300], [11, 42, 99, 7, 123]]
 MAX_TOKENS = 6
 
 
-def _checkpoint(model: str, workdir: str) -> str:
+def preset_checkpoint(model: str, workdir: str) -> str:
     if os.path.isdir(model):
         if not (Path(model) / "config.json").exists():
             raise ConfigError(f"--model {model!r}: no config.json in that directory")
@@ -137,7 +137,7 @@ def _probe(backend: str, source: Any) -> str | None:
     return None
 
 
-def _perturb(model: Any, seed: int) -> None:
+def perturb(model: Any, seed: int) -> None:
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -146,7 +146,7 @@ def _perturb(model: Any, seed: int) -> None:
             p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.02 * (p.std() + 1e-3))
 
 
-def _hf_greedy(model: Any) -> list[list[int]]:
+def trainer_greedy(model: Any) -> list[list[int]]:
     """The trainer's own greedy continuation of each prompt (full forward per token)."""
     import torch
 
@@ -195,14 +195,14 @@ def _run_backend(backend: str, ckpt: str, hf: Any, repeats: int, seed0: int) -> 
         engine_side: list[dict] = []
         for i in range(repeats + 1):  # round 0: warm-up, not timed
             with torch.no_grad():
-                _perturb(hf, seed0 + i)
+                perturb(hf, seed0 + i)
             wv = f"{backend}-{i}"
             t0 = time.perf_counter()
             res = eng.send_weights(weight_version=wv)
             dt = time.perf_counter() - t0
             if i and getattr(res, "engines", None):  # fastsync: each worker's own phases
                 engine_side.append(res.engines[0][0])
-            got, want = tokens(), _hf_greedy(hf)
+            got, want = tokens(), trainer_greedy(hf)
             checks.append(got == want and llm.get_weight_version() == wv)
             if i:
                 times.append(dt)
@@ -224,7 +224,7 @@ def _run_backend(backend: str, ckpt: str, hf: Any, repeats: int, seed0: int) -> 
     return row
 
 
-def _check_entry_point() -> None:
+def check_entry_point() -> None:
     """An engine in its own processes finds the backend only through the installed entry point."""
     import importlib.metadata as md
 
@@ -257,11 +257,11 @@ def run_weight_transfer_bench(model: str = "small", *, backends: tuple[str, ...]
     if not os.path.isdir(model) and model not in PRESETS:
         raise ConfigError(f"--model {model!r}: not a directory and not a preset ({sorted(PRESETS)})")
     if not in_process and "fastsync" in backends:
-        _check_entry_point()
+        check_entry_point()
     job_secret(create=True)  # both sides live here: one secret for the store and the engine
     register_weight_transfer()
     register_standin()
-    ckpt = _checkpoint(model, workdir or os.path.join(os.path.expanduser("~"), ".cache", "fastsync", "wt-bench"))
+    ckpt = preset_checkpoint(model, workdir or os.path.join(os.path.expanduser("~"), ".cache", "fastsync", "wt-bench"))
     hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     nbytes = sum(p.numel() * p.element_size() for p in hf.parameters())
     rows: dict[str, dict] = {}

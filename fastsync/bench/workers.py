@@ -56,6 +56,10 @@ class WorkerConfig:
     # the parent lets each version through its barrier (``gate/{barrier}``) after reading the NIC
     # counters, so per-version NIC bytes are exact (fastsync.bench.cluster.gated_collect)
     gate: bool = False
+    # fastsync bench --delta: a seeded fraction of the weights changes per version (not all of
+    # them), the nixl transport runs DeltaSender/DeltaReceiver: dense first, then deltas
+    delta: bool = False
+    delta_fraction: float = 0.01
 
 
 def _env(cfg: WorkerConfig) -> None:
@@ -154,8 +158,9 @@ def _barrier(cfg: WorkerConfig, control: Any, name: str, watch: Any, me: int) ->
 
 def trainer_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
     _env(cfg)
-    from fastsync.bench.model import trainer_buffers
+    from fastsync.bench.model import step_values, trainer_buffers
     from fastsync.control import TCPStoreControl
+    from fastsync.sync.delta_sender import DeltaSender
     from fastsync.sync.sender import WeightSender
 
     try:
@@ -165,20 +170,25 @@ def trainer_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
         _world_if_gathers(cfg, control, model, rank)
         flat, views, shards = trainer_buffers(model, rank, device=cfg.device)
         sign_version = 0
-        senders: dict[str, WeightSender] = {}
+        senders: dict[str, WeightSender | DeltaSender] = {}
         for name, version, verify in cfg.schedule:
             if name not in senders:
-                s = WeightSender(rank=rank, plan=model.plan, sources=views, shards=model.trainer,
-                                 control=control.with_prefix(f"fs/{name}"), transport=name,
-                                 transport_options=_transport_options(name, cfg), staging_bytes=cfg.staging_bytes,
-                                 direct=cfg.direct, min_direct_run_bytes=cfg.min_direct_run_bytes,
-                                 timeout_s=cfg.timeout_s)
+                kw = dict(rank=rank, plan=model.plan, sources=views, shards=model.trainer,
+                          control=control.with_prefix(f"fs/{name}"), transport=name,
+                          transport_options=_transport_options(name, cfg), staging_bytes=cfg.staging_bytes,
+                          direct=cfg.direct, min_direct_run_bytes=cfg.min_direct_run_bytes, timeout_s=cfg.timeout_s)
+                s = DeltaSender(**kw) if cfg.delta else WeightSender(**kw)
                 t0 = time.perf_counter()
                 s.setup()
                 results.put({"kind": "setup", "role": "trainer", "rank": rank, "transport": name,
                              "seconds": time.perf_counter() - t0})
                 senders[name] = s
-            if (version - sign_version) % 2:
+            if cfg.delta:  # a few elements move per version, as after an optimizer step
+                for v in range(sign_version + 1, version + 1):
+                    for n, view in views.items():
+                        if view.numel():
+                            step_values(model.params[n], shards[n][0].box, v, cfg.delta_fraction, view)
+            elif (version - sign_version) % 2:
                 flat.neg_()
             sign_version = version
             on_chunk = None
@@ -191,8 +201,12 @@ def trainer_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
             _barrier(cfg, control, f"bench/{name}/{version}", watch, rank)
             t_start = time.time()
             try:
-                m = senders[name].sync(version, on_chunk=on_chunk, timeout_s=cfg.sync_timeout_s)
-                results.put({"kind": "sync", **m.to_json()})
+                if cfg.delta:
+                    m = senders[name].sync(version, timeout_s=cfg.sync_timeout_s)
+                    results.put({"kind": "sync", **m.to_json(), "payload": senders[name].last_stats})
+                else:
+                    m = senders[name].sync(version, on_chunk=on_chunk, timeout_s=cfg.sync_timeout_s)
+                    results.put({"kind": "sync", **m.to_json()})
             except Exception as e:  # reported, the run goes on to the next version
                 results.put({"kind": "sync", "role": "trainer", "rank": rank, "transport": name,
                              "version": version, "ok": False, "error": f"{type(e).__name__}: {e}",
@@ -212,6 +226,7 @@ def receiver_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
 
     from fastsync.bench.model import reference_tensors
     from fastsync.control import TCPStoreControl
+    from fastsync.sync.delta_receiver import DeltaReceiver
     from fastsync.sync.receiver import WeightReceiver
     from fastsync.executor.staging import Landing, as_bytes
 
@@ -222,15 +237,19 @@ def receiver_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
         _world_if_gathers(cfg, control, model, cfg.trainers + rank)
         tensors = {n: torch.zeros(t.shape, dtype=getattr(torch, t.dtype), device=cfg.device)
                    for n, t in model.engine.tensors[rank].items()}
-        landing = Landing(tensors, mode=cfg.mode, backup=cfg.backup and cfg.mode == "inplace")
+        backup = cfg.backup and cfg.mode == "inplace"
+        landing = None if cfg.delta else Landing(tensors, mode=cfg.mode, backup=backup)
         receivers: dict[str, WeightReceiver] = {}
         served_version = 0
+        dense_ok = False  # --delta: a delta needs the last version complete here
         for name, version, verify in cfg.schedule:
             if name not in receivers:
-                rx = WeightReceiver(rank=rank, plan=model.plan, tensors=tensors, control=control.with_prefix(f"fs/{name}"),
-                                    transport=name, transport_options=_transport_options(name, cfg),
-                                    engine_hash=model.engine.fingerprint(), timeout_s=cfg.timeout_s,
-                                    landing=landing, initial_version=served_version)
+                kw = dict(rank=rank, plan=model.plan, tensors=tensors, control=control.with_prefix(f"fs/{name}"),
+                          transport=name, transport_options=_transport_options(name, cfg),
+                          engine_hash=model.engine.fingerprint(), timeout_s=cfg.timeout_s,
+                          initial_version=served_version)
+                rx = (DeltaReceiver(mode=cfg.mode, backup=backup, **kw) if cfg.delta else
+                      WeightReceiver(landing=landing, **kw))
                 t0 = time.perf_counter()
                 rx.setup()
                 results.put({"kind": "setup", "role": "engine", "rank": rank, "transport": name,
@@ -250,10 +269,16 @@ def receiver_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
                 results.join_thread()  # rows already put (earlier versions) reach the parent first
                 os._exit(17)
             try:
-                rx.sync(version, timeout_s=cfg.sync_timeout_s)
-                row = {"kind": "sync", **rx.last_metrics.to_json(), "verified": bool(verify)}
+                if cfg.delta:  # dense while nothing complete is held (or after a failure), else a delta
+                    rx.sync(version, dense=not dense_ok, timeout_s=cfg.sync_timeout_s)
+                else:
+                    rx.sync(version, timeout_s=cfg.sync_timeout_s)
+                row = {"kind": "sync", **rx.last_metrics.to_json(), "verified": bool(verify),
+                       "payload": rx.last_stats}
                 served_version = version
+                dense_ok = True
             except Exception as e:
+                dense_ok = False
                 m = rx.last_metrics
                 row = {"kind": "sync", **(m.to_json() if m is not None and m.version == version else
                                           {"role": "engine", "rank": rank, "transport": name, "version": version}),
@@ -262,7 +287,8 @@ def receiver_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
             # between syncs, while trainers would train: refresh the in-place backup (off the sync's path)
             row["prepare_s"] = rx.prepare()
             if cfg.check_exact:
-                want = reference_tensors(model, rank, rx.version) if rx.version else None
+                want = (reference_tensors(model, rank, rx.version, cfg.delta_fraction if cfg.delta else None)
+                        if rx.version else None)
                 if want is None:
                     row["exact"] = all(not t.any() for t in tensors.values())
                 else:

@@ -39,6 +39,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fp8", action="store_true",
                    help="engine holds 128x128 block-FP8 weights plus scales (quantised on the trainers)")
     p.add_argument("--timeout", type=seconds, default=120.0, help="deadline of each sync, seconds")
+    p.add_argument("--delta", action="store_true",
+                   help="nixl only: a seeded --delta-fraction of the weights changes per version (as an optimizer "
+                        "step moves them), and each version after the first is sent as a delta (with --replicas "
+                        "and --fanout chain the engine ranks relay the delta streams)")
+    p.add_argument("--delta-fraction", type=float_in(0.0, 1.0, lo_open=True), default=0.01,
+                   help="with --delta: the fraction of each shard's elements that changes per version (default 0.01)")
     p.add_argument("--check-exact", action="store_true",
                    help="also compare every receiver's tensors with an independent reference (slow, small models)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -131,11 +137,14 @@ def run(args: argparse.Namespace) -> int:
     check_arguments(args)
     if args.replicas > 1:
         transports = _fanout_transports(transports, args)
+    if args.delta and transports != ["nixl"]:
+        raise ConfigError(f"--delta sends deltas over NIXL only; give --transport nixl (got {args.transport!r})")
     cfg = WorkerConfig(
         trainers=args.trainers, rollouts=args.rollouts, port=0,
         size_bytes=int(args.size_gb * (1 << 30)) if args.size_gb is not None else None, preset=args.model,
         staging_bytes=args.staging_mb << 20, timeout_s=args.timeout, mode=args.mode, check_exact=args.check_exact,
         fp8=args.fp8, trace=bool(args.trace or args.plot), replicas=args.replicas, fanout=args.fanout,
+        delta=args.delta, delta_fraction=args.delta_fraction,
     )
     progress = auto(json=args.json, force=None if args.progress == "auto" else args.progress == "on")
     if args.hosts is not None:
@@ -160,7 +169,7 @@ def _run_on_hosts(args: argparse.Namespace, cfg, transports: list[str], progress
     is built, the rig removed afterwards whatever happens."""
     from fastsync.bench.cluster import calibrate, predict
     from fastsync.bench.harness import run_bench
-    from fastsync.bench.hosts import HostRig, check_shape, netem_available, rig_unavailable
+    from fastsync.bench.hosts import NO_DELAY_QDISC, HostRig, check_shape, netem_available, rig_unavailable
     from fastsync.plan.hosts import HostMap
 
     t_hosts, e_hosts = args.hosts
@@ -170,8 +179,10 @@ def _run_on_hosts(args: argparse.Namespace, cfg, transports: list[str], progress
     if why is not None:
         raise ConfigError(f"--hosts: {why}")
     if args.latency_ms and not netem_available():
-        raise ConfigError("--latency-ms needs the 'netem' qdisc (sch_netem), which this kernel does not have; "
-                          "use --latency-ms 0")
+        raise ConfigError(f"--latency-ms needs the 'netem' qdisc (sch_netem), {NO_DELAY_QDISC}; use --latency-ms 0")
+    import os
+
+    load_start = [round(x, 2) for x in os.getloadavg()]  # every host shares this machine's cores: say how busy
     with HostRig(hosts.num_hosts, args.nic_gbps, args.latency_ms) as rig:
         pairs = [(a, b) for a in hosts.trainer_host for b in hosts.engine_host if a != b]  # one per connection
         cal = calibrate(rig, pairs)
@@ -181,8 +192,10 @@ def _run_on_hosts(args: argparse.Namespace, cfg, transports: list[str], progress
 
     model = build_bench_model(trainers=cfg.trainers, rollouts=cfg.rollouts, size_bytes=cfg.size_bytes,
                               preset=cfg.preset, fp8=cfg.fp8, replicas=cfg.replicas, fanout=cfg.fanout)
-    preds = predict(model, hosts, transports, nic_gbps=args.nic_gbps, latency_ms=args.latency_ms, cal=cal,
-                    rank0_bucket_bytes=cfg.rank0_bucket_bytes, staging_bytes=cfg.staging_bytes)
+    # the simulator models dense payloads: a delta's bytes depend on what changed, so --delta is measured only
+    preds = {} if cfg.delta else predict(model, hosts, transports, nic_gbps=args.nic_gbps, latency_ms=args.latency_ms,
+                                         cal=cal, rank0_bucket_bytes=cfg.rank0_bucket_bytes,
+                                         staging_bytes=cfg.staging_bytes)
     for name, r in result["transports"].items():
         p = preds.get(name, {})
         r["predicted_seconds"] = p.get("predicted_seconds")
@@ -196,6 +209,7 @@ def _run_on_hosts(args: argparse.Namespace, cfg, transports: list[str], progress
     result["hosts"] = {"trainer_hosts": t_hosts, "engine_hosts": e_hosts,
                        "trainer_host_of_rank": list(hosts.trainer_host), "engine_host_of_rank": list(hosts.engine_host)}
     result["nic_gbps"], result["latency_ms"], result["calibration"] = args.nic_gbps, args.latency_ms, cal
+    result["load_average"] = {"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]}
     return result
 
 

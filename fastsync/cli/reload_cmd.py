@@ -19,6 +19,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "over HTTP (needs root / CAP_NET_ADMIN)")
     p.add_argument("--joiners", type=int, default=4, help="with --hosts: engines joining at once (default 4)")
     p.add_argument("--nic-gbps", type=float, default=1.0, help="with --hosts: each host's NIC rate (default 1)")
+    p.add_argument("--fanout", default="off", choices=("off", "auto", "chain", "direct"),
+                   help="with --hosts: off, each joining engine from one holder (joiner j from holder j %% H); "
+                        "auto/chain/direct, every joining engine in one plan, the holders feeding chains of joining "
+                        "engines that forward what landed to the next (auto: the planner's cost model picks the "
+                        "number of chains)")
+    p.add_argument("--chunk-mb", type=float, default=1.0,
+                   help="with --fanout other than off: write batches (and transfers) of at most this many MB, "
+                        "what a joining engine forwards at once (default 1)")
+    p.add_argument("--queue-ms", type=float, default=200.0,
+                   help="with --hosts: each NIC's queue depth in ms at line rate (default 200; a real NIC's is a few ms)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -40,13 +50,16 @@ def run(args: argparse.Namespace) -> int:
 
         with quiet:
             r = run_reload_bench_hosts(args.model, holders=args.hosts, joiners=args.joiners, nic_gbps=args.nic_gbps,
-                                       repeats=args.repeats, workdir=args.workdir, timeout_s=args.timeout * 3)
+                                       repeats=args.repeats, workdir=args.workdir, timeout_s=args.timeout * 3,
+                                       fanout=args.fanout, chunk_bytes=int(args.chunk_mb * (1 << 20)),
+                                       queue_ms=args.queue_ms)
         if args.json:
             print(json.dumps(r, indent=2))
         else:
             w = r["weights_seconds"]
             print(f"reload-bench {r['model']}: {r['checkpoint_bytes'] / 1e6:.0f} MB checkpoint, {r['joiners']} engines "
-                  f"joining at once, {r['holders']} live holders, NICs {r['nic_gbps']:g} Gb/s, {r['engine']}")
+                  f"joining at once, {r['holders']} live holders, NICs {r['nic_gbps']:g} Gb/s, fanout {r['fanout']} "
+                  f"{r.get('chains', '')}, {r['engine']}")
             print(f"weights: peer {w['peer']:.2f} s, checkpoint from the storage host {w['checkpoint']:.2f} s: "
                   f"{r['speedup_weights']:.2f}x; ready: {r['speedup_ready']:.2f}x; verified {r['verified']}")
         return 0 if r["verified"] else 1

@@ -20,6 +20,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--in-process", action="store_true",
                    help="run each engine inside this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), as vLLM's API tests do")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    g = p.add_argument_group("--serve: generation during updates, through a real `vllm serve` (pause modes, staged)")
+    g.add_argument("--serve", action="store_true",
+                   help="fastsync only, into a `vllm serve` with requests in flight: per update the transfer, "
+                        "engine_stall_seconds and the requests by outcome, per pause mode, staged and not")
+    g.add_argument("--pause-modes", default="keep,wait,abort", help="vLLM's pause modes to run (default: all three)")
+    g.add_argument("--staged", choices=("both", "on", "off"), default="both",
+                   help="staged receive on, off, or both for comparison (default both)")
+    g.add_argument("--syncs", type=int, default=3, help="timed updates per configuration, after one warm-up")
+    g.add_argument("--in-flight", type=int, default=2, help="long requests running when each update starts")
+    g.add_argument("--max-tokens", type=int, default=200, help="tokens per request in flight (<= 400)")
+    g.add_argument("--tp", type=int, default=1, help="the server's tensor_parallel_size")
     p.set_defaults(func=run)
 
 
@@ -33,8 +44,10 @@ def run(args: argparse.Namespace) -> int:
 
     from fastsync.bench.weight_transfer import run_weight_transfer_bench
 
-    backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
     quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
+    if args.serve:
+        return _run_serve(args, quiet)
+    backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
     with quiet:
         r = run_weight_transfer_bench(args.model, backends=backends, repeats=args.repeats, workdir=args.workdir,
                                       in_process=args.in_process)
@@ -58,3 +71,33 @@ def run(args: argparse.Namespace) -> int:
     print(f"verified: {r['verified']} (greedy tokens equal the trainer's and get_weight_version is the round's, "
           "after every update)")
     return 0 if r["verified"] else 1
+
+
+def _run_serve(args: argparse.Namespace, quiet) -> int:
+    from fastsync.bench.wt_serve_bench import run_serve_bench
+
+    modes = tuple(m.strip() for m in args.pause_modes.split(",") if m.strip())
+    staged = {"both": (True, False), "on": (True,), "off": (False,)}[args.staged]
+    with quiet:
+        r = run_serve_bench(args.model, pause_modes=modes, staged=staged, syncs=args.syncs, in_flight=args.in_flight,
+                            max_tokens=args.max_tokens, tp=args.tp, workdir=args.workdir)
+    if args.json:
+        print(json.dumps(r, indent=2))
+        return 0 if r["verified"] else 1
+    print(f"weight-transfer-bench --serve {r['model']}: {r['params'] / 1e6:.1f}M parameters, {r['bytes'] / 1e6:.1f} MB "
+          f"{r['dtype']}, {r['engine']}, {r['syncs']} updates each with {r['in_flight']} requests of "
+          f"{r['max_tokens']} tokens in flight (medians)")
+    print(f"{'staged':>7s} {'mode':6s}{'sync s':>9s}{'transfer s':>12s}{'drain s':>9s}{'stall s':>9s}{'flip s':>8s}"
+          f"{'stall/sync':>11s}{'on old':>8s}{'across':>8s}{'aborted':>8s}{'verified':>10s}")
+    for c in r["configs"]:
+        o = c["outcomes"]
+        print(f"{'yes' if c['staged'] else 'no':>7s} {c['pause_mode']:6s}{c['sync_median_s']:9.3f}"
+              f"{c['transfer_median_s']:12.3f}{c['drain_median_s']:9.3f}{c['stall_median_s']:9.3f}"
+              f"{c['worker_update_median_s']:8.3f}"
+              f"{c['stall_ratio']:11.2f}{o['finished_on_old']:8d}{o['finished_across']:8d}{o['aborted']:8d}"
+              f"{c['rounds_verified']:>10s}")
+    print("stall: generation blocked (pause returned to resume returned); drain: vLLM's pause call (wait: the "
+          "requests in flight finishing on the old weights); flip: a worker's own time in update_weights (not "
+          "staged: the whole receive)")
+    return 0 if r["verified"] else 1
+

@@ -5,6 +5,11 @@ free, so the helper starts packing k+1), post k. So one chunk is written while t
 packed, whether the transport copies inside ``post`` (NIXL over cma) or in the background
 until ``drain`` (gloo, RDMA).
 
+With ``in_flight=d`` up to ``d`` chunks are written at once: chunk ``k`` is posted once ``k-d``
+drained (``d=1``, the default, is the order above). Where each write's completion waits on a long
+round trip (a slow link whose queue also holds the acknowledgements: a relaying engine that
+forwards while it receives), one chunk in flight leaves the link idle between chunks.
+
 Staging is split into slots (two by default); chunk ``k`` packs into slot ``k % num_slots`` once
 the previous chunk that used that slot has drained (its writes completed), so staging memory
 stays bounded by the budget whatever the model size. Packing runs on a helper thread (torch's
@@ -43,13 +48,17 @@ def run_pipelined(
     metrics: SyncMetrics,
     overlap: bool = True,
     on_chunk: Callable[[int], None] | None = None,
+    in_flight: int = 1,
 ) -> None:
     """Run ``pack -> post -> drain`` over ``chunks`` with packing overlapped with writes.
 
     ``drain(chunk, deadline)`` must return only when the chunk's staging slot may be reused.
     Stage seconds land in ``metrics``: ``pack`` (helper thread), ``wait_pack`` (main thread
-    stalled on packing), ``post`` and ``drain``.
+    stalled on packing), ``post`` and ``drain``. ``in_flight``: chunks written at once (see the
+    module docstring).
     """
+    if in_flight < 1:
+        raise SyncError(f"run_pipelined: in_flight must be >= 1, got {in_flight}")
     n = len(chunks)
     if not overlap:
         for c in chunks:
@@ -90,24 +99,32 @@ def run_pipelined(
 
     th = threading.Thread(target=packer, name="fastsync-packer", daemon=True)
     th.start()
+    upto = -1  # chunks 0..upto drained, in order
+
+    def drain_through(j: int) -> None:
+        nonlocal upto
+        while upto < j:
+            upto += 1
+            if not drained[upto].is_set():
+                with metrics.stage("drain"):
+                    drain(chunks[upto], deadline)
+                drained[upto].set()
+
     try:
         for k, c in enumerate(chunks):
+            # the slot chunk k packs into must be free first (only binds when in_flight >= slots)
+            drain_through(min(prev_same_slot[k], k - 1))
             with metrics.stage("wait_pack"):
                 _wait(packed[k], deadline, f"packing of chunk {k}", failed)
-            # Drain k-1 before posting k: frees k-1's slot so chunk k+1 packs while k is written
-            # (with cma, NIXL copies inside transfer(), so the write of k is the post itself).
-            if k > 0 and not drained[k - 1].is_set():
-                with metrics.stage("drain"):
-                    drain(chunks[k - 1], deadline)
-                drained[k - 1].set()
+            # Drain k-in_flight before posting k: with one in flight this frees k-1's slot so
+            # chunk k+1 packs while k is written (with cma, NIXL copies inside transfer(), so
+            # the write of k is the post itself).
+            drain_through(k - in_flight)
             with metrics.stage("post"):
                 post(c)
             if on_chunk is not None:
                 on_chunk(k)
-        if n:
-            with metrics.stage("drain"):
-                drain(chunks[-1], deadline)
-            drained[-1].set()
+        drain_through(n - 1)
     finally:
         stop.set()
         th.join(timeout=max(0.0, deadline - time.monotonic()) + 1.0)

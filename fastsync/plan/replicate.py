@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from fastsync.layout.types import EngineLayout
 from fastsync.plan.types import Plan, Transfer
 
-__all__ = ["Relay", "replica_structure", "first_replica", "expand", "expand_indexed", "copy_index", "relay_sources",
+__all__ = ["Relay", "replica_structure", "first_replica", "expand", "expand_indexed", "copy_index", "relay_sources", "relay_descendants",
            "sender_copies", "receiver_copies"]
 
 
@@ -146,3 +146,21 @@ def relay_sources(plan: Plan, engine_rank: int) -> list[int]:
     k = engine_rank // f.replica_size
     p = f.parents[k]
     return [] if p < 0 else [engine_rank - (k - p) * f.replica_size]
+
+
+def relay_descendants(plan: Plan, engine_rank: int) -> list[int]:
+    """Engine ranks fed, through relays, from ``engine_rank`` (the same rank of every replica down
+    its chain; empty without relays or off a chain's root). With deltas they all apply the
+    streams trainer ranks write into ``engine_rank``."""
+    f = plan.fanout
+    if f is None or not plan.has_relays:
+        return []
+    e = f.replica_size
+    k, j = divmod(engine_rank, e)
+    if f.parents[k] >= 0:
+        return []
+    out, frontier = [], [k]
+    while frontier:
+        frontier = [c for c, p in enumerate(f.parents) if p in frontier]
+        out += [j + c * e for c in frontier]
+    return sorted(out)

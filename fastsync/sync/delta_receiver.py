@@ -1,8 +1,9 @@
 """Inference side of delta sync: apply what changed into the live tensors, all or nothing.
 
-A :class:`DeltaReceiver` wraps a :class:`~fastsync.sync.receiver.WeightReceiver` (same plan,
-landing, NIXL agent, version rule and keys). Per version the caller chooses ``begin(v)`` (a delta
-against the version held) or ``begin(v, dense=True)`` (the ordinary planned writes, e.g. to
+A :class:`DeltaReceiver` is the one receiver session (:class:`~fastsync.sync.receiver.WeightReceiver`:
+same plan, landing, NIXL agent, version rule, keys, liveness, deadlines and rollback) over a landing
+with one inbox per sender. Per version the caller chooses ``begin(v)`` (a delta against the version
+held: :class:`DeltaPayload`) or ``begin(v, dense=True)`` (the ordinary planned writes, e.g. to
 measure both). A delta version:
 
 1. ``begin``: spends ``v`` (the same :class:`~fastsync.sync.handshake.Versions` as dense syncs),
@@ -21,16 +22,13 @@ measure both). A delta version:
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
 import numpy as np
 import torch
 
-from fastsync import plugins
-from fastsync.control import StoreUnreachable
-from fastsync.errors import ConfigError, FastSyncError, SyncError
+from fastsync.errors import ConfigError, SyncError
 from fastsync.executor import delta_apply
 from fastsync.plan.replicate import receiver_copies
 from fastsync.executor.delta import (
@@ -44,13 +42,12 @@ from fastsync.executor.delta import (
 )
 from fastsync.executor.metrics import SyncMetrics
 from fastsync.executor.staging import Landing, alloc_touched, as_bytes
-from fastsync.executor.verify import compare_checksums, receiver_checksums
 from fastsync.sync.delta_sender import delta_mode_key
-from fastsync.sync.handshake import begun_key, begun_value, flipped_key, sender_crc_key, sender_done_key
-from fastsync.sync.receiver import _FAILURE_CHECK_S, WeightReceiver
+from fastsync.sync.receiver import WeightReceiver
 from fastsync.transport.nixl_delta import DeltaInbox
+from fastsync.transport.nixl_delta_relay import DeltaRelay, stream_bytes
 
-__all__ = ["DeltaReceiver", "DeltaLanding", "InboxLanding", "inbox_sizes"]
+__all__ = ["DeltaReceiver", "DeltaPayload", "DeltaLanding", "InboxLanding", "inbox_sizes", "relay_inbox_sizes"]
 
 
 class InboxLanding:
@@ -59,13 +56,21 @@ class InboxLanding:
     :meth:`add_inboxes` in the constructor, after ``Landing.__init__``."""
 
     inboxes: dict[int, torch.Tensor]
+    relay_inboxes: dict[int, torch.Tensor] = {}
 
     def add_inboxes(self, inbox_bytes: dict[int, int]) -> None:
         device = self.arena.device  # type: ignore[attr-defined]
         self.inboxes = {s: alloc_touched(n, device) for s, n in inbox_bytes.items()}
 
+    def add_relay_inboxes(self, inbox_bytes: dict[int, int]) -> None:
+        """One inbox per origin trainer rank whose stream reaches this rank by relay
+        (:func:`relay_inbox_sizes`; plans with relays only)."""
+        device = self.arena.device  # type: ignore[attr-defined]
+        self.relay_inboxes = {s: alloc_touched(n, device) for s, n in inbox_bytes.items()}
+
     def buffers(self) -> list[torch.Tensor]:
-        return super().buffers() + [b for b in self.inboxes.values() if b.numel()]  # type: ignore[misc]
+        boxes = [*self.inboxes.values(), *self.relay_inboxes.values()]
+        return super().buffers() + [b for b in boxes if b.numel()]  # type: ignore[misc]
 
     def mark_changed(self) -> None:
         """The live tensors moved on outside ``apply``: an in-place backup is stale."""
@@ -86,13 +91,113 @@ def inbox_sizes(plan: Any, rank: int, chunk_elems: int = DELTA_CHUNK_ELEMS) -> d
     return {s: link_capacity(plan, s, rank, chunk_elems) for s in srcs}
 
 
-class DeltaReceiver:
+def relay_inbox_sizes(plan: Any, rank: int, chunk_elems: int = DELTA_CHUNK_ELEMS) -> dict[int, int]:
+    """Bytes of engine rank ``rank``'s relay inbox for each trainer rank whose stream reaches it by
+    relay: the size of the chain root's inbox from that trainer rank (empty off a relay chain)."""
+    f = plan.fanout
+    if f is None or not plan.has_relays:
+        return {}
+    e = f.replica_size
+    k, j = divmod(rank, e)
+    if f.parents[k] < 0:
+        return {}
+    root = k
+    while f.parents[root] >= 0:
+        root = f.parents[root]
+    always = set(f.direct)
+    origins = sorted({t.src_rank for i, t in enumerate(plan.transfers) if t.dst_rank == j and i not in always})
+    return {s: link_capacity(plan, s, j + root * e, chunk_elems) for s in origins}
+
+
+class DeltaPayload:
+    """A version's payload as delta streams (see the module docstring): one stream per sender in
+    its inbox, every record checked before any write, applied in place with an undo log, verified
+    on the live tensors, then the engine's post-processing (``landing.on_apply``)."""
+
+    kind = "delta"
+
+    def __init__(self, rx: "DeltaReceiver") -> None:
+        self.rx = rx
+        self.undo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.undo_fast: list[tuple] = []
+
+    @property
+    def inbox(self) -> DeltaInbox:
+        assert self.rx.inbox is not None
+        return self.rx.inbox
+
+    def begin(self, version: int, m: SyncMetrics) -> None:
+        self.rx.transport.renew_if_pending()  # the last version did not complete: a fresh endpoint
+        self.inbox.begin(version)
+
+    def announce(self, version: int) -> None:
+        rx = self.rx
+        rx.control.set(delta_mode_key(rx.rank, version), f"delta:{rx.version}".encode(), timeout_s=rx.timeout_s)
+
+    def poll(self) -> bool:
+        return self.inbox.poll()
+
+    def missing(self) -> dict[Any, str]:
+        return self.inbox.missing()
+
+    def senders(self) -> list[int]:
+        return list(self.rx.landing.inboxes)
+
+    def commit(self, version: int, m: SyncMetrics) -> None:
+        rx = self.rx
+        with m.stage("decode"):
+            writes, fast = rx._decode(version)
+        with m.stage("apply"):
+            for flat, pos, vals in writes:
+                self.undo.append((flat, pos, _gather(flat, pos)))
+                _scatter(flat, pos, vals)
+            for flat, off, ids, counts, local, vals, chunk in fast:
+                old = np.empty_like(vals)
+                delta_apply.swap(flat, off, ids, counts, local, vals, chunk, old)
+                self.undo_fast.append((flat, off, ids, counts, local, old, chunk))
+        if rx.verify:
+            with m.stage("verify"):
+                assert rx.program is not None
+                rx.verify_against_senders(version, rx.transport.checksum_ranks(rx.program),
+                                          {n: as_bytes(t) for n, t in rx.landing.live.items()}, " after the delta")
+        on_apply = getattr(rx.landing, "on_apply", None)
+        if on_apply is not None:  # the engine's post-processing (e.g. vLLM CPU repacks), before the flip
+            with m.stage("postprocess"):
+                on_apply()
+
+    def link_bytes(self) -> dict[str, int]:
+        """Stream bytes per link: trainer -> this rank, and this rank -> each child it relayed to."""
+        me = self.rx.rank
+        out = {f"t{s}->r{me}": stream_bytes(b) for s, b in self.rx.landing.inboxes.items()}
+        if self.inbox.relay is not None:
+            out.update({f"r{me}->r{c}": n for c, n in self.inbox.relay.forwarded.items()})
+        return out
+
+    def settle(self) -> None:
+        self.undo, self.undo_fast = [], []
+        self.rx.landing.mark_changed()
+        if self.inbox.relay is not None:
+            self.inbox.relay.quiesce(time.monotonic() + 5.0)
+
+    def rollback(self) -> str:
+        _undo(self.undo, self.undo_fast)
+        self.undo, self.undo_fast = [], []
+        if self.inbox.relay is not None:  # no forward may still read this rank's inboxes
+            self.inbox.relay.quiesce(time.monotonic() + 5.0)
+        if self.inbox.missing():  # pages may still be in flight: a fresh endpoint next version
+            self.rx.transport.mark_incomplete()
+        return ""
+
+
+class DeltaReceiver(WeightReceiver):
     """Delta sync on one engine rank. Takes ``WeightReceiver``'s arguments (``transport`` must be
     ``nixl``) plus ``chunk_elems`` (must match the senders'). ``landing``: built here from
     ``mode``/``backup``, or given (an :class:`InboxLanding` with inboxes of :func:`inbox_sizes`,
     e.g. the vLLM extension's). A landing with an ``on_apply`` callable (the engine's
     post-processing) has it run after a delta is written and verified, before the flip is
     published; if it raises, the delta is rolled back like any other failure."""
+
+    landing: InboxLanding  # type: ignore[assignment]
 
     def __init__(self, *, chunk_elems: int = DELTA_CHUNK_ELEMS, mode: str = "shadow", backup: bool = False,
                  landing: InboxLanding | None = None, **receiver_kw: Any) -> None:
@@ -115,224 +220,89 @@ class DeltaReceiver:
         elif {s: b.numel() for s, b in landing.inboxes.items()} != sizes:
             raise ConfigError(f"engine rank {rank}: the landing's delta inboxes do not match the plan "
                               f"({ {s: b.numel() for s, b in landing.inboxes.items()} } vs {sizes})")
-        self.inner = WeightReceiver(landing=landing, **receiver_kw)
-        self.landing = landing
-        self.rank = rank
+        relayed = relay_inbox_sizes(plan, rank, chunk_elems)
+        if relayed and not landing.relay_inboxes:
+            landing.add_relay_inboxes(relayed)
+        elif {s: b.numel() for s, b in landing.relay_inboxes.items()} != relayed:
+            raise ConfigError(f"engine rank {rank}: the landing's delta relay inboxes do not match the plan")
+        super().__init__(landing=landing, **receiver_kw)
         self.inbox: DeltaInbox | None = None
-        self._open: int | None = None
-        self._complete = False
-        self._metrics: SyncMetrics | None = None
-        self.last_metrics: SyncMetrics | None = None
-        self.last_stats: dict[str, Any] = {}
-        self._dense_open = False
-        self._last_check = 0.0
-
-    @property
-    def version(self) -> int:
-        return self.inner.version
-
-    @property
-    def versions(self) -> Any:
-        return self.inner.versions
-
-    @property
-    def transport(self) -> Any:
-        return self.inner.transport
+        self._blocks: dict[int, torch.Tensor | None] = {}
 
     @property
     def inbox_bytes(self) -> int:
         return sum(b.numel() for b in self.landing.inboxes.values())
 
     def setup(self) -> None:
-        self.inner.setup()
-        tr = self.inner.transport
-        self.inbox = DeltaInbox(tr.agent, self.rank, self.landing.inboxes, self.inner.control,
-                                getattr(tr, "poll_sleep_s", 0.001), key=tr._key, transport=tr)
-        self._blocks: dict[int, torch.Tensor | None] = {}
-        delta_apply.warmup({info.itemsize for info in self.inner.program.tensors.values()})
+        super().setup()
+        tr = self.transport
+        assert self.program is not None
+        relay = None
+        if self.program.relay is not None:  # this rank forwards delta streams, or gets them, along a chain
+            prog = self.program.relay
+            sources = self.landing.relay_inboxes if prog.upstream is not None else self.landing.inboxes
+            relay = DeltaRelay(tr, self.rank, prog, sources, self.landing.relay_inboxes, self.control,
+                               self.timeout_s, key=tr._key, refuse=tr._refuse)
+        self.inbox = DeltaInbox(tr.agent, self.rank, self.landing.inboxes, self.control,
+                                getattr(tr, "poll_sleep_s", 0.001), key=tr._key, transport=tr, relay=relay)
+        self._blocks = {}
+        assert self.program is not None
+        delta_apply.warmup({info.itemsize for info in self.program.tensors.values()})
 
-    # ---- one sync -------------------------------------------------------------------------
-    def begin(self, version: int, *, dense: bool = False) -> None:
-        inner = self.inner
+    def begin(self, version: int, *, dense: bool = False) -> None:  # type: ignore[override]
+        """A delta against the version held, or (``dense=True``) the ordinary planned writes."""
         if self.inbox is None:
             raise SyncError(f"engine rank {self.rank}: begin() before setup()")
-        if self._open is not None or self._dense_open:
-            raise SyncError(f"engine rank {self.rank}: version {version} begun while another is open")
         if dense:
-            inner.control.set(delta_mode_key(self.rank, version), b"dense")
-            inner.begin(version)
-            self._dense_open = True
-            return
-        if version <= inner.version:
-            raise SyncError(f"engine rank {self.rank}: version {version} is not newer than held {inner.version}")
-        inner.versions.spend(version)
-        self._metrics = SyncMetrics(version, "engine", self.rank, "nixl-delta", start=time.time())
-        plugins.hook().fastsync_before_sync(version=version, role="engine", rank=self.rank, plan=inner.plan)
-        inner.transport.renew_if_pending()  # the last version did not complete: a fresh endpoint
-        self.inbox.begin(version)
-        self._open, self._complete = version, False
-        try:
-            inner.control.set(delta_mode_key(self.rank, version), f"delta:{inner.version}".encode(),
-                              timeout_s=inner.timeout_s)
-            inner.control.set(begun_key(self.rank, version), begun_value(inner.verify, inner.transport.endpoint()),
-                              timeout_s=inner.timeout_s)
-        except StoreUnreachable as e:
-            self.abort(f"cannot announce the version: {e}")
-            raise SyncError(f"engine rank {self.rank}: version {version} not begun, keeping version "
-                            f"{self.version}: {e}") from e
-
-    def poll(self) -> bool:
-        if self._dense_open:
-            return self.inner.poll()
-        if self._open is None:
-            raise SyncError(f"engine rank {self.rank}: poll() with no version open")
-        if not self._complete:
-            assert self.inbox is not None
-            self._complete = self.inbox.poll()
-            now = time.monotonic()
-            if not self._complete and now - self._last_check > _FAILURE_CHECK_S:
-                self._last_check = now  # a control-plane round trip per sender: not on every poll
-                for s in self.landing.inboxes:
-                    try:
-                        got = self.inner.control.try_get(sender_done_key(s, self._open), timeout_s=1.0)
-                    except StoreUnreachable:  # cut off from the store: keep polling until the deadline
-                        break
-                    if got is not None and got.startswith(b"err:") and s in self.inbox.missing():
-                        version = self._open
-                        msg = f"trainer rank {s} failed ({got[4:].decode(errors='replace')})"
-                        self.abort(msg)
-                        raise SyncError(f"engine rank {self.rank}: version {version} failed, keeping version "
-                                        f"{self.version}: {msg}")
-                self._check_liveness()
-        return self._complete
-
-    def _check_liveness(self) -> None:
-        """Fail the open version at once when a trainer rank whose stream has not fully arrived
-        died (one that finished its stream may exit: it is not waited for)."""
-        watch = self.inner.watch
-        if watch is None or self.inbox is None:
-            return
-        missing = self.inbox.missing()
-        gone = [r for role, r in watch.dead() if role == "trainer" and r in missing]
-        if gone:
-            version = self._open
-            names = ", ".join(f"trainer rank {r}" for r in gone)
-            msg = (f"{names} died during version {version}: its process ended (its heartbeat connection to the "
-                   "control store closed)")
-            self.abort(msg)
-            raise SyncError(f"engine rank {self.rank}: version {version} failed, keeping version {self.version}: {msg}")
-
-    def wait(self, deadline: float | None = None) -> bool:
-        if self._dense_open:
-            return self.inner.wait(deadline)
-        if deadline is None:
-            deadline = time.monotonic() + self.inner.timeout_s
-        assert self._metrics is not None
-        with self._metrics.stage("wait"):
-            while not self.poll():
-                if time.monotonic() >= deadline:
-                    return False
-        return True
-
-    def finish(self) -> int:
-        if self._dense_open:
-            self._dense_open = False
-            v = self.inner.finish()
-            self.last_metrics = self.inner.last_metrics
-            self.last_stats = {"mode": "dense"}
-            return v
-        if self._open is None:
-            raise SyncError(f"engine rank {self.rank}: finish() with no version open")
-        version, m = self._open, self._metrics
-        assert m is not None and self.inbox is not None
-        undo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        undo_fast: list[tuple] = []
-        try:
-            if not self._complete:
-                missing = "; ".join(f"trainer rank {s}: {w}" for s, w in sorted(self.inbox.missing().items()))
-                raise SyncError(f"engine rank {self.rank}: version {version} incomplete, keeping version "
-                                f"{self.version}; {missing or 'delta streams incomplete'}")
-            with m.stage("decode"):
-                writes, fast = self._decode(version)
-            with m.stage("apply"):
-                for flat, pos, vals in writes:
-                    undo.append((flat, pos, _gather(flat, pos)))
-                    _scatter(flat, pos, vals)
-                for flat, off, ids, counts, local, vals, chunk in fast:
-                    old = np.empty_like(vals)
-                    delta_apply.swap(flat, off, ids, counts, local, vals, chunk, old)
-                    undo_fast.append((flat, off, ids, counts, local, old, chunk))
-            if self.inner.verify:
-                with m.stage("verify"):
-                    self._verify(version)
-            on_apply = getattr(self.landing, "on_apply", None)
-            if on_apply is not None:  # the engine's post-processing (e.g. vLLM CPU repacks), before the flip
-                with m.stage("postprocess"):
-                    on_apply()
-        except FastSyncError as e:
-            _undo(undo, undo_fast)
-            self.abort(str(e))
-            raise
-        except Exception as e:
-            _undo(undo, undo_fast)
-            self.abort(f"{type(e).__name__}: {e}")
-            raise SyncError(f"engine rank {self.rank}, version {version}: {type(e).__name__}: {e}") from e
-        self.landing.mark_changed()
-        self.inner.version = version
-        self._open = None
-        m.ok = True
-        m.end = time.time()
-        self.last_metrics = m
-        try:
-            self.inner.control.set(flipped_key(self.rank, version), b"ok", timeout_s=2.0)
-        except StoreUnreachable as e:  # serving a complete version; the trainers' wait ends at their deadline
-            m.error = f"flipped, but could not tell the control store: {e}"
-        plugins.hook().fastsync_after_sync(version=version, role="engine", rank=self.rank, metrics=m.to_json(), ok=True)
-        return version
-
-    def abort(self, reason: str) -> None:
-        if self._dense_open:
-            self._dense_open = False
-            self.inner.abort(reason)
-            return
-        if self._open is None:
-            return
-        version, m = self._open, self._metrics
-        self._open = None
-        assert m is not None
-        m.error = reason
-        m.end = time.time()
-        self.last_metrics = m
-        if self.inbox is not None and self.inbox.missing():  # pages may still be in flight: fresh endpoint next
-            self.inner.transport.mark_incomplete()
-        try:
-            self.inner.control.set(flipped_key(self.rank, version), f"err:{reason}", timeout_s=2.0)
-        except StoreUnreachable:  # rolled back already; the trainers' deadline covers them
-            pass
-        plugins.hook().fastsync_after_sync(version=version, role="engine", rank=self.rank, metrics=m.to_json(), ok=False)
-
-    def sync(self, version: int, *, dense: bool = False, timeout_s: float | None = None) -> int:
-        self.begin(version, dense=dense)
-        self.wait(time.monotonic() + (self.inner.timeout_s if timeout_s is None else timeout_s))
-        return self.finish()
+            if self._open is not None:
+                raise SyncError(f"engine rank {self.rank}: version {version} begun while {self._open} is open")
+            self.control.set(delta_mode_key(self.rank, version), b"dense")
+            super().begin(version)
+        else:
+            super().begin(version, payload=DeltaPayload(self))
 
     def close(self) -> None:
-        if self._open is not None or self._dense_open:
+        if self._open is not None:
             self.abort("receiver closed")
-        self.inner.close()
+        if self.inbox is not None and self.inbox.relay is not None:
+            self.inbox.relay.close()
+        super().close()
+
+    def sync(self, version: int, *, dense: bool = False, timeout_s: float | None = None) -> int:  # type: ignore[override]
+        self.begin(version, dense=dense)
+        self.wait(time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s))
+        return self.finish()
 
     # ---- helpers --------------------------------------------------------------------------
+    def _streams(self) -> list[tuple[int, torch.Tensor, str, dict[int, Any], set[int]]]:
+        """``(origin, buffer, who, items by index, indices to skip)`` of every stream this rank
+        applies: the trainer ranks' own, then those relayed to it (their records carry the root
+        copy's indices; those of transfers planned direct to every replica are skipped)."""
+        program = self.program
+        assert program is not None
+        out = [(s, inbox, f"engine rank {self.rank}, stream from trainer rank {s}",
+                {it.index: it for it in program.by_src.get(s, [])}, set())
+               for s, inbox in self.landing.inboxes.items()]
+        relay = program.relay
+        if relay is not None and relay.upstream is not None:
+            f = self.plan.fanout
+            root = relay.root_rank // f.replica_size
+            skip = {root * relay.num_transfers + i for i in f.direct}
+            for s, inbox in self.landing.relay_inboxes.items():
+                out.append((s, inbox, f"engine rank {self.rank}, stream from trainer rank {s} relayed by engine rank "
+                            f"{relay.upstream}", {it.index: it for it in relay.incoming.get(s, [])}, skip))
+        return out
+
     def _decode(self, version: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], list[tuple]]:
         """Parse and check every stream; returns ``(flat live tensor, positions, values)`` per
         tensor, and the sparse records the one-pass kernels apply (``delta_apply``)."""
-        program = self.inner.program
+        program = self.program
         assert program is not None
-        held = self.inner.version
+        held = self.version
         by_tensor: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         fast: list[tuple] = []
         changed = elements = nbytes = 0
-        for s, inbox in self.landing.inboxes.items():
-            who = f"engine rank {self.rank}, stream from trainer rank {s}"
+        for s, inbox, who, items, skip in self._streams():
             v, base, recs = read_stream(inbox, who)
             nbytes += int(inbox[:64].view(torch.int64)[4])
             if v != version:
@@ -340,10 +310,11 @@ class DeltaReceiver:
             if base not in (held, -1):
                 raise SyncError(f"{who}: delta against version {base}, this rank holds {held}: refusing (a dense "
                                 "sync is needed)")
-            items = {it.index: it for it in program.by_src.get(s, [])}
             covered = 0
             for index, first, n, kind, count, payload, extra in recs:
                 it = items.get(index)
+                if it is None and index in skip:
+                    continue  # a relayed stream's record of a transfer this rank gets directly
                 if it is None:
                     raise SyncError(f"{who}: record for transfer {index}, which trainer rank {s} does not send here")
                 t = it.transfer
@@ -373,7 +344,7 @@ class DeltaReceiver:
                 group[0].append(pos)
                 group[1].append(vals)
                 changed += local.numel()
-            total = sum(it.transfer.nbytes // self.inner.program.tensors[it.transfer.dst_tensor].itemsize
+            total = sum(it.transfer.nbytes // self.program.tensors[it.transfer.dst_tensor].itemsize
                         for it in items.values())
             elements += total
             if base == -1 and covered != total:
@@ -393,7 +364,7 @@ class DeltaReceiver:
         """A checked ``sparse`` record for the one-pass kernels, or None when they do not cover
         it (no numba, a GPU tensor, a transfer landing in several runs, odd element sizes)."""
         t = it.transfer
-        info = self.inner.program.tensors[t.dst_tensor]
+        info = self.program.tensors[t.dst_tensor]
         size = info.itemsize
         live = self.landing.live[t.dst_tensor]
         if not delta_apply.available() or live.device.type != "cpu" or len(it.dst_runs) != 1 or size not in (2, 4):
@@ -415,22 +386,6 @@ class DeltaReceiver:
                             f"order or outside its {n} elements")
         flat = as_bytes(live).numpy().view(uint)
         return flat, it.dst_runs[0][0] // size + first, ids, counts, local, vals, chunk
-
-    def _verify(self, version: int) -> None:
-        program = self.inner.program
-        assert program is not None
-        expected: dict[int, int] = {}
-        deadline = time.monotonic() + self.inner.timeout_s
-        for s in program.by_src:
-            raw = self.inner.control.get(sender_crc_key(s, version), max(0.0, deadline - time.monotonic()),
-                                         what=f"trainer rank {s} (checksums of version {version})")
-            expected.update({int(k): v for k, v in json.loads(raw).items()})
-        regions = {n: as_bytes(t) for n, t in self.landing.live.items()}
-        bad = compare_checksums(program, expected, receiver_checksums(program, regions))
-        if bad:
-            raise SyncError(f"engine rank {self.rank}: version {version} failed verification after the delta: "
-                            + "; ".join(bad[:5]) + (f" (+{len(bad) - 5} more)" if len(bad) > 5 else ""))
-
 
 def _dst_elements(dst_runs: list[tuple[int, int]], itemsize: int, local: torch.Tensor) -> torch.Tensor:
     """Element offsets in the destination tensor of a transfer's elements ``local`` (positions in

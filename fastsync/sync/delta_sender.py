@@ -58,11 +58,16 @@ from fastsync.executor.staging import alloc_touched, wait_device
 from fastsync.executor.transforms import to_torch_dtype
 from fastsync.executor.verify import crc_update
 from fastsync.sync.handshake import sender_crc_key, sender_done_key
-from fastsync.plan.replicate import sender_copies
+from fastsync.plan.replicate import relay_descendants, sender_copies
 from fastsync.sync.sender import WeightSender
 from fastsync.transport.nixl_delta import DeltaOutbox
 
 __all__ = ["DeltaSender", "delta_mode_key"]
+
+
+#: How long a trainer rank waits for the ranks down a relay chain to say which version they hold
+#: (after the chain's root began); one that has not said by then gets that chain's links dense.
+_CHAIN_WAIT_S = 2.0
 
 
 def delta_mode_key(engine_rank: int, version: int) -> str:
@@ -93,11 +98,11 @@ class DeltaSender:
         self._views: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # transfer -> (base, values scratch) views
         self.rank = self.inner.rank
         self.plan = self.inner.plan
-        if self.plan.has_relays:
-            raise ConfigError("delta sync: the plan relays between engine ranks, which forward dense batches, not "
-                              "delta pages; plan the copies direct (WeightSync(fanout='direct' or 'auto'))")
         # every copy this rank writes itself (with fan-out, one per replica it feeds), flat-indexed
         self.mine = sender_copies(self.plan, self.rank)
+        # engine rank -> the ranks its streams are relayed to, down its chain (plans with relays)
+        self.chains = {d: relay_descendants(self.plan, d) for d in self.inner.dsts}
+        self._chain_ok: dict[int, bool] = {}
         self.base_version: dict[int, int] = {}  # engine rank -> version the base holds for it
         self.base: dict[int, torch.Tensor] = {}
         self.outbox: DeltaOutbox | None = None
@@ -154,6 +159,7 @@ class DeltaSender:
         for d in inner.dsts:
             raw = inner.control.try_get(delta_mode_key(d, version), timeout_s=max(0.05, deadline - time.monotonic()))
             modes[d] = "dense" if raw is None else raw.decode()
+        below = self._chain_modes(version, deadline)
         dense = [d for d, m in modes.items() if m == "dense"]
         if len(dense) == len(modes):
             return self._dense(version, verify, timeout_s, wait_receivers)
@@ -170,6 +176,8 @@ class DeltaSender:
                                 f"dense sync, {sorted(set(modes) - set(dense))} for a delta; one trainer rank sends "
                                 "one kind per version")
             held = {d: int(mode.split(":", 1)[1]) for d, mode in modes.items()}
+            # a stream relayed down a chain must fit every rank of it: else that chain's links go dense
+            self._chain_ok = {d: all(below.get(c) == f"delta:{held[d]}" for c in self.chains.get(d, ())) for d in held}
             crcs: dict[int, int] | None = {} if (verify or (verify is None and asked)) else None
             if inner.gather is not None:
                 inner.gather.run(deadline, m)
@@ -186,6 +194,23 @@ class DeltaSender:
             if wait_receivers:
                 inner.wait_flips(version, deadline, m)
         return m
+
+    def _chain_modes(self, version: int, deadline: float) -> dict[int, str]:
+        """What every engine rank down this rank's relay chains asked for ``version`` (they begin on
+        their own clock: waited for briefly; one that has not said is sent dense links)."""
+        want = sorted({c for d in self.inner.dsts for c in self.chains.get(d, ())})
+        out: dict[int, str] = {}
+        until = min(deadline, time.monotonic() + _CHAIN_WAIT_S)
+        while want:
+            for c in list(want):
+                raw = self.inner.control.try_get(delta_mode_key(c, version), timeout_s=max(0.05, until - time.monotonic()))
+                if raw is not None:
+                    out[c] = raw.decode()
+                    want.remove(c)
+            if not want or time.monotonic() >= until:
+                break
+            time.sleep(0.002)
+        return out
 
     def _dense(self, version: int, verify: bool | None, timeout_s: float | None, wait_receivers: bool) -> SyncMetrics:
         self.base_version = {}
@@ -212,7 +237,7 @@ class DeltaSender:
         pos = {d: HEADER_BYTES for d in held}
         records = {d: 0 for d in held}
         # a delta only against the exact version the receiver holds; else every chunk dense
-        self._delta_ok = {d: self.base_version.get(d) == h for d, h in held.items()}
+        self._delta_ok = {d: self.base_version.get(d) == h and self._chain_ok.get(d, True) for d, h in held.items()}
         self.base_version = {}  # the base is being overwritten: invalid until this version is sent
         changed = elements = dense_bytes = 0
         for i, t in self.mine:

@@ -10,7 +10,9 @@ Keys (under the control plane's prefix; transports keep their own ``nixl/``, ``t
 * ``recv/{engine_rank}/begun/{version}``: the engine rank is armed for ``version``: ``1`` or
   ``verify`` (asks senders for checksums), then ``;endpoint=NAME`` when its transport names the
   endpoint it receives on (NIXL: its agent; a new one after a version that did not complete, so
-  senders reconnect before writing). See :func:`begun_value` / :func:`parse_begun`.
+  senders reconnect before writing). See :func:`begun_value` / :func:`parse_begun`. Or
+  ``refused:{why}`` when the engine rank refused to begin ``version`` (e.g. it already holds a
+  newer one): the trainer ranks fail at once instead of at their deadline (:func:`refused_value`).
 * ``send/{trainer_rank}/crc/{version}``, ``send/{trainer_rank}/done/{version}``: a trainer rank's
   checksums and its "ok" / ``err:...`` for ``version``.
 * ``recv/{engine_rank}/flipped/{version}``: the engine rank serves ``version`` ("ok") or rolled
@@ -40,6 +42,7 @@ __all__ = [
     "delta_choice_key",
     "begun_value",
     "parse_begun",
+    "refused_value",
 ]
 
 
@@ -104,8 +107,19 @@ def begun_value(verify: bool, endpoint: str = "") -> bytes:
     return head + (b";endpoint=" + endpoint.encode() if endpoint else b"")
 
 
-def parse_begun(raw: bytes) -> tuple[bool, str]:
-    """``(verify, endpoint)`` from a :func:`begun_value` (endpoint "" when none was named)."""
+_REFUSED = b"refused:"
+
+
+def refused_value(why: str) -> bytes:
+    """What an engine rank publishes under :func:`begun_key` when it refuses to begin the version."""
+    return _REFUSED + why.encode()
+
+
+def parse_begun(raw: bytes, who: str, version: int) -> tuple[bool, str]:
+    """``(verify, endpoint)`` from a :func:`begun_value` (endpoint "" when none was named);
+    SyncError naming ``who`` with its reason when it was a :func:`refused_value`."""
+    if raw.startswith(_REFUSED):
+        raise SyncError(f"{who} refused to begin version {version}: {raw[len(_REFUSED):].decode(errors='replace')}")
     head, _, rest = raw.partition(b";")
     endpoint = rest[len(b"endpoint="):].decode(errors="replace") if rest.startswith(b"endpoint=") else ""
     return head == b"verify", endpoint

@@ -186,14 +186,16 @@ class PeerWatch:
         if self._thread is not None:
             self._thread.join(timeout=2 * self.sample_s + _SAMPLE_TIMEOUT_S + 1.0)
 
-    def check(self, during: str = "") -> None:
-        gone = self.dead()
+    def check(self, during: str = "", among: set[tuple[str, int]] | None = None) -> None:
+        """SyncError naming every watched peer (of ``among``, when given: e.g. only the trainer
+        ranks whose writes are still missing) whose process died."""
+        gone = [p for p in self.dead() if among is None or p in among]
         if gone:  # confirm with a fresh read: a replacement process may have started since the last sample
             try:
                 self.sample()
             except FastSyncError:
                 pass  # cannot confirm: the death was seen, it stands
-            gone = self.dead()
+            gone = [p for p in self.dead() if among is None or p in among]
         if gone:
             names = ", ".join(f"{role} rank {rank}{self._where(role, rank)}" for role, rank in gone)
             raise SyncError(f"{self.who}: {names} died{' ' + during if during else ''}: its process ended "

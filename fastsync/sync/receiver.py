@@ -16,6 +16,14 @@ Example (inside the inference worker)::
     rx.begin(version)                       # generation paused (or shadow mode)
     while not rx.poll(): ...                # or rx.wait(deadline)
     rx.finish()                             # raises SyncError and keeps the old version if incomplete
+
+One session, two payloads. The lifecycle above (version rule, fence, ``begun``/``flipped`` keys,
+sender failures, liveness, deadlines, verification, rollback, metrics and hooks) is this class's
+alone; what lands and how it is applied is the version's *payload*: :class:`DensePayload` (the
+planned writes, through the landing memory) or the delta payload
+(:class:`~fastsync.sync.delta_receiver.DeltaPayload`: streams in per-sender inboxes, applied in
+place with an undo log). A :class:`~fastsync.sync.delta_receiver.DeltaReceiver` is this session
+with inboxes, choosing the payload per version.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from typing import Any, Protocol
 
 import torch
 
@@ -35,6 +44,7 @@ from fastsync.sync.handshake import (
     begun_value,
     flipped_key,
     receiver_info_key,
+    refused_value,
     sender_crc_key,
     sender_done_key,
 )
@@ -48,7 +58,7 @@ from fastsync.executor.verify import compare_checksums, receiver_checksums
 from fastsync.plan.types import Plan
 from fastsync.transport.base import ReceiverContext, Transport, World
 
-__all__ = ["WeightReceiver"]
+__all__ = ["WeightReceiver", "DensePayload", "Payload"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +68,85 @@ _FAILURE_CHECK_S = 0.05
 _CHECK_TIMEOUT_S = 1.0
 #: Bound on publishing a rollback: the engine has already restored its last version.
 _PUBLISH_FAILURE_S = 2.0
+
+
+class Payload(Protocol):
+    """What one version carries and how it is applied; the session (:class:`WeightReceiver`)
+    calls these in order: ``begin`` (arm; nothing published yet), ``announce`` (what the senders
+    must know before ``begun`` is published), ``poll`` until True,
+    ``commit`` (verify and apply; raising rolls the version back), then ``settle`` after a
+    successful flip or ``rollback`` after any failure."""
+
+    kind: str  # "dense" or "delta": the metrics' transport name says which
+
+    def begin(self, version: int, m: SyncMetrics) -> None: ...
+    def announce(self, version: int) -> None: ...
+    def poll(self) -> bool: ...
+    def missing(self) -> dict[Any, str]: ...
+    def senders(self) -> list[int]: ...
+    def commit(self, version: int, m: SyncMetrics) -> None: ...
+    def link_bytes(self) -> dict[str, int]: ...
+    def settle(self) -> None: ...
+    def rollback(self) -> str: ...
+
+
+class DensePayload:
+    """The planned writes: the transport lands them in the landing memory (shadow or in place);
+    the flip is the landing's ``apply``, the rollback its ``rollback``."""
+
+    kind = "dense"
+
+    def __init__(self, rx: "WeightReceiver") -> None:
+        self.rx = rx
+
+    def begin(self, version: int, m: SyncMetrics) -> None:
+        with m.stage("backup"):
+            self.rx.landing.begin()
+        self.rx.transport.begin_receive(version)
+
+    def announce(self, version: int) -> None:
+        pass  # a receiver without inboxes publishes no mode: senders read "dense"
+
+    def poll(self) -> bool:
+        return self.rx.transport.poll_receive()
+
+    def missing(self) -> dict[Any, str]:
+        return self.rx.transport.missing()
+
+    def senders(self) -> list[int]:
+        assert self.rx.program is not None
+        return list(self.rx.program.by_src)
+
+    def commit(self, version: int, m: SyncMetrics) -> None:
+        rx = self.rx
+        assert rx.program is not None
+        if rx.verify:
+            with m.stage("verify"):
+                rx.verify_against_senders(version, rx.transport.checksum_ranks(rx.program), rx.landing.regions)
+        with m.stage("apply"):
+            rx.landing.apply()
+        rx.last_stats = {"mode": "dense"}
+
+    def link_bytes(self) -> dict[str, int]:
+        """Planned bytes per link: trainer -> this rank, and this rank -> each child replica it relays to."""
+        program = self.rx.program
+        assert program is not None
+        me = self.rx.rank
+        out = {f"t{s}->r{me}": sum(i.transfer.nbytes for i in items) for s, items in program.by_src.items()}
+        if program.relay is not None:  # engine -> engine links: what this rank forwarded to each child replica
+            for child, units in program.relay.children.items():
+                out[f"r{me}->r{child}"] = sum(it.transfer.nbytes for items in units.values() for it in items)
+        return out
+
+    def settle(self) -> None:
+        self.rx.transport.end_receive()
+
+    def rollback(self) -> str:
+        try:
+            self.rx.transport.end_receive()
+        finally:
+            intact = self.rx.landing.rollback()
+        return "" if intact else " (in-place tensors are torn: no backup)"
 
 
 class WeightReceiver:
@@ -110,6 +199,8 @@ class WeightReceiver:
         self._last_check = 0.0
         self._deadline: float | None = None  # of the open version's wait, on this rank's own clock
         self._store_error: str = ""  # the last control-plane read that failed during the open version
+        self._payload: Payload = DensePayload(self)  # of the open (or last) version
+        self.last_stats: dict[str, Any] = {}
         self.last_metrics: SyncMetrics | None = None
         self.heartbeat: Heartbeat | None = None
         self.watch: PeerWatch | None = None
@@ -134,24 +225,30 @@ class WeightReceiver:
                                who=f"engine rank {self.rank}")
 
     # ---- one sync, step by step -----------------------------------------------------------
-    def begin(self, version: int) -> None:
-        """Open ``version``: snapshot if backing up, arm the transport, tell trainers to write."""
+    def begin(self, version: int, *, payload: Payload | None = None) -> None:
+        """Open ``version``: arm the payload (dense by default: snapshot if backing up, arm the
+        transport), tell trainers to write."""
         if self.program is None:
             raise SyncError(f"engine rank {self.rank}: begin() before setup()")
-        if self._open is not None:
-            raise SyncError(f"engine rank {self.rank}: version {version} begun while {self._open} is open")
-        if version <= self.version:
-            raise SyncError(f"engine rank {self.rank}: version {version} is not newer than held {self.version}")
-        self.versions.spend(version)
-        self._deadline, self._store_error = None, ""
-        m = SyncMetrics(version, "engine", self.rank, self.transport.name, start=time.time())
-        plugins.hook().fastsync_before_sync(version=version, role="engine", rank=self.rank, plan=self.plan)
-        with m.stage("backup"):
-            self.landing.begin()
-        self.transport.begin_receive(version)
-        self._open, self._metrics, self._complete = version, m, False
-        # the receiver decides whether this version is verified: senders checksum when asked
         try:
+            if self._open is not None:
+                raise SyncError(f"engine rank {self.rank}: version {version} begun while {self._open} is open")
+            if version <= self.version:
+                raise SyncError(f"engine rank {self.rank}: version {version} is not newer than held {self.version}")
+            self.versions.spend(version)
+        except SyncError as e:
+            self._refuse(version, str(e))
+            raise
+        pay = payload if payload is not None else DensePayload(self)
+        self._deadline, self._store_error = None, ""
+        name = self.transport.name if pay.kind == "dense" else f"{self.transport.name}-{pay.kind}"
+        m = SyncMetrics(version, "engine", self.rank, name, start=time.time())
+        plugins.hook().fastsync_before_sync(version=version, role="engine", rank=self.rank, plan=self.plan)
+        pay.begin(version, m)
+        self._open, self._metrics, self._complete, self._payload = version, m, False, pay
+        try:
+            pay.announce(version)
+            # the receiver decides whether this version is verified: senders checksum when asked
             self.control.set(begun_key(self.rank, version),
                              begun_value(self.verify, self.transport.endpoint()), timeout_s=self.timeout_s)
         except StoreUnreachable as e:  # nothing was asked of the trainers: give the version up now
@@ -159,20 +256,31 @@ class WeightReceiver:
             raise SyncError(f"engine rank {self.rank}: version {version} not begun, keeping version {self.version}: "
                             f"{e}") from e
 
+    def _refuse(self, version: int, why: str) -> None:
+        """Tell the trainer ranks waiting for ``begun`` that this rank will not begin ``version``
+        (bounded; never for the version open here, whose trainers are writing)."""
+        if version == self._open:
+            return
+        try:
+            self.control.set(begun_key(self.rank, version), refused_value(why), timeout_s=min(self.timeout_s, 2.0))
+        except StoreUnreachable:
+            pass
+
     def poll(self) -> bool:
-        """Drive the transport once; True when every expected write of the open version landed.
-        Raises SyncError early when a trainer reported failure."""
+        """Drive the transport once; True when everything the open version carries landed.
+        Raises SyncError early when a trainer reported failure or died with its writes missing."""
         if self._open is None:
             raise SyncError(f"engine rank {self.rank}: poll() with no version open")
         if not self._complete:
             try:
-                self._complete = self.transport.poll_receive()
+                self._complete = self._payload.poll()
                 now = time.monotonic()
                 if not self._complete and now - self._last_check > _FAILURE_CHECK_S:
-                    self._last_check = now
+                    self._last_check = now  # control-plane round trips: not on every poll
                     self._check_senders()
-                    if self.watch is not None:
-                        self.watch.check(f"during version {self._open}")
+                    if self.watch is not None:  # a trainer that already delivered may exit
+                        self.watch.check(f"during version {self._open}",
+                                         among={("trainer", s) for s in self._payload.missing() if isinstance(s, int)})
             except FastSyncError as e:
                 version = self._open
                 self.abort(str(e))
@@ -197,31 +305,24 @@ class WeightReceiver:
         SyncError naming the missing trainer ranks and tensors. Returns the version served."""
         if self._open is None:
             raise SyncError(f"engine rank {self.rank}: finish() with no version open")
-        version, m = self._open, self._metrics
+        version, m, pay = self._open, self._metrics, self._payload
         assert m is not None and self.program is not None
         try:
             if not self._complete:
                 raise SyncError(self._missing_message(version))
-            if self.verify:
-                with m.stage("verify"):
-                    self._verify(version)
-            with m.stage("apply"):
-                self.landing.apply()
+            pay.commit(version, m)
         except FastSyncError as e:
             self.abort(str(e))
             raise
-        self.transport.end_receive()
+        except Exception as e:  # the engine's post-processing, say: rolled back like any failure
+            self.abort(f"{type(e).__name__}: {e}")
+            raise SyncError(f"engine rank {self.rank}, version {version}: {type(e).__name__}: {e}") from e
+        pay.settle()
         self.version = version
         self._open = None
         m.ok = True
         m.end = time.time()
-        m.bytes_per_link = {f"t{s}->r{self.rank}": sum(i.transfer.nbytes for i in items)
-                            for s, items in self.program.by_src.items()}
-        relay = self.program.relay
-        if relay is not None:  # engine -> engine links: what this rank forwarded to each child replica
-            for child, units in relay.children.items():
-                m.bytes_per_link[f"r{self.rank}->r{child}"] = sum(
-                    it.transfer.nbytes for items in units.values() for it in items)
+        m.bytes_per_link = pay.link_bytes()
         try:
             self.control.set(flipped_key(self.rank, version), b"ok", timeout_s=self._left(_PUBLISH_FAILURE_S))
         except StoreUnreachable as e:  # serving a complete version; the trainers' wait for it ends at their deadline
@@ -235,13 +336,12 @@ class WeightReceiver:
         """Give up the open version: roll back, keep serving ``self.version``."""
         if self._open is None:
             return
-        version, m = self._open, self._metrics
+        version, m, pay = self._open, self._metrics, self._payload
         self._open = None
+        note = ""
         try:
-            self.transport.end_receive()
+            note = pay.rollback()
         finally:
-            intact = self.landing.rollback()
-            note = "" if intact else " (in-place tensors are torn: no backup)"
             assert m is not None
             m.error = reason + note
             m.end = time.time()
@@ -288,8 +388,9 @@ class WeightReceiver:
         return max(self._deadline - time.monotonic(), at_least)
 
     def _check_senders(self) -> None:
-        assert self.program is not None
-        for s in self.program.by_src:
+        """A trainer rank that published a failure while its part of the open version is missing
+        fails the version now (instead of at the deadline)."""
+        for s in self._payload.senders():
             try:
                 got = self.control.try_get(sender_done_key(s, self._open),
                                            timeout_s=min(self._left(), _CHECK_TIMEOUT_S))
@@ -297,13 +398,11 @@ class WeightReceiver:
                 self._store_error = str(e)
                 return
             self._store_error = ''
-            if got is not None and got.startswith(b"err:"):
-                missing = self.transport.missing()
-                if s in missing:
-                    raise SyncError(
-                        f"engine rank {self.rank}, version {self._open}: trainer rank {s} failed "
-                        f"({got[4:].decode(errors='replace')}); missing tensors {self._names(s)}"
-                    )
+            if got is not None and got.startswith(b"err:") and s in self._payload.missing():
+                raise SyncError(
+                    f"engine rank {self.rank}, version {self._open}: trainer rank {s} failed "
+                    f"({got[4:].decode(errors='replace')}); missing tensors {self._names(s)}"
+                )
 
     def _names(self, src: int, limit: int = 6) -> str:
         assert self.program is not None
@@ -312,7 +411,7 @@ class WeightReceiver:
         return ", ".join(repr(n) for n in names[:limit]) + more
 
     def _missing_message(self, version: int) -> str:
-        missing = self.transport.missing()
+        missing = self._payload.missing()
         parts = [f"trainer rank {s}: {what} (tensors {self._names(s)})" if isinstance(s, int) else f"{s}: {what}"
                  for s, what in sorted(missing.items(), key=lambda kv: (isinstance(kv[0], str), str(kv[0])))]
         notes = []
@@ -324,16 +423,18 @@ class WeightReceiver:
                 + ("; ".join(parts) if parts else "transport reported incomplete delivery")
                 + (f" ({'; '.join(notes)})" if notes else ""))
 
-    def _verify(self, version: int) -> None:
+    def verify_against_senders(self, version: int, ranks: Any, regions: dict[str, torch.Tensor],
+                               after: str = "") -> None:
+        """Compare the CRC of every planned destination box in ``regions`` with what trainer ranks
+        ``ranks`` published for ``version``; SyncError naming the boxes that differ."""
         assert self.program is not None
         expected: dict[int, int] = {}
         deadline = time.monotonic() + self.timeout_s
-        for s in self.transport.checksum_ranks(self.program):
+        for s in ranks:
             raw = self.control.get(sender_crc_key(s, version), max(0.0, deadline - time.monotonic()),
                                    what=f"trainer rank {s} (checksums of version {version})")
             expected.update({int(k): v for k, v in json.loads(raw).items()})
-        got = receiver_checksums(self.program, self.landing.regions)
-        bad = compare_checksums(self.program, expected, got)
+        bad = compare_checksums(self.program, expected, receiver_checksums(self.program, regions))
         if bad:
-            raise SyncError(f"engine rank {self.rank}: version {version} failed verification: " + "; ".join(bad[:5])
-                            + (f" (+{len(bad) - 5} more)" if len(bad) > 5 else ""))
+            raise SyncError(f"engine rank {self.rank}: version {version} failed verification{after}: "
+                            + "; ".join(bad[:5]) + (f" (+{len(bad) - 5} more)" if len(bad) > 5 else ""))

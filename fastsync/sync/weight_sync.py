@@ -136,9 +136,9 @@ class WeightSync:
     each, same model and TP), ``auto``/``chain``/``direct`` plan the first replica once and feed
     the others as the planner's cost model chooses (``auto``), through relays between the engines'
     ranks (``chain``: each byte leaves its trainer rank once), or straight from the trainer ranks
-    (``direct``); relays need ``transport="nixl"``. With ``delta=True`` the copies go direct
-    (``auto`` plans ``direct``; ``chain`` is refused by name): relays forward dense batches, not
-    delta pages, so each replica gets its own delta stream from the trainer ranks.
+    (``direct``); relays need ``transport="nixl"``. With ``delta=True`` relays forward the delta
+    streams themselves (``transport/nixl_delta_relay.py``): every replica of a chain applies the
+    stream the trainer ranks wrote into its root.
 
     ``trace_dir`` (an existing folder): each rank writes ``trainer{rank}.json`` there after every
     sync, a Chrome trace of its phases and, on rank 0, its engines' (``fastsync.sync.trace_dir``;
@@ -191,9 +191,6 @@ class WeightSync:
         if fanout in ("auto", "chain") and transport != "nixl":
             raise ConfigError(f"fanout={fanout!r} may relay between engine ranks, which only transport 'nixl' does; "
                               f"transport={transport!r}: use fanout='direct' or 'off'")
-        if delta and fanout == "chain":
-            raise ConfigError("delta=True with fanout='chain': relays forward dense batches, not delta pages; use "
-                              "fanout='direct' (or 'auto', which plans direct copies with delta=True)")
         if not isinstance(staged, bool):
             raise ConfigError(f"staged must be True or False, got {staged!r}")
         if staged and delta:
@@ -292,8 +289,7 @@ class WeightSync:
             params.pop(n, None)
             shards.pop(n, None)
         trimmed = TrainerLayout(layout.world_size, params, shards, kind=layout.kind, description=layout.description)
-        fanout = "direct" if self.delta and self.fanout == "auto" else self.fanout  # deltas are not relayed
-        return build_plan(params, trimmed, engine, fanout=fanout)
+        return build_plan(params, trimmed, engine, fanout=self.fanout)
 
     def setup(self) -> None:
         """Layouts, plan and transport set-up, once. Raises (on every rank) before any write

@@ -112,14 +112,16 @@ class NixlTransport(Transport):
     ``poll_sleep_s``: receiver sleep between notification polls (default: by ``net_devices``,
     :func:`poll_sleep_for`). ``overlap``: pack the next chunk
     on a helper thread while the current one is written. ``net_devices``: the UCX devices to
-    listen and connect on (default ``$FASTSYNC_NET_DEVICES``, else ``lo``).
+    listen and connect on (default ``$FASTSYNC_NET_DEVICES``, else ``lo``). ``in_flight``: write
+    batches a sender keeps in flight (default 1; ``run_pipelined``).
     """
 
     name = "nixl"
     relays = True
 
     def __init__(self, backends: tuple[str, ...] = ("UCX",), progress_thread: bool = False,
-                 poll_sleep_s: float | None = None, overlap: bool = True, net_devices: str | None = None) -> None:
+                 poll_sleep_s: float | None = None, overlap: bool = True, net_devices: str | None = None,
+                 in_flight: int = 1) -> None:
         super().__init__()
         if IMPORT_ERROR is not None:
             raise ConfigError(f"transport 'nixl' needs NIXL ({INSTALL_HINT}): {IMPORT_ERROR}")
@@ -129,6 +131,9 @@ class NixlTransport(Transport):
         self.progress_thread = progress_thread
         self.poll_sleep_s = poll_sleep_s
         self.overlap = overlap
+        if not isinstance(in_flight, int) or isinstance(in_flight, bool) or not 1 <= in_flight <= 64:
+            raise ConfigError(f"nixl transport option in_flight must be an int in [1, 64], got {in_flight!r}")
+        self.in_flight = in_flight
         self.net_devices = net_devices
         self.agent = None
         self.agent_name = ""
@@ -478,7 +483,7 @@ class NixlTransport(Transport):
             self._settle()
         try:
             run_pipelined(ctx.program.chunks, pack=pack, post=post, drain=drain, deadline=deadline,
-                          metrics=metrics, overlap=self.overlap, on_chunk=on_chunk)
+                          metrics=metrics, overlap=self.overlap, on_chunk=on_chunk, in_flight=self.in_flight)
         except BaseException:
             # Let writes already posted finish (bounded) before the failure is reported, so none
             # lands after the receivers rolled back; what is still in flight then is settled

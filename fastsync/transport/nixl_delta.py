@@ -172,8 +172,11 @@ class DeltaInbox:
     """Receiver side: publishes the inbox addresses, counts page notifications per sender."""
 
     def __init__(self, agent: object, rank: int, inboxes: dict[int, torch.Tensor], control: ControlPlane,
-                 poll_sleep_s: float = 0.001, *, key: bytes = b"", transport: Any = None) -> None:
+                 poll_sleep_s: float = 0.001, *, key: bytes = b"", transport: Any = None, relay: Any = None) -> None:
+        """``relay``: this rank's :class:`~fastsync.transport.nixl_delta_relay.DeltaRelay` on plans
+        with relays (its notifications are drained here too: one reader of the agent's queue)."""
         self._agent = agent
+        self.relay = relay
         self._tr = transport  # when given, its current agent (renewed after an incomplete version)
         self._key = key
         self._control = control
@@ -196,6 +199,8 @@ class DeltaInbox:
         self._version = version
         self._got = {s: set() for s in self.inboxes}
         self._expect = {s: None for s in self.inboxes}
+        if self.relay is not None:
+            self.relay.begin(version)
 
     def _agent_of(self, src: int) -> str | None:
         """The agent trainer rank ``src`` announced at set-up (authenticated control plane)."""
@@ -218,6 +223,8 @@ class DeltaInbox:
     def poll(self) -> bool:
         for agent, msgs in self.agent.get_new_notifs().items():
             for msg in msgs:
+                if self.relay is not None and self.relay.on_message(agent, msg):
+                    continue
                 try:
                     note = notes.decode(msg, "fsd")
                 except ValueError:
@@ -251,6 +258,11 @@ class DeltaInbox:
                 self._got[src].add(k)
                 self._expect[src] = m
         done = all(m is not None and len(self._got[s]) >= m for s, m in self._expect.items())
+        if self.relay is not None:  # forward what is complete here; done when forwards finished too
+            own = self.relay.complete() if self.relay.prog.upstream is not None else \
+                {s for s, m in self._expect.items() if m is not None and len(self._got[s]) >= m}
+            self.relay.pump(own)
+            done = done and self.relay.incoming_done() and self.relay.forwards_done()
         if not done and self.poll_sleep_s:
             time.sleep(self.poll_sleep_s)
         return done
@@ -262,4 +274,6 @@ class DeltaInbox:
                 out[s] = "no delta page arrived"
             elif len(self._got[s]) < m:
                 out[s] = f"{m - len(self._got[s])} of {m} delta pages missing"
+        if self.relay is not None:
+            out.update(self.relay.missing())
         return out

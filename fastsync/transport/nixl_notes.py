@@ -4,8 +4,9 @@ units): one format, one MAC rule, one parser.
 A notification follows the bytes it announces on the same connection, so it arrives only after
 them. It reads ``kind|version|src|a|b|mac``: ``kind`` ``fs`` (a dense batch: ``a`` = batch index,
 ``b`` = batches this sender posts to this receiver), ``fsd`` (a delta page: page ``a`` of ``b``) or
-``fr`` (a relay unit: unit ``a`` of ``b`` in the chain); ``src`` the sending rank (a trainer rank,
-or for ``fr`` the upstream engine rank). ``mac`` is the job key's MAC over the kind, the sender's
+``fr`` (a relay unit: unit ``a`` of ``b`` in the chain) or ``fdr`` (a relayed delta page: page ``a``
+of ``b`` of trainer rank ``src``'s stream, forwarded by the upstream engine rank); ``src`` the
+sending rank (a trainer rank, or for ``fr`` the upstream engine rank). ``mac`` is the job key's MAC over the kind, the sender's
 NIXL agent name, the receiving rank and the four numbers, so a notification cannot be forged,
 redirected to another rank, or moved to another version, batch or agent. What a receiver checks
 beyond the MAC (the agent is the one the sender announced, the version is the open one, the index
@@ -24,7 +25,7 @@ __all__ = ["KINDS", "TAG_BYTES", "Note", "encode", "decode", "authentic"]
 TAG_BYTES = 16
 
 #: The notification kinds and what each announces.
-KINDS = {"fs": "dense batch", "fsd": "delta page", "fr": "relay unit"}
+KINDS = {"fs": "dense batch", "fsd": "delta page", "fr": "relay unit", "fdr": "relayed delta page"}
 
 
 @dataclass(frozen=True, slots=True)

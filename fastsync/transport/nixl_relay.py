@@ -23,24 +23,18 @@ at the same byte offsets (replicas hold identical tensors). Per version:
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 
-from fastsync.control import StoreUnreachable
 from fastsync.errors import TransportError
 from fastsync.transport import nixl_notes as notes
-from fastsync.transport.nixl_teardown import quiesce, release
-from fastsync.transport.nixl_writes import PreparedWrite, reconnect_peer, settle
+from fastsync.transport.nixl_chain import ChainHop, armed_key
+from fastsync.transport.nixl_teardown import release
+from fastsync.transport.nixl_writes import PreparedWrite
 
 __all__ = ["NixlRelay", "armed_key", "batches_key", "relay_key"]
-
-_READ_TIMEOUT_S = 1.0  # one control-plane read while the engine rank polls
-
-
-def armed_key(rank: int, version: int) -> str:
-    return f"nixl/recv/{rank}/armed/{version}"
 
 
 def batches_key(trainer_rank: int, engine_rank: int) -> str:
@@ -51,28 +45,33 @@ def relay_key(engine_rank: int, child: int) -> str:
     return f"nixl/relay/{engine_rank}/to/{child}"
 
 
-class NixlRelay:
+class NixlRelay(ChainHop):
     """Relay state of one engine rank; ``agent`` is the rank's NIXL agent (already registered)."""
+
+    kind = "fr"
 
     def __init__(self, agent: Any, ctx: Any, prog: Any, mem_of: Callable[[Any], tuple[str, int]], *,
                  key: bytes, agent_name: str, refuse: Callable[[str, str, bytes], None]) -> None:
+        super().__init__(ctx.control, ctx.rank, prog.upstream, ctx.timeout_s, key=key, refuse=refuse)
         self.agent, self.ctx, self.prog = agent, ctx, prog
         self._mem_of = mem_of
-        self._key, self._agent_name, self._refuse = key, agent_name, refuse
-        self._upstream: dict | None = None  # what the upstream relay announced at set-up (agent, units)
+        self._agent_name = agent_name
         # units: (origin trainer rank, trainer batches the unit waits for, {base transfer index})
         self.units: list[tuple[int, frozenset[int], set[int]]] = []
         self._handles: dict[tuple[int, int], PreparedWrite] = {}  # (child, unit) -> prepared WRITE
-        self._unsettled = False  # a failed version may have left forwards in flight (nixl_writes.settle)
-        self._broken: set[int] = set()
-        self._remote: dict[int, str] = {}
         self._version: int | None = None
         self._got: set[int] = set()
         self._expect: int | None = None
-        self._posted: dict[tuple[int, int], Any] = {}
-        self._armed: set[int] = set()
-        self.failed: dict[int, str] = {}
         self.forwarded_bytes = 0
+
+    def _writes(self) -> Iterable[PreparedWrite]:
+        return self._handles.values()
+
+    def _announce_key(self, upstream: int, child: int) -> str:
+        return relay_key(upstream, child)
+
+    def _my_agent(self) -> str:
+        return self._agent_name
 
     def _cut_units(self) -> None:
         """Units of this chain, from the root rank's trainer batches (same on every rank of it)."""
@@ -154,50 +153,23 @@ class NixlRelay:
         if not getattr(self, "_prepared", False):
             self._prepare()
             self._prepared = True
-        if self._unsettled:  # the last version failed: no forward may be reposted while still in flight
-            settle(self._handles.values(), self._reconnect, self._broken)
-            self._broken.clear()
-            self._unsettled = False
+        self._open(version)
         self._version, self._got, self._expect = version, set(), None
-        self._posted, self._armed, self.failed = {}, set(), {}
-        # the agent this rank receives on: an upstream relay reconnects when it changed (renewed endpoint)
-        self.ctx.control.set(armed_key(self.ctx.rank, version), self._agent_name.encode(), timeout_s=self.ctx.timeout_s)
 
     def on_message(self, agent: str, raw: bytes) -> bool:
         """Take a ``fr|version|src|unit|n|mac`` notification; True when it was a relay one (counted
         only from the upstream rank's agent, with a good MAC, for the open version)."""
-        try:
-            note = notes.decode(raw, "fr")
-        except ValueError:
-            self._refuse("malformed relay notification", agent, raw)
-            return True
-        if note is None:
-            return False
-        v, src, unit, n = note.version, note.src, note.a, note.b
-        up = self.prog.upstream
-        if src != up:
-            self._refuse(f"engine rank {src} does not relay into this rank", agent, raw)
-            return True
-        if self._upstream is None or agent != self._upstream["agent"]:
-            try:
-                got = self.ctx.control.try_get(relay_key(up, self.ctx.rank), timeout_s=_READ_TIMEOUT_S)
-            except StoreUnreachable:
-                got = None
-            self._upstream = json.loads(got) if got is not None else None
-        if self._upstream is None or agent != self._upstream["agent"]:
-            self._refuse(f"not engine rank {up}'s agent", agent, raw)
-            return True
-        if not notes.authentic(self._key, note, agent=agent, dst=self.ctx.rank):
-            self._refuse("bad MAC", agent, raw)
-            return True
-        if v != self._version:
-            self._refuse("relay notification of another version", agent, raw)
-            return True
-        if n != len(self.units) or n != int(self._upstream["units"]) or not 0 <= unit < n:
+        note = self._note(agent, raw, self._version, "relay")
+        if not isinstance(note, notes.Note):
+            return note
+        unit, n = note.a, note.b
+        if note.src != self.upstream:
+            self._refuse(f"engine rank {note.src} does not relay into this rank", agent, raw)
+        elif n != len(self.units) or n != int(self._upstream_info["units"]) or not 0 <= unit < n:
             self._refuse(f"relay unit {unit} of {n}, this chain has {len(self.units)}", agent, raw)
-            return True
-        self._got.add(unit)
-        self._expect = n
+        else:
+            self._got.add(unit)
+            self._expect = n
         return True
 
     def pump(self, batches_landed: Callable[[int], Any]) -> None:
@@ -208,49 +180,26 @@ class NixlRelay:
         for (child, u), w in self._handles.items():
             if (child, u) in self._posted or child in self.failed:
                 continue
-            if child not in self._armed:
-                try:
-                    armed = self.ctx.control.try_get(armed_key(child, v), timeout_s=_READ_TIMEOUT_S)
-                except StoreUnreachable:
-                    return  # cut off from the store: try again at the next poll, within the deadline
-                if armed is None:
-                    continue
-                name = armed.decode(errors="replace")
-                if name not in ("1", self._remote.get(child)):  # the child renewed its endpoint: connect afresh
-                    try:
-                        self._reconnect(child)
-                    except Exception as e:
-                        self.failed[child] = f"cannot reconnect to its new endpoint: {e}"
-                        continue
-                self._armed.add(child)
+            armed = self._child_armed(child, v)
+            if armed is None:
+                return  # cut off from the store: try again at the next poll, within the deadline
+            if not armed:
+                continue
             origin, deps, _ = self.units[u]
             ready = u in self._got if self.prog.upstream is not None else deps <= set(batches_landed(origin))
             if not ready:
                 continue
             msg = notes.encode(self._key, "fr", sender_agent=self._agent_name, dst=child, version=v, src=self.ctx.rank,
                                a=u, b=total)
-            if w.post(msg) == "ERR":  # e.g. a dead child's agent
-                self.failed[child] = f"posting relay unit {u} (trainer rank {origin}'s bytes) failed"
-                self._broken.add(child)
-                continue
-            self._posted[(child, u)] = w.handle
+            self._post(child, u, [(w, msg)], f"relay unit {u} (trainer rank {origin}'s bytes)")
 
     def incoming_done(self) -> bool:
         return self.prog.upstream is None or (self._expect is not None and len(self._got) >= self._expect)
 
     def forwards_done(self) -> bool:
         """Every forward posted and finished (a failed one counts as finished, recorded in ``failed``)."""
-        for (child, u), h in self._posted.items():
-            if child in self.failed:
-                continue
-            try:
-                state = self.agent.check_xfer_state(h)
-            except Exception:
-                state = "ERR"
-            if state == "ERR":
-                self.failed[child] = f"relay unit {u} (trainer rank {self.units[u][0]}'s bytes) failed"
-            elif state != "DONE":
-                return False
+        if not super().forwards_done():
+            return False
         want = {k for k in self._handles if k[0] not in self.failed}
         return want <= set(self._posted)
 
@@ -267,23 +216,6 @@ class NixlRelay:
             if left and child not in self.failed:
                 out[f"relay to engine rank {child}"] = f"{len(left)} unit(s) not forwarded yet"
         return out
-
-    def quiesce(self, deadline: float) -> None:
-        """When the version closes: let posted forwards finish (bounded); any still in flight, or
-        any that failed, are settled before the next version forwards again."""
-        quiesce(self.agent, self._posted.values(), deadline)
-        if self.failed or any(w.state() != "DONE" for k, w in self._handles.items() if k in self._posted):
-            self._unsettled = True
-
-    def _reconnect(self, child: object) -> None:
-        """The child's connection broke, or it renewed its endpoint: forget its agent, add it again
-        from its published metadata, and prepare every forward to it afresh."""
-        child = int(child)  # type: ignore[arg-type]
-        self._remote[child] = reconnect_peer(
-            self.agent, self._handles.values(), child, self._remote.get(child),
-            lambda: self.ctx.control.get(f"nixl/recv/{child}/meta", self.ctx.timeout_s,
-                                         what=f"engine rank {child} (relay target of engine rank {self.ctx.rank})"),
-            f"engine rank {self.ctx.rank}")
 
     def close(self) -> None:
         release(self.agent, (w.handle for w in self._handles.values()), remotes=self._remote.values())

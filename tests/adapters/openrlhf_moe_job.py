@@ -22,6 +22,10 @@ def main(rank: int, world: int, port: int, model_dir: str) -> None:
     from fastsync_openrlhf.moe import patch_actor_model
 
     torch.set_num_threads(1)
+    # DeepSpeed on CPU JIT-compiles its shared-memory all-reduce op here (45-300 s on 2 cores, again
+    # for every venv path, and a run killed mid-build leaves a lock that hangs the next one);
+    # only inference_all_reduce uses it, not ZeRO-3 training over gloo: not built
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
     ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     # stage3_allgather_sequential: DeepSpeed 0.19.6's coalesced gather (partition_parameters.py,

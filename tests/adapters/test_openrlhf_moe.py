@@ -19,7 +19,7 @@ pytest.importorskip("openrlhf", reason="OpenRLHF not installed (see requirements
 
 JOB = Path(__file__).with_name("openrlhf_moe_job.py")
 REPO = Path(__file__).resolve().parents[2]
-STANDIN = REPO / "adapters" / "openrlhf" / "fastsync_openrlhf" / "cpu_standins"  # flash_attn STAND-IN (CPU host)
+from fastsync_rigs import STANDINS as STANDIN  # noqa: E402 - flash_attn STAND-IN (CPU host), tests/support
 
 
 def test_moe_swap_under_zero3_keeps_names_values_and_trains(tmp_path, run_workers, free_port):

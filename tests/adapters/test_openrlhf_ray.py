@@ -6,9 +6,9 @@ OpenRLHF's ``ppo_actor`` module names after ``install_trainer`` ran in the train
 each rank's ZeRO-3 partitions into the engine; the engine's greedy tokens must then equal the
 trainer model's own, step after step.
 
-Stand-ins, named: ``flash_attn`` (fastsync_openrlhf/cpu_standins: OpenRLHF imports it at top
+Stand-ins, named: ``flash_attn`` (tests/support/fastsync_rigs/standins: OpenRLHF imports it at top
 level and it does not install on CPU), and OpenRLHF's CUDA-only set-up (``setup_distributed``,
-``ActorPPOTrainer.__init__``) done by ``fastsync_openrlhf.cpu_rig`` without CUDA. One engine and
+``ActorPPOTrainer.__init__``) done by ``fastsync_rigs.openrlhf_cpu`` (tests/support) without CUDA. One engine and
 one pair of trainer ranks serve every case of this module (engine start ~30 s)."""
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ pytest.importorskip("ray")
 
 pytestmark = pytest.mark.slow
 
-STANDIN = Path(__file__).resolve().parents[2] / "adapters" / "openrlhf" / "fastsync_openrlhf" / "cpu_standins"  # flash_attn STAND-IN
+from fastsync_rigs import STANDINS as STANDIN  # noqa: E402 - flash_attn STAND-IN (CPU host), tests/support
 
 
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory):
-    from fastsync_openrlhf.cpu_rig import CpuRig, build_checkpoint
+    from fastsync_rigs.openrlhf_cpu import CpuRig, build_checkpoint
 
     model_dir = build_checkpoint(tmp_path_factory.mktemp("ckpt"))
     r = CpuRig(model_dir, str(tmp_path_factory.mktemp("ray")), num_trainers=2, env={"PYTHONPATH": str(STANDIN)})
@@ -91,7 +91,7 @@ def test_samples_carry_the_weight_versions_that_generated_them(rig, tmp_path):
     import transformers
     from vllm import SamplingParams
 
-    from fastsync_verl.cpu import write_word_tokenizer
+    from fastsync_rigs.verl_cpu import write_word_tokenizer
 
     model_dir = rig.model_dir
     tok_dir = tmp_path / "tok"

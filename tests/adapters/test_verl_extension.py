@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM not installed")
 pytest.importorskip("verl", reason="verl not installed")
 
-from fastsync_verl.cpu import vllm_dist_shim  # noqa: E402
+from fastsync_rigs.verl_cpu import vllm_dist_shim  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ EXTENSION_PATH = "fastsync_verl.extension.FastSyncVerlWorkerExtension"
 
 @pytest.fixture(scope="module")
 def shim(tmp_path_factory):
-    from fastsync_verl.cpu import vllm_dist_shim
+    from fastsync_rigs.verl_cpu import vllm_dist_shim
 
     vllm_dist_shim(str(tmp_path_factory.mktemp("vllmdist")))  # verl's vLLM package on the CPU build
 
@@ -70,21 +70,36 @@ def test_capability_names_what_blocks_the_in_place_path(shim) -> None:
 def test_rank0_decides_in_place_only_when_every_side_can(ctl) -> None:
     publish_rollout_mode(ctl, 0, True, "", True, 1)
     publish_rollout_mode(ctl, 1, True, "", True, 1)
-    got = decide_mode(ctl, 2, None, "auto", 5)
-    assert got == {"mode": "inplace", "why": "", "leaders": [[0, 1], [1, 1]]}
+    got = decide_mode(ctl, 2, None, "auto", 5, version=3)
+    assert got == {"mode": "inplace", "why": "", "leaders": [[0, 1], [1, 1]], "version": 3}
     assert read_mode(ctl, 5, "rollout rank 1") == got
-    # a trainer without shards: full tensors, named
-    got = decide_mode(ctl, 2, "engine_kwargs.fastsync.trainer_shards='off'", "auto", 5)
-    assert got["mode"] == "fulltensor" and "trainer_shards='off'" in got["why"]
+    # a new master (fresh backend, version 1) meeting engines an earlier session synced: the
+    # session's versions start above the newest any engine served or began
+    publish_rollout_mode(ctl, 1, True, "", True, 1, held=12)
+    assert decide_mode(ctl, 2, None, "auto", 5, version=1)["version"] == 13
+    assert decide_mode(ctl, 2, None, "auto", 5, version=20)["version"] == 20
+    # a trainer without shards: full tensors, named (fresh buffers per session: the version stays)
+    got = decide_mode(ctl, 2, "engine_kwargs.fastsync.trainer_shards='off'", "auto", 5, version=1)
+    assert got["mode"] == "fulltensor" and "trainer_shards='off'" in got["why"] and got["version"] == 1
     # one rollout rank that cannot (SGLang, wrong extension): fallback naming the rank, refused under 'on'
     publish_rollout_mode(ctl, 1, False, "rollout.name='sglang'", False, 0)
-    got = decide_mode(ctl, 2, None, "auto", 5)
+    got = decide_mode(ctl, 2, None, "auto", 5, version=1)
     assert got["mode"] == "fulltensor" and got["why"] == "rollout rank 1: rollout.name='sglang'"
     with pytest.raises(ConfigError, match="inplace='on'.*rollout rank 1: rollout.name='sglang'"):
-        decide_mode(ctl, 2, None, "on", 5)
+        decide_mode(ctl, 2, None, "on", 5, version=1)
     with pytest.raises(ConfigError, match="refused the session"):  # the others get the refusal, not a timeout
         read_mode(ctl, 5, "rollout rank 0")
     assert json.loads(ctl.get(MODE_KEY, 5))["mode"] == "error"
+
+
+def test_adopted_version_moves_the_master_on() -> None:
+    from fastsync_verl.session import MasterState
+
+    eng = FastSyncCheckpointEngine(1 << 20)
+    eng._master, eng._version = MasterState(), 1
+    eng._master.spend()
+    assert eng.adopt_version(13) == 13 and eng._master.spend()["version"] == 14  # the next sync counts on
+    assert eng.adopt_version(5) == 13  # never back
 
 
 def test_bad_inplace_value_and_megatron_notice(monkeypatch) -> None:

@@ -34,9 +34,9 @@ def _trainer(rank: int, port: int, conn, mode: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     import torch.distributed as dist
-    from fastsync_verl.cpu import use_cpu_platform
+    from fastsync_rigs.verl_cpu import use_cpu_platform
 
-    use_cpu_platform()  # CPU bridge: verl 0.9.1 has no CPU platform (see fastsync_verl/cpu.py)
+    use_cpu_platform()  # CPU bridge: verl 0.9.1 has no CPU platform (see tests/support/fastsync_rigs/verl_cpu.py)
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
     from verl.checkpoint_engine import CheckpointEngineRegistry

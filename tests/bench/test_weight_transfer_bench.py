@@ -40,3 +40,13 @@ def test_bench_json_tiny(tmp_path, capsys):
     for b in ("ipc", "nccl"):  # both need CUDA; the row carries the backend's own error
         assert rows[b]["runs"] is False and rows[b]["stage"] == "trainer_init" and rows[b]["why"], rows[b]
     assert out["ratio_to_fastsync"]["fastsync"] == 1.0 and out["ratio_to_fastsync"]["ipc_shm_standin"] > 0
+
+
+def test_serve_bench_refuses_bad_input_before_starting_a_server(capsys):
+    """``--serve`` checks its options by name before any engine starts."""
+    assert main(["weight-transfer-bench", "--serve", "--pause-modes", "keep,pause"]) == 2
+    assert "--pause-modes: ['pause']" in capsys.readouterr().err
+    assert main(["weight-transfer-bench", "--serve", "--max-tokens", "450"]) == 2
+    assert "--max-tokens 450" in capsys.readouterr().err
+    assert main(["weight-transfer-bench", "--serve", "--syncs", "0"]) == 2
+    assert "--syncs must be an int >= 1" in capsys.readouterr().err

@@ -172,7 +172,7 @@ def test_weightsync_arguments(kwargs, expect):
 ])
 def test_sender_arguments(kwargs, expect):
     from fastsync.sync.sender import WeightSender
-    from fastsync.testing.synthetic import ModelDims, engine_layout, fsdp_layout, small_model
+    from fastsync.bench.synthetic import ModelDims, engine_layout, fsdp_layout, small_model
     from fastsync.plan.planner import build_plan
 
     dims = ModelDims(layers=1, hidden=64, q_dim=64, kv_dim=32, experts=2, moe_inter=32, vocab=128)

@@ -186,7 +186,7 @@ def _assert_bytes_equal_reference(llm, described: dict, full: dict) -> None:
     from fastsync.engines.vllm.host import raise_worker_errors
     from fastsync.executor.staging import as_bytes
     from fastsync.layout.wire import engine_tensors_from_json
-    from fastsync.testing.local import reference_engine_tensors
+    from fastsync.bench.local import reference_engine_tensors
 
     tensors = engine_tensors_from_json(described["tensors"])
     want = reference_engine_tensors(full, EngineLayout(1, {0: tensors}))[0]

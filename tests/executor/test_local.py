@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fastsync.errors import PlanError
-from fastsync.testing.local import (
+from fastsync.bench.local import (
     execute_plan_locally,
     gather_full,
     reference_engine_tensors,
@@ -17,7 +17,7 @@ from fastsync.testing.local import (
     write_counts,
 )
 from fastsync.plan.planner import build_plan
-from fastsync.testing.synthetic import ModelDims, engine_layout, fsdp_layout, small_model, zero3_layout
+from fastsync.bench.synthetic import ModelDims, engine_layout, fsdp_layout, small_model, zero3_layout
 
 DIMS = ModelDims(layers=1, hidden=64, q_dim=64, kv_dim=32, inter=96, experts=4, moe_inter=32, vocab=64,
                  fused_experts=False, dtype="float32")

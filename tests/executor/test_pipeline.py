@@ -97,3 +97,45 @@ def test_stalled_pack_fails_by_the_deadline() -> None:
         run_pipelined(_chunks(2), pack=lambda c: time.sleep(2), post=lambda c: None, drain=lambda c, d: None,
                       deadline=time.monotonic() + 0.3, metrics=SyncMetrics(1, "trainer", 0, "test"))
     assert time.monotonic() - t0 < 3
+
+
+@pytest.mark.parametrize(("in_flight", "slots"), [(1, 2), (3, 2), (4, -1)])
+def test_in_flight_chunks_are_bounded_and_drained_in_order(in_flight: int, slots: int) -> None:
+    """``in_flight=d``: chunk k is posted only after k-d drained (never more than d written at
+    once), drains run in chunk order, a staging slot is still reused only after its previous
+    chunk drained (d above the slot count must not deadlock), and with direct chunks (slot -1,
+    no staging) d chunks really are in flight together."""
+    events: list[tuple[str, int]] = []
+    lock = threading.Lock()
+    most = [0]
+
+    def log(kind: str):
+        def f(c: Chunk, *_: object) -> None:
+            time.sleep(0.002)
+            with lock:
+                events.append((kind, c.index))
+                posted = sum(1 for e in events if e[0] == "post")
+                drained = sum(1 for e in events if e[0] == "drain")
+                most[0] = max(most[0], posted - drained)
+        return f
+
+    chunks = [Chunk(i, i % slots if slots > 0 else -1) for i in range(10)]
+    run_pipelined(chunks, pack=log("pack"), post=log("post"), drain=log("drain"),
+                  deadline=time.monotonic() + 10, metrics=SyncMetrics(1, "trainer", 0, "test"), in_flight=in_flight)
+    pos = {e: i for i, e in enumerate(events)}
+    assert [k for kind, k in events if kind == "drain"] == list(range(10))
+    for k in range(10):
+        assert pos[("pack", k)] < pos[("post", k)] < pos[("drain", k)]
+        if k >= in_flight:
+            assert pos[("drain", k - in_flight)] < pos[("post", k)]
+        if slots > 0 and k >= slots:
+            assert pos[("drain", k - slots)] < pos[("pack", k)]
+    assert most[0] <= in_flight
+    if slots < 0:
+        assert most[0] == in_flight
+
+
+def test_in_flight_below_one_is_refused() -> None:
+    with pytest.raises(SyncError, match="in_flight"):
+        run_pipelined(_chunks(2), pack=lambda c: None, post=lambda c: None, drain=lambda c, d: None,
+                      deadline=time.monotonic() + 10, metrics=SyncMetrics(1, "trainer", 0, "test"), in_flight=0)

@@ -10,7 +10,7 @@ from fastsync.executor.pack import Packer
 from fastsync.executor.program import TensorInfo, compile_recv, compile_send, split_transfer
 from fastsync.layout.box import box_shape, box_slices
 from fastsync.plan.planner import build_plan
-from fastsync.testing.synthetic import ModelDims, engine_layout, fsdp_layout, small_model
+from fastsync.bench.synthetic import ModelDims, engine_layout, fsdp_layout, small_model
 from fastsync.plan.types import Plan, Transfer
 
 DIMS = ModelDims(layers=2, hidden=64, q_dim=64, kv_dim=32, experts=4, moe_inter=32, vocab=128)

@@ -120,6 +120,53 @@ def test_failed_sender_keeps_the_old_version_and_next_sync_succeeds(store, model
     rx.close()
 
 
+def test_an_engine_refusing_to_begin_fails_the_senders_at_once(store, model) -> None:
+    """A restarted trainer job (fresh senders) asks for version 1 of an engine rank that holds 2:
+    the rank refuses to begin it and says so under its ``begun`` key, so the trainer ranks fail
+    with its reason at once, not at their 30 s deadline, and nothing is written."""
+    ctl = store.with_prefix(f"t{next(_ns)}")
+    tensors = _tensors(model)
+    rx = WeightReceiver(rank=0, plan=model.plan, tensors=tensors, control=ctl, transport="nixl", timeout_s=10)
+    rx.setup()
+    bufs = [trainer_buffers(model, r) for r in range(2)]
+
+    def senders() -> list[WeightSender]:
+        out = [WeightSender(rank=r, plan=model.plan, sources=bufs[r][1], shards=bufs[r][2], control=ctl,
+                            transport="nixl", timeout_s=30) for r in range(2)]
+        for s in out:
+            s.setup()
+        return out
+
+    first = senders()
+    rx.begin(2)
+    threads, errors = _run_senders(first, 2, {})
+    rx.wait(time.monotonic() + 10)
+    rx.finish()
+    for t in threads:
+        t.join(10)
+    assert errors == {} and rx.version == 2
+    held = {n: t.clone() for n, t in tensors.items()}
+    for s in first:
+        s.close()
+
+    restarted = senders()
+    with pytest.raises(SyncError, match="version 1 is not newer than held 2"):
+        rx.begin(1)
+    t0 = time.monotonic()
+    threads, errors = _run_senders(restarted, 1, {})
+    for t in threads:
+        t.join(30)
+    assert time.monotonic() - t0 < 5, "the senders waited for their deadline"
+    assert set(errors) == {0, 1}, errors
+    for e in errors.values():
+        assert isinstance(e, SyncError) and "engine rank 0 refused to begin version 1" in str(e), e
+        assert "not newer than held 2" in str(e), e
+    assert rx.version == 2 and _equal(tensors, held)
+    for s in restarted:
+        s.close()
+    rx.close()
+
+
 def test_receiver_without_senders_fails_by_its_deadline_naming_ranks_and_tensors(store, model) -> None:
     ctl = store.with_prefix(f"t{next(_ns)}")
     tensors = _tensors(model)

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
-from fastsync.testing import random_layout as lrandom  # noqa: E402
+from fastsync_rigs import random_layout as lrandom  # noqa: E402
 from fastsync.layout.spec import engine_layout_from_spec, trainer_layout_from_spec  # noqa: E402
 from fastsync.models import inventory_from_config  # noqa: E402
 

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 from fastsync.layout.engine import engine_tensors_for_rank  # noqa: E402
 from fastsync.layout.namemap import get_name_map  # noqa: E402
 from fastsync.models import load_inventory  # noqa: E402
-from fastsync.testing.cpu import fp8_skip_reason  # noqa: E402
+from fastsync_rigs.cpu import fp8_skip_reason  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(__file__), "vllm_params_worker.py")
 FP8 = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic", "fmt": "e4m3"}

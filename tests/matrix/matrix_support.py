@@ -21,9 +21,6 @@ CELLS: list[tuple[str, str]] = [("dense", "direct"), ("dense", "relayed"), ("del
 #: the ``fanout`` option that asks for each route with two identical replicas
 FANOUT = {"direct": "direct", "relayed": "chain"}
 
-#: why no entry point relays a delta (WeightSync refuses it by name at construction)
-DELTA_NOT_RELAYED = ("deltas are not relayed: relays forward dense write batches, not delta pages "
-                     "(WeightSync refuses delta=True with fanout='chain'; fanout='auto' sends deltas direct)")
 
 
 def cell_id(cell: tuple[str, str]) -> str:
@@ -31,15 +28,10 @@ def cell_id(cell: tuple[str, str]) -> str:
 
 
 def cell_params() -> list[Any]:
-    """The cells as pytest params, the delta-relayed one a strict xfail on WeightSync's refusal."""
+    """The cells as pytest params."""
     import pytest
 
-    from fastsync.errors import ConfigError
-
-    return [pytest.param(cell, id=cell_id(cell),
-                         marks=[pytest.mark.xfail(strict=True, raises=ConfigError, reason=DELTA_NOT_RELAYED)]
-                         if cell == ("delta", "relayed") else [])
-            for cell in CELLS]
+    return [pytest.param(cell, id=cell_id(cell)) for cell in CELLS]
 
 
 def first_version(cell: tuple[str, str]) -> int:
@@ -50,11 +42,11 @@ def first_version(cell: tuple[str, str]) -> int:
 def reference_digest(full: dict[str, Any], tensors_json: dict) -> dict[str, str]:
     """What ``fastsync_digest`` must report for one engine rank whose tensors are ``tensors_json``
     (its ``describe()`` answer): a SHA-256 (16 hex digits) of each engine tensor's plain bytes,
-    built piece by piece from the trainer's full weights (``fastsync.testing.local``)."""
+    built piece by piece from the trainer's full weights (``fastsync.bench.local``)."""
     from fastsync.executor.staging import as_bytes
     from fastsync.layout.types import EngineLayout
     from fastsync.layout.wire import engine_tensors_from_json
-    from fastsync.testing.local import reference_engine_tensors
+    from fastsync.bench.local import reference_engine_tensors
 
     tensors = engine_tensors_from_json(tensors_json)
     want = reference_engine_tensors(full, EngineLayout(1, {0: tensors}))[0]

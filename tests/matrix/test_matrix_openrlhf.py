@@ -5,7 +5,7 @@ subclass) running the real vLLM CPU engine, as ``--vllm.num_engines 2`` would gi
 takes real AdamW steps, then every engine tensor's bytes must equal the trainer's (gathered
 ZeRO-3 weights through the plan's reference) and both engines' greedy tokens the trainer's.
 
-Rig: ``fastsync_openrlhf.cpu_rig`` (its named stand-ins: ``flash_attn``, OpenRLHF's CUDA-only
+Rig: ``fastsync_rigs.openrlhf_cpu`` (tests/support) (its named stand-ins: ``flash_attn``, OpenRLHF's CUDA-only
 set-up). The rig starts one engine; the second is started here with the same arguments, holding
 no logical GPU (the rig's Ray has one; vLLM on CPU does not use it). One rig and one pair of
 engines serve every cell (about a minute to start)."""
@@ -29,7 +29,7 @@ from matrix_support import FANOUT, assert_digest, cell_id, cell_params, first_ve
 
 pytestmark = pytest.mark.slow
 
-STANDIN = Path(__file__).resolve().parents[2] / "adapters" / "openrlhf" / "fastsync_openrlhf" / "cpu_standins"  # flash_attn STAND-IN
+from fastsync_rigs import STANDINS as STANDIN  # noqa: E402 - flash_attn STAND-IN (CPU host), tests/support
 
 
 def _calls():
@@ -62,7 +62,7 @@ def _calls():
 
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory):
-    from fastsync_openrlhf.cpu_rig import CpuRig, build_checkpoint
+    from fastsync_rigs.openrlhf_cpu import CpuRig, build_checkpoint
     from fastsync_openrlhf.rollout import OPENRLHF_EXTENSION, FastSyncRolloutRayActor
 
     model_dir = build_checkpoint(tmp_path_factory.mktemp("ckpt"))
@@ -90,7 +90,7 @@ def rig(tmp_path_factory):
 def _tokens(rig, engine) -> list[list[int]]:
     from vllm import SamplingParams
 
-    from fastsync_openrlhf.cpu_rig import MAX_TOKENS, PROMPTS
+    from fastsync_rigs.openrlhf_cpu import MAX_TOKENS, PROMPTS
 
     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     return [list(rig.ray.get(engine.generate.remote(p, sp), timeout=120).outputs[0].token_ids) for p in PROMPTS]

@@ -26,7 +26,7 @@ from fastsync.layout.box import box_slices  # noqa: E402
 from fastsync.layout.trainer import fsdp_layout  # noqa: E402
 from fastsync.layout.types import ParamSpec  # noqa: E402
 from fastsync.sync import WeightSync  # noqa: E402
-from fastsync.testing.threads import run_ranks  # noqa: E402
+from fastsync_rigs.threads import run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -59,6 +59,13 @@ def test_bad_cluster_flags_are_refused_before_anything_starts(capsys: pytest.Cap
     assert "--nic-gbps" in capsys.readouterr().err
     assert main([*base, "--latency-ms", "1"]) == 2
     assert "--latency-ms needs --hosts" in capsys.readouterr().err
+    from fastsync.bench.hosts import netem_available, rig_unavailable
+
+    if rig_unavailable() is None and not netem_available():  # this project's VMs: no delaying qdisc at all
+        assert main([*base, "--hosts", "2:2", "--latency-ms", "1"]) == 2
+        err = capsys.readouterr().err
+        assert "--latency-ms needs the 'netem' qdisc" in err and "CONFIG_NET_SCH_NETEM is not set" in err, err
+        assert "'fq'" in err and "CONFIG_NET_SCH_FQ is not set" in err, err
 
 
 def _rc(main, argv: list[str]) -> int:
@@ -85,19 +92,38 @@ def test_delta_bench_across_two_hosts(host_rig) -> None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not availability("nixl")[0], reason="NIXL is not importable here")
-def test_reload_bench_engines_joining_at_once_from_peers_and_from_a_storage_host(host_rig) -> None:
+@pytest.mark.parametrize("fanout", ["off", "chain"])
+def test_reload_bench_engines_joining_at_once_from_peers_and_from_a_storage_host(host_rig, fanout: str) -> None:
     """``fastsync reload-bench --hosts H --joiners K``: real vLLM engines, each on its own host;
     every joining engine filled from a live peer over the NICs and, separately, from the
     checkpoint fetched over HTTP from the storage host, each verified against a holder; the
-    storage host's NIC carried every joiner's copy in the second case, the holders' in the first."""
+    storage host's NIC carried every joiner's copy in the second case, the holders' in the first.
+    With ``--fanout chain`` the holder sends one copy and the first joining engine forwards it to
+    the second (its NIC carries the relayed copy)."""
     got = subprocess.run([sys.executable, "-m", "fastsync.cli", "reload-bench", "--model", "qwen3-tiny", "--hosts", "1",
-                          "--joiners", "2", "--nic-gbps", "1", "--repeats", "1", "--json"],
-                         capture_output=True, text=True, timeout=1200)
+                          "--joiners", "2", "--nic-gbps", "1", "--repeats", "1", "--fanout", fanout, "--chunk-mb",
+                          "0.25", "--json"], capture_output=True, text=True, timeout=1200)
     assert got.returncode == 0, got.stderr[-3000:]
     out = json.loads(got.stdout)
-    assert out["verified"] and out["joiners"] == 2 and out["holders"] == 1
+    assert out["verified"] and out["joiners"] == 2 and out["holders"] == 1 and out["fanout"] == fanout
     r = out["rounds"][0]
     size = out["checkpoint_bytes"]
-    assert r["peer_nic_tx_bytes"]["holders"] > 1.5 * size and r["peer_nic_tx_bytes"]["storage"] < 0.1 * size, r
+    sent = r["peer_nic_tx_bytes"]
+    if fanout == "off":
+        assert sent["holders"] > 1.5 * size and sent["joiners"] < 0.1 * size, r
+    else:
+        assert out["chains"] == {"mode": "chain", "replicas": 2, "roots": 1, "depth": 1, "relayed": True}, out
+        assert 0.9 * size < sent["holders"] < 1.3 * size and 0.9 * size < sent["joiners"] < 1.3 * size, r
+    assert sent["storage"] < 0.1 * size, r
     assert r["checkpoint_nic_tx_bytes"]["storage"] > 1.9 * size and r["checkpoint_nic_tx_bytes"]["holders"] < 0.1 * size
     assert out["weights_seconds"]["peer"] > 0 and out["weights_seconds"]["checkpoint"] > 0
+
+
+def test_reload_bench_bad_flags_are_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    from fastsync.cli import main
+
+    base = ["reload-bench", "--model", "qwen3-tiny", "--hosts", "1", "--joiners", "2"]
+    assert _rc(main, [*base, "--fanout", "ring"]) == 2
+    assert "--fanout" in capsys.readouterr().err
+    assert _rc(main, [*base, "--fanout", "chain", "--chunk-mb", "0"]) == 2
+    assert "--chunk-mb" in capsys.readouterr().err

@@ -93,9 +93,14 @@ def test_verl_tp2_replica_across_two_hosts_takes_the_in_place_path(host_rig) -> 
 @pytest.mark.slow
 def test_openrlhf_smoke_across_two_ray_nodes(host_rig) -> None:
     pytest.importorskip("openrlhf")
-    got = subprocess.run([sys.executable, str(OPENRLHF), "--hosts", "2"],
+    got = subprocess.run([sys.executable, str(OPENRLHF), "--hosts", "2", "--json"],
                          capture_output=True, text=True, timeout=900)
     assert got.returncode == 0 and "match: true" in got.stdout, (got.stdout[-3000:], got.stderr[-3000:])
+    out = json.loads(got.stdout.strip().splitlines()[-1])
+    # per sync: the trainers' transfer and how long the engine held generation back (the whole update:
+    # OpenRLHF's engine is not staged), measured by the rollout actor around its update call
+    assert out["match"] and len(out["syncs"]) == 2, out
+    assert all(0 < s["engine_stall_seconds"] and 0 < s["transfer_s"] for s in out["syncs"]), out
     assert "trainers on 198.18.0.1, engine on 198.18.0.2" in got.stdout
     line = next(ln for ln in got.stdout.splitlines() if "trainer host NIC sent" in ln).split()
     sent, model = float(line[4]), float(line[7])

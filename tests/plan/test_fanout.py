@@ -15,7 +15,7 @@ from fastsync.plan.planner import build_plan
 from fastsync.plan.replicate import expand, expand_indexed, receiver_copies, relay_sources, replica_structure, sender_copies
 from fastsync.plan.types import Plan
 from fastsync.plan.simulate import gbps_to_bytes_per_s, simulate
-from fastsync.testing.synthetic import ModelDims, engine_layout, fsdp_layout, small_model
+from fastsync.bench.synthetic import ModelDims, engine_layout, fsdp_layout, small_model
 
 DIMS = ModelDims(layers=2, experts=4, hidden=160, q_dim=96, kv_dim=48, moe_inter=72, vocab=136)
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from fastsync.layout.types import EngineLayout, EngineTensor, ParamSpec, Piece, Shard, TrainerLayout
 from fastsync.plan.fingerprint import engine_fingerprint, plan_hash, trainer_fingerprint
 from fastsync.plan.planner import build_plan
-from fastsync.testing.synthetic import ModelDims, engine_layout, fsdp_layout, megatron_layout, small_model, zero3_layout
+from fastsync.bench.synthetic import ModelDims, engine_layout, fsdp_layout, megatron_layout, small_model, zero3_layout
 
 
 @settings(max_examples=25, deadline=None)

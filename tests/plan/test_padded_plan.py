@@ -30,8 +30,8 @@ from fastsync.models import inventory_from_config  # noqa: E402
 from fastsync.plan.fingerprint import engine_fingerprint, plan_hash  # noqa: E402
 from fastsync.plan.planner import build_plan  # noqa: E402
 from fastsync.plan.types import Plan  # noqa: E402
-from fastsync.testing.local import execute_plan_locally, split_full_params, write_counts  # noqa: E402
-from fastsync.testing.threads import run_ranks  # noqa: E402
+from fastsync.bench.local import execute_plan_locally, split_full_params, write_counts  # noqa: E402
+from fastsync_rigs.threads import run_ranks  # noqa: E402
 
 INTER, HIDDEN, EXPERTS = 20, 40, 5
 CFG = {

@@ -11,7 +11,7 @@ from fastsync.errors import FastSyncError, LayoutError, PlanError
 from fastsync.layout.box import box_numel
 from fastsync.layout.types import EngineLayout, EngineTensor, ParamSpec, Piece, Shard, TrainerLayout
 from fastsync.plan.planner import build_plan
-from fastsync.testing.synthetic import ModelDims, engine_layout, fsdp_layout, small_model
+from fastsync.bench.synthetic import ModelDims, engine_layout, fsdp_layout, small_model
 from fastsync.plan.types import Plan
 
 DIMS = ModelDims(layers=1, hidden=256, q_dim=256, kv_dim=128, inter=256, experts=4, moe_inter=128, vocab=128)

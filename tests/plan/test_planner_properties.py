@@ -23,12 +23,12 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from fastsync.errors import LayoutError, PlanError
-from fastsync.testing.local import execute_plan_locally, reference_engine_tensors, split_full_params, write_counts
+from fastsync.bench.local import execute_plan_locally, reference_engine_tensors, split_full_params, write_counts
 from fastsync.layout.box import box_numel
 from fastsync.layout.types import TrainerLayout
 from fastsync.plan.fingerprint import plan_hash
 from fastsync.plan.planner import build_plan
-from fastsync.testing.synthetic import ModelDims, engine_layout, fsdp_layout, megatron_layout, small_model, zero3_layout
+from fastsync.bench.synthetic import ModelDims, engine_layout, fsdp_layout, megatron_layout, small_model, zero3_layout
 from fastsync.plan.types import Plan
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -8,7 +8,7 @@ from fastsync.errors import ConfigError
 from fastsync.layout.types import ParamSpec
 from fastsync.plan.planner import build_plan
 from fastsync.plan.simulate import gbps_to_bytes_per_s, rank0_baseline, simulate
-from fastsync.testing.synthetic import ModelDims, engine_layout, fsdp_layout, small_model
+from fastsync.bench.synthetic import ModelDims, engine_layout, fsdp_layout, small_model
 from fastsync.plan.types import Plan, Transfer
 
 DIMS = ModelDims(layers=2, hidden=256, q_dim=256, kv_dim=128, inter=256, experts=4, moe_inter=128, vocab=128)

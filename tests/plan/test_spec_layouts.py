@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastsync.testing.local import execute_plan_locally, reference_engine_tensors, split_full_params, write_counts
+from fastsync.bench.local import execute_plan_locally, reference_engine_tensors, split_full_params, write_counts
 from fastsync.layout.spec import engine_layout_from_spec, trainer_layout_from_spec
 from fastsync.models import inventory_from_config
 from fastsync.plan.planner import build_plan

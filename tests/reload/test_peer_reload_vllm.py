@@ -22,13 +22,13 @@ pytest.importorskip("nixl")
 from fastsync.control import TCPStoreControl  # noqa: E402
 from fastsync.demo.checkpoints import build_tiny_checkpoint  # noqa: E402
 from fastsync.demo.run import engine_kwargs  # noqa: E402
-from fastsync.errors import SyncError  # noqa: E402
+from fastsync.errors import ConfigError, SyncError  # noqa: E402
 from fastsync.layout.box import box_slices  # noqa: E402
 from fastsync.layout.trainer import fsdp_layout  # noqa: E402
 from fastsync.layout.types import ParamSpec  # noqa: E402
 from fastsync.reload.coordinator import PeerReload  # noqa: E402
 from fastsync.sync import WeightSync  # noqa: E402
-from fastsync.testing.threads import run_ranks  # noqa: E402
+from fastsync_rigs.threads import run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -96,7 +96,7 @@ def rig(tmp_path_factory):
         from fastsync.reload.holders import TrainerHolder
 
         trainer = TrainerHolder("trainer", layout, sources, version=2)
-        yield {"engines": engines, "control": control, "ckpt_v2": str(v2), "trainer": trainer,
+        yield {"engines": engines, "control": control, "ckpt": ckpt, "ckpt_v2": str(v2), "trainer": trainer,
                "coord": PeerReload(control, timeout_s=TIMEOUT_S)}
     finally:
         for e in engines.values():
@@ -142,6 +142,27 @@ def test_holder_on_another_version_is_refused(rig):
     with pytest.raises(SyncError, match="no checkpoint"):
         coord.reload(e["J"], [e["H1"]], 1)
     assert e["J"].version() == 2  # untouched
+
+
+def test_engines_joining_together_are_filled_through_a_chain(rig):
+    """``reload_group``: H2 and J join at once from H1 alone as one chain: H1 writes H2, which
+    forwards each write batch to J as it lands. Both end bit-identical to H1, and H1 sent one
+    copy of the weights, not one per joining engine."""
+    e, coord = rig["engines"], rig["coord"]
+    with pytest.raises(ConfigError, match="fanout"):
+        coord.reload_group([e["H2"], e["J"]], [e["H1"]], 2, fanout="ring")
+    for name in ("H2", "J"):  # the checkpoint's weights (version 0): the reload must move every byte
+        e[name].load_checkpoint(rig["ckpt"], 0)
+        assert _digest(e[name]) != _digest(e["H1"])
+    rep = coord.reload_group([e["H2"], e["J"]], [e["H1"]], 2, fanout="chain", max_transfer_bytes=256 << 10)
+    assert rep.source == "peer" and rep.holders == ["H1"], rep.to_json()
+    assert rep.fanout == {"mode": "chain", "replicas": 2, "roots": 1, "depth": 1, "relayed": True}, rep.fanout
+    for name in ("H2", "J"):
+        assert e[name].version() == 2 and _digest(e[name]) == _digest(e["H1"]), name
+    assert e["J"].generate(PROMPTS, 6) == e["H1"].generate(PROMPTS, 6)
+    (w,) = rep.attempts[-1]["workers_of"]["J"]
+    one_copy = w["staged_bytes"] + w["inplace_bytes"]
+    assert one_copy * 0.9 < rep.attempts[-1]["sent_bytes"]["H1"] < one_copy * 1.1, (rep.attempts[-1], one_copy)
 
 
 def test_peer_killed_mid_reload_switches_holder_then_checkpoint(rig):

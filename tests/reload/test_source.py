@@ -20,7 +20,7 @@ from fastsync.reload.source import (
     params_of,
     target_layout,
 )
-from fastsync.testing.local import execute_plan_locally, reference_engine_tensors
+from fastsync.bench.local import execute_plan_locally, reference_engine_tensors
 
 
 def _inventory(preset: str, **over):
@@ -92,8 +92,8 @@ def test_parameter_in_two_buffers_is_refused():
 
 
 def test_trainer_and_engine_holders_merge():
-    from fastsync.testing.synthetic import fsdp_layout
-    from fastsync.testing.local import split_full_params
+    from fastsync.bench.synthetic import fsdp_layout
+    from fastsync.bench.local import split_full_params
 
     inv = _inventory("tiny-qwen3", hidden_size=192, intermediate_size=200, vocab_size=515)
     src = engine_layout_from_spec("vllm:tp2", inv)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from fastsync.testing.delta_jobs import DeltaJob, run_job
+from fastsync_rigs.delta_jobs import DeltaJob, job_model, run_job
 
 pytestmark = pytest.mark.slow
 
@@ -69,3 +69,42 @@ def test_killed_trainer_mid_delta_leaves_every_engine_on_its_last_version() -> N
         assert not r["ok"] and r["served_version"] == 2 and r["exact"], r
         assert "trainer rank 1" in r["error"], r["error"]
     assert all(r["ok"] and r["exact"] for r in _rows(rows, "engine", 2))
+
+
+def test_deltas_relayed_down_a_chain_of_four_replicas_bit_exact() -> None:
+    """Relays forward the delta streams themselves: the trainer ranks write only the chain's root
+    replica (bytes counted per link), every replica down the chain applies the root's streams and
+    ends bit-exact; a replica that rolled back a version gets its chain's links dense next time."""
+    schedule = [(1, "dense"), (2, "delta"), (3, "delta"), (4, "delta"), (5, "delta"), (6, "delta")]
+    job = DeltaJob(trainers=2, rollouts=4, replicas=4, fanout="chain", port=0, schedule=schedule, abort_at={3: 3})
+    rows = run_job(job)
+    for v, _ in schedule:
+        engines = {r["rank"]: r for r in _rows(rows, "engine", v)}
+        assert sorted(engines) == [0, 1, 2, 3], v
+        for rank, r in engines.items():
+            assert r["exact"], (v, r)
+            if (rank, v) == (3, 3):
+                assert not r["ok"] and r["served_version"] == 2
+            else:
+                assert r["ok"] and r["served_version"] == v, (v, r)
+        trainers = _rows(rows, "trainer", v)
+        assert all(r["ok"] for r in trainers), trainers
+        if v > 1:
+            assert all(r["mode"] == "delta" for r in trainers), trainers
+    # a sparse step (0.3% of the elements) moves a small fraction of the dense bytes, and
+    # bytes_dense is one replica's: the trainer ranks wrote the chain's root only
+    t5 = _rows(rows, "trainer", 5)
+    assert all(r["bytes_sent"] < 0.05 * r["bytes_dense"] for r in t5), t5
+    one_replica = sum(r["bytes_dense"] for r in t5)
+    assert one_replica == job_model_bytes(job), (one_replica, job_model_bytes(job))
+    # version 4: engine rank 3 (down the chain) missed version 3, so the chain's links went dense,
+    # and every replica applied that dense stream; version 5 is a delta again
+    assert all(r["dense_links"] == [0] for r in _rows(rows, "trainer", 4)), _rows(rows, "trainer", 4)
+    assert all(r["dense_links"] == [] for r in _rows(rows, "trainer", 5)), _rows(rows, "trainer", 5)
+    e2 = {r["rank"]: r for r in _rows(rows, "engine", 2)}
+    assert all(0 < e2[k]["changed"] < e2[k]["elements"] for k in range(4)), e2
+
+
+def job_model_bytes(job: DeltaJob) -> int:
+    """Bytes of one replica's planned transfers (what trainer ranks write without relays into one)."""
+    return sum(t.nbytes for t in job_model(job).plan.transfers)

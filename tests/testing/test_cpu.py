@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastsync.testing.cpu import ASSUME_NO_AMX_ENV, cpu_flags, cpu_has_amx, fp8_skip_reason
+from fastsync_rigs.cpu import ASSUME_NO_AMX_ENV, cpu_flags, cpu_has_amx, fp8_skip_reason
 
 XEON = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f amx_bf16 amx_tile amx_int8\n\nprocessor\t: 1\n"
 EPYC = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n"

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from fastsync.testing.threads import run_ranks
+from fastsync_rigs.threads import run_ranks
 
 
 def test_results_in_rank_order_and_concurrent():

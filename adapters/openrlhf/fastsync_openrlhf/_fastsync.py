@@ -4,32 +4,25 @@ package ``worker_extension_cls`` strings name). Imports nothing heavy until a na
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastsync import (
-    RpcEngine,
-    node_address,
-    share_over_torch,
-    DEFAULT_HOST,
     ConfigError,
-    FastSyncError,
     LayoutError,
     ParamSpec,
+    RpcEngine,
     SyncError,
-    TCPStoreControl,
     TrainerLayout,
     WeightSync,
+    node_address,
     patch_moe,
-    one_version,
     replicated_layout,
+    share_over_torch,
     trainer_layout_from_spec,
     weight_spans,
 )
 
-__all__ = ["DEFAULT_HOST", "TCPStoreControl", "ConfigError", "FastSyncError", "LayoutError", "SyncError",
-           "replicated_layout", "zero3_layout", "ParamSpec", "TrainerLayout", "WeightSync", "patch_moe",
-           "worker_extension_class", "raise_worker_errors", "one_version", "RpcEngine",
-           "node_address", "share_over_torch", "weight_spans"]
+__all__ = ["ConfigError", "LayoutError", "SyncError", "ParamSpec", "WeightSync", "RpcEngine", "node_address",
+           "share_over_torch", "replicated_layout", "zero3_layout", "patch_moe", "weight_spans",
+           "worker_extension_class"]
 
 
 def zero3_layout(params: dict[str, ParamSpec], world_size: int) -> TrainerLayout:
@@ -42,10 +35,3 @@ def worker_extension_class() -> type:
     from fastsync.engines.vllm import FastSyncWorkerExtension
 
     return FastSyncWorkerExtension
-
-
-def raise_worker_errors(results: list, what: str) -> Any:
-    """Re-raise the first ``{"error": [cls, msg]}`` a vLLM worker answered, as that fastsync error."""
-    from fastsync.engines.vllm import raise_worker_errors as _raise
-
-    return _raise(results, what)

@@ -49,9 +49,6 @@ class FastSyncOptions:
         if (self.delta or self.fanout in ("auto", "chain")) and self.transport != "nixl":
             raise ConfigError(f"--fastsync.delta and --fastsync.fanout {self.fanout} need --fastsync.transport nixl, "
                               f"got {self.transport!r}")
-        if self.delta and self.fanout == "chain":  # WeightSync's rule, said in this launcher's words
-            raise ConfigError("--fastsync.delta with --fastsync.fanout chain: relays forward dense batches, not delta "
-                              "pages; use --fastsync.fanout direct (or auto, which sends deltas direct)")
         return self
 
 

@@ -29,6 +29,7 @@ import contextvars
 import logging
 import os
 import sys
+import time
 from typing import Any
 
 import ray
@@ -96,16 +97,20 @@ class FastSyncRollout(RolloutBase):  # type: ignore[misc, valid-type]
         a worker that fails answers ``{"error": ...}`` and keeps its previous version. Then the
         label (module doc), inside a ``keep`` pause unless the engine was paused already."""
         paused_here = not await self.llm.is_paused()
+        t0 = time.monotonic()
         if paused_here:  # requests stay in the engine, caches kept: only the label's step is held
             await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
         try:
             got = await self._rpc("fastsync_update", version, timeout_s, timeout_s=timeout_s + 30.0)
             if not _failed(got):
                 await self.llm.update_weight_version(str(version))
-            return got
         finally:
             if paused_here:
                 await self.llm.resume_generation()
+        # the update runs inside the engine core (no step between its start and the flip): the
+        # whole call is generation held back, the engine's stall for this sync
+        stall = time.monotonic() - t0
+        return [{**g, "stall_s": stall} if isinstance(g, dict) and "error" not in g else g for g in got]
 
     # ---- version stamps on OpenRLHF's samples ----------------------------------------------
     async def generate(self, prompt_token_ids: Any, sampling_params: Any, multi_modal_data: Any = None) -> Any:

@@ -1,19 +1,10 @@
-"""verl checkpoint-engine backend ``fastsync``: every trainer rank sends its share of the bytes.
-
-verl hands each trainer rank the FULL tensors (``engine.get_per_tensor_param()``: FSDP
-``full_tensor()`` per parameter on every rank) and its built-in backends send them all from rank
-0. Here the trainer side is a ``replicated:N`` layout: fastsync's planner gives each trainer rank
-about 1/N of the bytes (large tensors split at ``max_transfer_bytes``), and each rank WRITEs only
-its share straight into every rollout rank's receive buffer (NIXL one-sided WRITE; control plane
-a TCPStore hosted by trainer rank 0). Rollout ranks yield ``(name, tensor)`` in verl's order.
-
-The plan, the registered buffers and the NIXL connections are built on the first sync and
-replayed afterwards (``finalize`` keeps them unless ``keep_registered=False``).
-
-Enable with::
-
-    actor_rollout_ref.rollout.checkpoint_engine.backend=fastsync
-    actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=fastsync_verl
+"""verl checkpoint-engine backend ``fastsync`` (``checkpoint_engine.backend=fastsync``,
+``custom_backend_module=fastsync_verl``; the ``engine_kwargs.fastsync`` keys are in
+``adapters/verl/README.md``). This file holds sessions and topology only: every session opens a
+``TrainerEnd`` / ``RolloutEnd`` (``trainer_end.py``, ``rollout_end.py``), which takes the in-place
+path (every trainer rank's FSDP2 shards written into verl's live vLLM weights) or the buffered
+full copy (verl's full tensors, each trainer rank sending about 1/N of the bytes). The plan,
+buffers and NIXL connections are built on a session's first sync and replayed afterwards.
 
 Order of calls (verl's ``CheckpointEngineManager.update_weights``, every sync)::
 
@@ -59,31 +50,15 @@ log = logging.getLogger("fastsync_verl")
 
 @CheckpointEngineRegistry.register("fastsync")
 class FastSyncCheckpointEngine(CheckpointEngine):
-    """One trainer or rollout rank's end of a fastsync weight sync inside verl.
-
-    ``engine_kwargs.fastsync`` keys (all optional): ``transport`` ("nixl"; "torch"/"rank0" also
-    run), ``control_host`` (address trainer rank 0 binds the control plane to; default 127.0.0.1
-    without Ray, Ray's node IP with it), ``control_port`` (0 = free port), ``timeout_s``,
-    ``max_transfer_bytes`` (default: 1/16 of a rank's share, at most verl's bucket size),
-    ``staging_bytes``, ``verify`` (per-transfer checksums), ``keep_registered``,
-    ``trainer_shards`` ("auto": FSDP2 actor ranks send from their local shards, no
-    ``full_tensor()``, falling back to verl's full tensors with a logged reason where shards
-    cannot serve; "on": refuse instead of falling back; "off": always full tensors), on the
-    in-place path ``delta`` (True: after a dense first sync, only what changed; NIXL) and
-    ``fanout`` ("off", "auto", "chain", "direct": several identical replicas planned once, fed
-    through relays between their ranks or straight from the trainer ranks; see ``WeightSync``),
-    ``pause_mode`` (vLLM's: "abort", the default, as verl's own manager pauses, its partial
-    rollout resubmitting the aborted requests; "wait": requests in flight finish on the old
-    weights first; "keep": they stay in the engine across the flip, each completion stamped with
-    every version that generated it) and ``staged`` (True: the writes land off the live model
-    while the engine keeps generating, and the pause is only the flip; costs a shadow copy of the
-    in-place weights on each engine rank).
+    """One trainer or rollout rank's end of a fastsync weight sync inside verl. The
+    ``engine_kwargs.fastsync`` keys are listed in ``adapters/verl/README.md``; each is checked here,
+    by name, before anything starts.
 
     Sessions and versions are handed out by the master trainer rank (``fastsync_verl.session``):
     it spends a version in every ``prepare`` (failed or not, so a retry never meets the failed
     attempt's control-plane keys or NIXL notifications), and a change of members (verl's
-    ``remove_replicas`` / ``add_replicas``) opens a new session in which every rank re-plans.
-    verl's ``global_steps`` is accepted and not used.
+    ``remove_replicas`` / ``add_replicas``) opens a new session in which every rank re-plans; in
+    place, a session starts above what its engines hold (``fastsync_verl.inplace``).
     """
 
     wire_format = "named_tensors"
@@ -109,9 +84,6 @@ class FastSyncCheckpointEngine(CheckpointEngine):
             raise ConfigError(f"engine_kwargs.fastsync.delta must be true or false, got {delta!r}")
         if fanout not in ("off", "auto", "chain", "direct"):
             raise ConfigError(f"engine_kwargs.fastsync.fanout must be one of off, auto, chain, direct, got {fanout!r}")
-        if delta and fanout == "chain":  # WeightSync's rule, said in verl's words, before anything starts
-            raise ConfigError("engine_kwargs.fastsync.delta=true with engine_kwargs.fastsync.fanout=chain: relays forward "
-                              "dense batches, not delta pages; use fanout=direct (or auto, which sends deltas direct)")
         check_pause_mode(pause_mode, PAUSE_MODES, "verl's vLLM server", key="engine_kwargs.fastsync.pause_mode")
         if not isinstance(staged, bool):
             raise ConfigError(f"engine_kwargs.fastsync.staged must be true or false, got {staged!r}")
@@ -294,6 +266,15 @@ class FastSyncCheckpointEngine(CheckpointEngine):
     def _session_control(self) -> TCPStoreControl:
         assert self._control is not None and self._session is not None
         return self._control.with_prefix(f"fsverl/{self._session}")
+
+    def adopt_version(self, version: int) -> int:
+        """Take the session's version where trainer rank 0 raised it above what the engines hold
+        (``fastsync_verl.inplace``); the master counts on from it. Returns this sync's version."""
+        if version > self._version:
+            self._version = version
+            if self._master is not None:
+                self._master.version = max(self._master.version, version)
+        return self._version
 
     def drop_session(self) -> None:
         """After a failed set-up or out-of-step requests: the next sync opens a fresh session in

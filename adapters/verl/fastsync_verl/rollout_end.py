@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fastsync import ConfigError, ControlPlane, SyncError, serve_engine
+from fastsync import ConfigError, ControlPlane, FastSyncError, SyncError, serve_engine
 from fastsync import FullCopyReceiver
 from fastsync_verl.inplace import engine_id, publish_rollout_mode, read_mode
 from fastsync_verl.server import ServerEngine
@@ -40,11 +40,11 @@ class RolloutEnd:
         self._leader: tuple[bool, int] = (False, 0)  # in place: replica leader?, engine workers
         self._next_request = 1  # leader, in place: the next request number of this session
 
-    async def _decide(self, ok: bool, why: str | None, leader: bool, workers: int) -> None:
+    async def _decide(self, ok: bool, why: str | None, leader: bool, workers: int, held: int = 0) -> None:
         o = self.owner
         if o.inplace == "off":
             ok, why = False, "engine_kwargs.fastsync.inplace='off'"
-        publish_rollout_mode(self.control, self.rank, ok, why, leader, workers)
+        publish_rollout_mode(self.control, self.rank, ok, why, leader, workers, held)
         if not ok and o.inplace == "on":
             raise ConfigError(f"fastsync rollout rank {self.rank}: engine_kwargs.fastsync.inplace='on' but: {why}")
         self.mode = await asyncio.to_thread(read_mode, self.control, o.timeout_s * 4, f"rollout rank {self.rank}")
@@ -54,8 +54,16 @@ class RolloutEnd:
         """The hooked ``ServerAdapter.update_weights`` (see module doc)."""
         o, rank = self.owner, self.rank
         if self.mode is None:
-            await self._decide(*server_capability(adapter))
+            ok, why, leader, workers = server_capability(adapter)
+            held = 0
+            if ok and leader and o.inplace != "off":  # the newest version the engine served or began
+                try:
+                    held = await asyncio.to_thread(self._engine(adapter, global_steps, workers).held)
+                except FastSyncError as e:  # named where trainer rank 0 decides (fallback, or refused under 'on')
+                    ok, why = False, f"its engine did not say which version it holds: {e}"
+            await self._decide(ok, why, leader, workers, held)
         assert self.mode is not None
+        version = o.adopt_version(max(version, int(self.mode["version"])))  # in place: above what engines hold
         o.last_path = self.mode["mode"]
         if self.mode["mode"] != "inplace":
             t0 = time.perf_counter()
@@ -66,11 +74,7 @@ class RolloutEnd:
         leader, workers = self._leader
         if not leader:
             return None  # this rank's engine worker is driven through its replica leader's server
-        if not adapter._ensure_server_handle():
-            raise SyncError(f"fastsync rollout rank {rank}: verl's server adapter has no server handle")
-        engine = ServerEngine(adapter.server_handle, self.control, engine_id=engine_id(rank), workers=workers,
-                              timeout_s=o.timeout_s, global_steps=global_steps, pause_mode=o.pause_mode,
-                              staged=o.staged)
+        engine = self._engine(adapter, global_steps, workers)
         first = self._next_request
         try:
             last = await asyncio.to_thread(serve_engine, engine, self.control, engine_id=engine_id(rank),
@@ -89,6 +93,15 @@ class RolloutEnd:
         if first == 1:
             o.setups += 1  # the session's first turn: describe and connect ran
         return None
+
+    def _engine(self, adapter: Any, global_steps: int | None, workers: int) -> ServerEngine:
+        """The handle on this replica leader's verl server."""
+        o = self.owner
+        if not adapter._ensure_server_handle():
+            raise SyncError(f"fastsync rollout rank {self.rank}: verl's server adapter has no server handle")
+        return ServerEngine(adapter.server_handle, self.control, engine_id=engine_id(self.rank), workers=workers,
+                            timeout_s=o.timeout_s, global_steps=global_steps, pause_mode=o.pause_mode,
+                            staged=o.staged)
 
     async def receive_full(self, version: int) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
         """Land every trainer rank's writes, flip only when all arrived, then yield

@@ -1,50 +1,20 @@
 """Rollout side of the in-place path: verl's own vLLM server (``vLLMHttpServer``, AsyncLLM)
 running the composed worker extension is driven so the trainer ranks' writes land in the live
-engine tensors.
+engine tensors (the fence on vLLM 0.32 / verl 0.9.1, step by step: ``adapters/verl/README.md``).
 
-Who does what, per sync (verl's ``CheckpointEngineManager.update_weights``, backend ``fastsync``):
-
-* Every rollout rank's ``CheckpointEngineWorker`` runs ``receive_weights`` and hands the result
-  to its server adapter (verl's vLLM ``ServerAdapter``). :func:`install` wraps
-  ``ServerAdapter.update_weights``: when it gets fastsync's receive object it lets the backend
-  decide (:func:`capability`) and, in place, the *replica leader* (the rank verl gives the
-  server handle, ``_has_server``) serves the trainers' requests (``fastsync.serve_engine``) with
-  :class:`ServerEngine`; anything else goes to verl's own ``update_weights`` unchanged.
-* :class:`ServerEngine` answers describe / connect / update / version by calling
-  ``vLLMHttpServer.collective_rpc("fastsync_verl_call", ...)``. verl's ``collective_rpc`` drops
-  the workers' return values, so each worker publishes its reply in fastsync's control store
-  (``fastsync_verl.extension``) and :class:`ServerEngine` reads them there.
-
-The fence (``update``), on the real mechanisms of vLLM 0.32 and verl 0.9.1:
-
-0. With ``engine_kwargs.fastsync.staged=true`` the version is first received off the live model:
-   ``fastsync_stage`` opens it and a thread of each worker lands the writes in staging and shadow
-   memory while AsyncLLM keeps scheduling; ``fastsync_stage_ready`` is asked (each a utility
-   call between two engine steps) until every worker has it. Only then the pause.
-1. ``AsyncLLM.pause_generation(mode=..., clear_cache=True)`` in the job's pause mode
-   (``engine_kwargs.fastsync.pause_mode``: ``abort``, the default, ``wait`` or ``keep``), unless
-   the engine is already paused (``AsyncLLM.is_paused()``; verl's manager pauses first through
-   ``vLLMHttpServer.abort_all_requests`` on the vLLM versions it supports), then checked paused.
-   verl 0.9.1's ``abort_all_requests`` calls ``pause_generation(wait_for_inflight_requests=False,
-   ...)``, an argument vLLM 0.32 no longer has (TypeError), so fastsync reaches
-   ``pause_generation`` itself: through Ray's ``__ray_call__`` on the server actor, scheduled on the
-   actor's event loop (the loop AsyncLLM's output handler runs on). ``abort``: requests in flight
-   are aborted (verl resubmits them: partial rollout); ``wait``: they finish on the old weights
-   first (the drain, not counted as stall); ``keep``: they stay in the engine, their KV caches
-   dropped, and go on after the flip recomputed on the new weights. New requests queue.
-2. ONE ``collective_rpc``: vLLM runs it as a utility call inside ``EngineCore.run_busy_loop``
-   (``_process_input_queue``), between two ``_process_engine_step`` calls, so no forward pass runs
-   while the workers flip the staged version (``fastsync_flip``: copy the shadows in, repack) or,
-   not staged, open the version, wait for every write, repack and flip (``fastsync_update``).
-3. In one call on the engine loop: ``vLLMHttpServer.clear_kv_cache`` (prefix / multimodal /
-   encoder caches computed with the old weights), ``AsyncLLM.update_weight_version`` (vLLM labels
-   every output token with verl's ``global_steps``: ``fastsync_verl.stamps`` puts the spans on
-   verl's rollout records), ``set_global_steps`` (verl's record of the weights' version), then
-   ``resume_generation`` only if step 1 paused. Pause to resume, less the ``wait`` drain, is the
-   engine's stall (``last_stall_s``; ``last_phases`` splits it).
-
-A failed sync leaves every worker on its last complete version (the extension rolls back) and
-the engine is resumed all the same.
+* :func:`install` wraps verl's vLLM ``ServerAdapter.update_weights``: given fastsync's receive
+  object, the backend decides the path (:func:`capability`) and, in place, the replica leader
+  (the rank verl gives the server handle) serves trainer rank 0's requests
+  (``fastsync.serve_engine``) with :class:`ServerEngine`; anything else goes to verl unchanged.
+* :class:`ServerEngine` answers describe / connect / update / version through
+  ``vLLMHttpServer.collective_rpc("fastsync_verl_call", ...)``; verl's ``collective_rpc`` drops
+  the workers' replies, so they come back through fastsync's control store.
+* ``update``, in order: (staged) receive while AsyncLLM generates; pause AsyncLLM in the job's
+  ``pause_mode`` unless verl paused it (verl 0.9.1's own ``abort_all_requests`` raises on vLLM
+  0.32); ONE ``collective_rpc``, which vLLM runs between two engine steps, to flip the staged
+  version or open, land, repack and flip it; then, in one call on the engine loop, clear the old
+  weights' caches, label and record the version, resume if this call paused. A failed sync
+  leaves every worker on its last complete version, and the engine is resumed all the same.
 """
 
 from __future__ import annotations
@@ -183,17 +153,10 @@ class ServerEngine:
     def version(self) -> int:
         return one_version(self._call("fastsync_version"), f"verl vLLM server {self.engine_id}")
 
-    def generate(self, prompts: list[list[int]], max_tokens: int = 8) -> list[list[int]]:
-        import ray
-
-        out = []
-        for i, p in enumerate(prompts):
-            r = ray.get(self.server.generate.remote(
-                prompt_ids=list(p), request_id=f"fastsync-{self.engine_id}-{next(_ids)}-{i}",
-                sampling_params={"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True}),
-                timeout=self.timeout_s)
-            out.append(list(r.token_ids))
-        return out
+    def held(self) -> int:
+        """The newest version any worker served or began (a failed one stays spent): a session's
+        versions must start above it."""
+        return max(int(v) for v in self._call("fastsync_held"))
 
 
 # ---- which rollout ranks can take the in-place path -----------------------------------------

@@ -1,23 +1,15 @@
 """Weight-version stamps on verl's rollout records: which weights generated which tokens.
 
-vLLM 0.32 labels every completion with the weight versions that sampled it
-(``CompletionOutput.weight_versions``: spans ``[start, end)`` of output tokens, each labelled with
-what ``AsyncLLM.update_weight_version`` last set). The in-place path labels the engine's weights
-with verl's ``global_steps`` at connect and at every flip (``fastsync_verl.server``), so a request
-that runs across a flip under ``pause_mode=keep`` carries both versions and the index of the first
-token of the new one.
-
-verl's ``vLLMHttpServer.generate`` builds ``TokenOutput.extra_fields`` itself and keeps nothing of
-vLLM's spans; the one place where the final ``RequestOutput`` and those ``extra_fields`` meet is its
-call ``extract_prompt_logprobs(output=final_res, ..., result_dict=extra_fields)``. :func:`install`
-wraps that module-level name inside the server actor (once; verl's own function still runs first), and
-the wrapper adds:
-
-* ``weight_versions``: ``[[global_steps, first_token_index], ...]`` (vLLM's spans, in verl's units);
-* ``min_global_steps`` / ``max_global_steps``: the oldest and newest version that sampled a token:
-  verl's own trajectory fields (its ``LLMServerClient.generate`` only ``setdefault``s them from
-  ``global_steps``, the version at the request's end, which under ``keep`` is the newer one), read by
-  verl's fully-async trainer for its staleness metrics.
+vLLM 0.32 stamps every completion with the weight versions that sampled it
+(``CompletionOutput.weight_versions``); the in-place path labels the engine's weights with verl's
+``global_steps`` at connect and every flip (``fastsync_verl.server``). verl's
+``vLLMHttpServer.generate`` keeps nothing of vLLM's spans; the one place where the final
+``RequestOutput`` meets verl's ``TokenOutput.extra_fields`` is its call
+``extract_prompt_logprobs(output=final_res, ..., result_dict=extra_fields)``, which :func:`install`
+wraps inside the server actor (verl's own function still runs first) to add ``weight_versions``
+(``[[global_steps, first token index], ...]``) and verl's own ``min_global_steps`` /
+``max_global_steps`` (its client only ``setdefault``s them from the end-of-request version, the
+newer one under ``keep``; verl's fully-async trainer reads them for its staleness metrics).
 """
 
 from __future__ import annotations

@@ -46,7 +46,8 @@ class TrainerEnd:
         o, rank = self.owner, self.rank
         t0 = time.perf_counter()
         if self.mode is None:
-            self.mode = await asyncio.to_thread(self._decide, why)
+            self.mode = await asyncio.to_thread(self._decide, why, version)
+        version = o.adopt_version(max(version, int(self.mode["version"])))  # in place: above what engines hold
         o.last_path = self.mode["mode"]
         if self.mode["mode"] == "inplace":
             if module is None:
@@ -78,10 +79,10 @@ class TrainerEnd:
         m = await asyncio.to_thread(tx.sync, version)
         return self._metrics(sum(m.bytes_per_link.values()), t0, t1, from_shards=module is not None)
 
-    def _decide(self, why: str | None) -> dict:
+    def _decide(self, why: str | None, version: int) -> dict:
         o = self.owner
         if self.rank == 0:
-            return decide_mode(self.control, self.num_receivers, why, o.inplace, o.timeout_s * 4)
+            return decide_mode(self.control, self.num_receivers, why, o.inplace, o.timeout_s * 4, version)
         return read_mode(self.control, o.timeout_s * 4, f"trainer rank {self.rank}")
 
     async def _send_inplace(self, module: Any, version: int, t0: float) -> dict[str, float]:

@@ -56,6 +56,7 @@ from fastsync.errors import ConfigError, LayoutError, SyncError
 from fastsync.executor.staging import Landing
 from fastsync.sync.delta_receiver import InboxLanding
 from fastsync.engines.vllm import ENGINE
+from fastsync.engines.vllm.fallback import Fallback
 from fastsync.engines.vllm.rpc_result import call_result as _result
 from fastsync.engines.vllm.reload import ReloadWorkerMixin, ensure_staging
 from fastsync.engines.vllm.layout import (
@@ -230,6 +231,8 @@ class _State:
         self.backup_arena: torch.Tensor | None = None  # the in-place snapshot's memory, reused by each receiver
         self.staged = False  # connected for staged receive (fastsync_stage / fastsync_flip)
         self.stage_thread: Any = None  # drives the open staged version's receive while the engine generates
+        self.fallback: Any = None  # fallback.Fallback: checkpoint tensors vLLM's own loader takes at each flip
+        self.fallback_s = 0.0
 
 
 class _ModuleState:
@@ -329,12 +332,18 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
                                       dp_rank=int(getattr(pc, "data_parallel_rank", 0)),
                                       enable_expert_parallel=bool(getattr(pc, "enable_expert_parallel", False)))
             expected = engine_tensors_for_rank(inventory, name_map, dtype=dtype, moe_pad=moe_padding(model), **coords)
-        check_against(live, expected, rank=rank)
+        fb = Fallback.of(getattr(self, "_fastsync_recorded", None), dtype, rank) if param_shapes is not None else None
+        check_against(live, expected, rank=rank, loaded=fb.loads if fb is not None else ())
+        if fb is not None:  # one buffer per fallback tensor: planned and written like any engine tensor
+            expected.update(fb.engine_tensors())
         st = _State(rank, tp_rank, tp_size, live, expected)
         old = getattr(self, "_fastsync", None)
         if old is not None:  # describing again keeps the served version and the live receiver
             st.version, st.receiver, st.staging = old.version, old.receiver, old.staging
             st.plain, st.arenas, st.backup_arena = old.plain, old.arenas, old.backup_arena
+        if fb is not None:
+            fb.adopt(old.fallback if old is not None else None)
+        st.fallback = fb
         self._fastsync = st
         prepare_s, agent_s = 0.0, 0.0
         if options.get("prepare", True):
@@ -366,6 +375,9 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
             # "recorded": the layout came from running vLLM's own loaders on recording tensors
             "layout": "hand" if param_shapes is None else "recorded",
             "record_s": recorded_s,
+            # checkpoint tensors whose loader is not a copy of a box: the operation, the engine
+            # parameters vLLM's own load_weights fills from them at each flip
+            "fallback": fb.describe() if fb is not None else {},
             # parameters the engine pads (the vocabulary to a multiple of 64, the CPU MoE kernel's
             # intermediate size to a multiple of 32): fastsync writes the logical sub-box, the
             # padding stays as the engine made it
@@ -407,13 +419,13 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
         ep = tp_size * int(getattr(pc, "data_parallel_size", 1)) if getattr(pc, "enable_expert_parallel", False) else 1
         got = record_engine_layout(model, mc.hf_config, model_dir=str(mc.model), architecture=arch, tp_size=tp_size,
                                    tp_rank=tp_rank, ep_size=ep, model_dtype=dtype)
-        if got.fallback:
+        if got.refused:
             raise refusal(got, rank)
-        got.name_map.validate({n: _Shape(s) for n, s in got.params.items()})
+        got.name_map.validate({n: _Shape(s) for n, s in got.params.items() if n not in got.fallback})
         self._fastsync_recorded = got
         log.info("fastsync: engine rank %d recorded its layout from vLLM's loaders: %d engine tensors from %d "
-                 "checkpoint tensors in %.2f s", rank, len(got.name_map.params), len(got.params),
-                 time.perf_counter() - t0)
+                 "checkpoint tensors (%d fall back) in %.2f s", rank, len(got.name_map.params), len(got.params),
+                 len(got.fallback), time.perf_counter() - t0)
         return got.name_map, got.params, time.perf_counter() - t0
 
     def fastsync_record_layout(self) -> dict:
@@ -429,11 +441,15 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
             arch = (_config_dict(mc.hf_config).get("architectures") or ["?"])[0]
             dtypes = {str(p.dtype).removeprefix("torch.") for p in model.parameters()}
             t0 = time.perf_counter()
+            pc = self.vllm_config.parallel_config  # type: ignore[attr-defined]
+            tp = get_tensor_model_parallel_world_size()
             got = record_engine_layout(model, mc.hf_config, model_dir=str(mc.model), architecture=arch,
-                                       tp_size=get_tensor_model_parallel_world_size(),
-                                       tp_rank=get_tensor_model_parallel_rank(),
+                                       tp_size=tp, tp_rank=get_tensor_model_parallel_rank(),
+                                       ep_size=tp * int(getattr(pc, "data_parallel_size", 1))
+                                       if getattr(pc, "enable_expert_parallel", False) else 1,
                                        model_dtype="bfloat16" if "bfloat16" in dtypes else sorted(dtypes)[0])
             return {"name_map": name_map_to_json(got.name_map), "fallback": got.fallback,
+                    "loads": {p: list(xs) for p, xs in got.loads.items()}, "refused": got.refused,
                     "params": {n: list(s) for n, s in got.params.items()}, "record_s": time.perf_counter() - t0}
         return _result(run)
 
@@ -445,12 +461,13 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
         return _result(lambda: self._fastsync_connect(plan_json, dict(options)))
 
     def _fastsync_connect(self, plan_json: str, options: dict, initial_version: int | None = None,
-                          snapshot: bool = True) -> dict:
+                          snapshot: bool = True, rank: int | None = None) -> dict:
         from fastsync.control import DEFAULT_HOST, TCPStoreControl
         from fastsync.sync.receiver import WeightReceiver
         from fastsync.plan.types import Plan
 
         st = self._fastsync_state()
+        rank = st.rank if rank is None else rank  # a peer reload of several engines at once places this one
         unknown = set(options) - {"control_port", "control_host", "control_prefix", "control_secret", "transport",
                                   "transport_options", "timeout_s", "verify", "trace", "delta", "staged"}
         if unknown:
@@ -472,7 +489,13 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
         dest: dict[str, torch.Tensor] = {}
         backup: list[str] = []
         ensure_staging(st)  # one touched arena for every prepacked parameter
+        fb = st.fallback
+        if fb is not None:
+            fb.allocate(st.live)
         for name, t in st.expected.items():
+            if fb is not None and name in fb.buffers:  # written whole; vLLM's loader reads it at the flip
+                dest[name] = fb.buffers[name]
+                continue
             lp = st.live[name]
             if lp.kind in ("linear_repack", "moe_repack"):
                 dest[name] = st.staging[name]
@@ -480,13 +503,16 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
                 dest[name] = lp.live
                 backup.append(name)
         def post() -> None:
-            self._fastsync_postprocess(self._fastsync_state())
+            s = self._fastsync_state()
+            if s.fallback is not None:
+                self._fastsync_fallback_load(s)
+            self._fastsync_postprocess(s)
 
         control = TCPStoreControl.client(int(options["control_port"]), host=options.get("control_host", DEFAULT_HOST),
                                          prefix=options.get("control_prefix", "fs"),
                                          secret=options.get("control_secret"))
         kw: dict[str, Any] = dict(
-            rank=st.rank, plan=plan, tensors=dest, control=control,
+            rank=rank, plan=plan, tensors=dest, control=control,
             transport=options.get("transport", "nixl"), transport_options=options.get("transport_options"),
             timeout_s=float(options.get("timeout_s", 60.0)), verify=bool(options.get("verify", False)),
             initial_version=st.version if initial_version is None else initial_version,
@@ -505,7 +531,7 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
             from fastsync.sync.delta_receiver import DeltaReceiver, inbox_sizes
 
             landing = EngineDeltaLanding(dest, backup if snapshot else [], post,
-                                                        inbox_sizes(plan, st.rank), arena=st.backup_arena)
+                                                        inbox_sizes(plan, rank), arena=st.backup_arena)
             rx = DeltaReceiver(landing=landing, **kw)
         else:
             landing = EngineLanding(dest, backup if snapshot else [], on_apply=post, arena=st.backup_arena)
@@ -522,12 +548,12 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
                 rx.close()
             except Exception as e:  # the setup error is the one to report
                 log.warning("fastsync: closing the half-set-up receiver of rank %d failed: %s: %s",
-                            st.rank, type(e).__name__, e)
+                            rank, type(e).__name__, e)
             raise
         st.receiver = rx
         st.staged = staged
         return {
-            "rank": st.rank,
+            "rank": rank,
             "transport": rx.transport.name,
             "staged": staged,
             "setup_s": time.perf_counter() - t0,
@@ -548,7 +574,7 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
         st = self._fastsync_state(connected=True)
         rx = st.receiver
         if isinstance(rx, DeltaReceiver):  # dense or delta, as WeightSync on trainer rank 0 chose for this version
-            rx.begin(version, dense=rx.inner.control.try_get(delta_choice_key(version)) != b"delta")
+            rx.begin(version, dense=rx.control.try_get(delta_choice_key(version)) != b"delta")
         else:
             rx.begin(version)
         st.open = version
@@ -565,7 +591,7 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
             raise SyncError(f"engine rank {st.rank}: finish({version}) but the open version is {st.open}")
         rx = st.receiver
         t0 = time.perf_counter()
-        st.undo, st.postprocess_s = [], 0.0
+        st.undo, st.postprocess_s, st.fallback_s = [], 0.0, 0.0
         try:
             if not waited:  # (staged: the background thread already drove the receive)
                 rx.wait(time.monotonic() + timeout_s)
@@ -587,7 +613,8 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
         st.version, st.open, st.plain = version, None, True
         total = time.perf_counter() - t0
         st.last = {"rank": st.rank, "version": version, "wait_s": t_wait,
-                   "finish_s": total - t_wait - st.postprocess_s, "postprocess_s": st.postprocess_s, "total_s": total}
+                   "finish_s": total - t_wait - st.postprocess_s - st.fallback_s, "postprocess_s": st.postprocess_s,
+                   "fallback_s": st.fallback_s, "total_s": total}
         m = rx.last_metrics
         if m is not None and m.spans is not None:  # tracing: the phases, the repack inside "apply"
             apply_thread = next((s["thread"] for s in m.spans if s["name"] == "apply"), "repack")
@@ -682,6 +709,24 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
             raise SyncError(f"engine rank {st.rank}: fastsync_connect() has not run on this worker")
         return st
 
+    def _fastsync_fallback_load(self, st: _State) -> None:
+        """The fallback tensors through vLLM's own ``load_weights`` (``fallback.py``), inside the
+        flip and before the repack; the in-place parameters it writes are snapshotted onto
+        ``st.undo``, so a failure here or later puts them back with the repacked layers."""
+        t0 = time.perf_counter()
+        try:
+            st.fallback.load(self.model_runner.model, st.live, st.staging, st.undo)  # type: ignore[attr-defined]
+        except Exception as e:
+            for saved in reversed(st.undo):
+                saved.restore()
+            st.undo = []
+            if isinstance(e, SyncError):
+                raise SyncError(f"engine rank {st.rank}: {e}; every parameter keeps version {st.version}") from e
+            raise SyncError(f"engine rank {st.rank}: the fallback load failed ({type(e).__name__}: {e}); every "
+                            f"parameter keeps version {st.version}") from e
+        finally:
+            st.fallback_s = time.perf_counter() - t0
+
     def _fastsync_postprocess(self, st: _State) -> None:
         """Re-run exactly the post-load steps the CPU kernels read from, on the new values.
 
@@ -702,8 +747,9 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
                     lp.module.weight = torch.nn.Parameter(st.staging[name], requires_grad=False)
                     lp.module.quant_method.process_weights_after_loading(lp.module)
                 elif lp.kind == "inplace_repack":
-                    st.undo.append(_ModuleState(lp.module))
-                    lp.module.quant_method.process_weights_after_loading(lp.module)
+                    for module in (lp.module, *lp.tied):  # a tied LM head keeps its own packed copy
+                        st.undo.append(_ModuleState(module))
+                        module.quant_method.process_weights_after_loading(module)
                 elif lp.kind == "moe_repack":
                     experts = lp.module.quant_method.moe_kernel.fused_experts
                     param = getattr(lp.module, lp.attr)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import threading
 import time
 from collections import deque
@@ -38,6 +39,8 @@ from fastsync.engines.vllm.pause import DEFAULT_PAUSE_MODE, PAUSE_MODES, check_p
 from fastsync.errors import ConfigError, SyncError
 from fastsync.host.replies import error_reply, one_version, raise_worker_errors
 from fastsync.security import check_mac, derive_key, mac
+
+log = logging.getLogger(__name__)
 
 __all__ = ["VllmEngine", "RemoteEngine", "serve", "raise_worker_errors", "error_reply", "one_version"]
 
@@ -146,6 +149,10 @@ class VllmEngine:
         box: dict = {"flipped": False, "drain_s": 0.0, "in_flight": sorted(self._in_flight)}
         if not self._mp:  # in-process core: generate() holds the fence, nothing is in flight
             yield box
+            # as pause_scheduler(clear_cache=True) does for a core in its own process: no request
+            # after the flip reuses prefix-cached KV computed by the old weights
+            if box["flipped"] and not self.llm.reset_prefix_cache():
+                log.warning("%s: vLLM did not reset its prefix cache after the flip", what)
             return
         t0 = time.monotonic()
         try:

@@ -16,7 +16,9 @@ weights for the CPU kernels, so the bytes a forward pass reads are not the param
   ``(sum(output_partition_sizes), input_size_per_partition)``. Kind ``"linear_repack"``: written
   into a staging tensor, then the layer's own ``process_weights_after_loading`` is re-run on it.
 * ``ParallelLMHead`` (and a tied embedding) keeps its weight but computes logits through a
-  packed copy. Kind ``"inplace_repack"``: written in place, then re-dispatched.
+  packed copy. Kind ``"inplace_repack"``: written in place, then re-dispatched. With tied
+  embeddings the LM head is another module holding the same parameter and its own packed copy
+  (``LiveParam.tied``): it is re-dispatched too, or logits would stay on the old weights.
 * Fused MoE ``w13_weight`` / ``w2_weight`` keep their shape but are repacked into the kernel's
   blocked layout (``prepack_moe_weight``). Kind ``"moe_repack"``: written into a staging tensor,
   then packed into the live parameter with the experts' own ISA.
@@ -40,6 +42,7 @@ Module paths on the CPU build match the name map's: experts live under
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +78,8 @@ class LiveParam:
     dtype: str
     kind: str
     why: str = ""
+    #: other modules holding this same parameter with their own packed copy (a tied LM head)
+    tied: tuple[torch.nn.Module, ...] = ()
 
     @property
     def live(self) -> torch.Tensor:
@@ -214,19 +219,34 @@ def read_live_params(model: torch.nn.Module) -> dict[str, LiveParam]:
                                   f"a view of {aliases[name]!r}: follows its writes")
             continue
         out[name] = _classify(name, module, attr, p.data)
+    holders: dict[int, list[torch.nn.Module]] = {}
+    for _, module in model.named_modules():
+        for p in module._parameters.values():
+            if p is not None:
+                holders.setdefault(id(p), []).append(module)
+    for lp in out.values():
+        tied = tuple(m for m in holders.get(id(getattr(lp.module, lp.attr)), []) if m is not lp.module
+                     and callable(getattr(m, "cpu_linear", None)) and m.cpu_linear is not torch.nn.functional.linear
+                     and hasattr(getattr(m, "quant_method", None), "process_weights_after_loading"))
+        if tied:
+            lp.tied = tied
+            if lp.kind == "inplace":
+                lp.kind, lp.why = "inplace_repack", "a tied module computes with a packed copy of this weight"
     return out
 
 
-def check_against(live: dict[str, LiveParam], expected: dict[str, EngineTensor], *, rank: int) -> None:
+def check_against(live: dict[str, LiveParam], expected: dict[str, EngineTensor], *, rank: int,
+                  loaded: Collection[str] = ()) -> None:
     """Raise LayoutError naming the parameter when the worker's parameters and the name map's
-    engine tensors for this rank differ in names, local shapes or dtypes."""
+    engine tensors for this rank differ in names, local shapes or dtypes. ``loaded``: parameters
+    vLLM's own loader fills on the fallback path (``fallback.py``), not the name map."""
     missing = sorted(set(expected) - set(live))
     if missing:
         raise LayoutError(
             f"engine rank {rank}: the name map expects engine parameter(s) the live vLLM model does not have: "
             f"{missing[:5]}{' ...' if len(missing) > 5 else ''} (live has e.g. {sorted(live)[:3]})"
         )
-    unfilled = sorted(n for n in set(live) - set(expected) if live[n].kind != "alias")
+    unfilled = sorted(n for n in set(live) - set(expected) - set(loaded) if live[n].kind != "alias")
     if unfilled:
         raise LayoutError(
             f"engine rank {rank}: live vLLM parameter(s) no trainer parameter fills: "

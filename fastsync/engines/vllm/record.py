@@ -25,7 +25,8 @@ How, in order (:func:`record_copies`):
 4. Anything that is not a copy of a box is refused, naming the checkpoint tensor and the
    operation: arithmetic, ``item()``, a transpose or permute that reorders elements, a
    reinterpreting ``view(dtype)``, advanced indexing, a broadcasting copy. A cast between
-   floating dtypes is allowed (fastsync casts to the engine's dtype anyway).
+   floating dtypes is allowed (fastsync casts to the engine's dtype anyway). A refused tensor
+   falls back to vLLM's own ``load_weights`` at each flip (``fallback.py``).
 
 ``fastsync.engines.vllm.recorded_map`` turns a :class:`Recording` into a ``NameMap``.
 """
@@ -75,6 +76,7 @@ class Recording:
     ``lm_head.weight``, experts of another EP rank). ``refused``: checkpoint tensor -> why it
     cannot be recorded (operation named). ``shapes``: engine parameter -> local loader-format
     shape, for every parameter of the model (written or not). ``dtypes``: the same, dtypes.
+    ``split_fed``: the loader took fused expert tensors only as per-expert views (``splits``).
     """
 
     copies: dict[str, list[Copy]] = field(default_factory=dict)
@@ -83,6 +85,7 @@ class Recording:
     refused: dict[str, str] = field(default_factory=dict)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     dtypes: dict[str, str] = field(default_factory=dict)
+    split_fed: bool = False
 
 
 #: dtype marker of a checkpoint tensor tied to another (``"tied:model.embed_tokens.weight"``)
@@ -351,6 +354,7 @@ def record_copies(model: torch.nn.Module, params: dict[str, tuple[tuple[int, ...
             break
         written = {c.src for cs in rec.copies.values() for c in cs}
         rec.skipped = set(params) - written - set(rec.refused)
+        rec.split_fed = use_splits
         rec.shapes = {n: tuple(t.shape) for n, t in by_name.items()}
         rec.dtypes = {n: str(t.dtype).removeprefix("torch.") for n, t in by_name.items()}
     finally:

@@ -20,9 +20,13 @@ module bridges the two, in order:
 4. Self-check: the rank's tensors derived back from the map (``engine_tensors_for_rank``) must
    hold exactly the recorded copies, or the parameter is named (a style fastsync misread).
 
-Refused checkpoint tensors (an operation that is not a copy of a box) are reported by name and
-operation in :attr:`RecordedMap.fallback`; the engine parameters they would have filled are
-incomplete and listed too. Expert parallelism is not reconstructed (a rank sees only its experts).
+Refused checkpoint tensors (an operation that is not a copy of a box) fall back
+(``fallback.py``): :attr:`RecordedMap.fallback` names each with the operation,
+:attr:`RecordedMap.loads` the engine parameters vLLM's own loader fills from them; those
+parameters are left out of the map. An engine parameter nothing fills is refused
+(:attr:`RecordedMap.refused`). Expert parallelism: a rank sees only its experts, at local rows;
+step 2 maps them to global experts through the layer's own ``ep_size``/``ep_rank`` and extends a
+fused checkpoint tensor's copy of one expert to all of them.
 """
 
 from __future__ import annotations
@@ -44,12 +48,18 @@ ENGINE = "vllm"
 
 @dataclass(slots=True)
 class RecordedMap:
-    """The map plus what could not be recorded: ``fallback`` = checkpoint tensor or engine
-    parameter -> why (the operation, or which parameter is left incomplete)."""
+    """The map plus what could not be recorded. ``fallback``: checkpoint tensor -> why it goes
+    through vLLM's ``load_weights`` (the operation); ``loads``: engine parameter -> the fallback
+    tensors that fill it (not in the map); ``refused``: what fastsync cannot sync at all (an
+    engine parameter nothing fills), name -> why. ``names`` / ``splits``: how the loader is fed."""
 
     name_map: NameMap
     params: dict[str, tuple[int, ...]]
     fallback: dict[str, str] = field(default_factory=dict)
+    loads: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)
+    names: dict[str, str] = field(default_factory=dict)
+    splits: dict = field(default_factory=dict)
 
 
 def _spec(module: Any, attr: str, local: tuple[int, ...], param: Any) -> tuple[str, int, tuple[Part, ...], int | None,
@@ -140,7 +150,16 @@ def _to_global(ep: EngineParam, iv: list[list[tuple[int, int]]], c: Copy,
                     break
                 lo += p.size
         if j not in align:
-            if l1 - l0 == ep.shape[j] or (j == ep.expert_dim):
+            if j == ep.expert_dim and l1 - l0 == 1:
+                # expert parallelism: this rank's loaders copied only its experts; a fused checkpoint
+                # tensor holds every expert at the same index, so the copy of expert g is the TP-1
+                # copy of all of them (self-checked against the rank's recorded copies)
+                same = [k for k, (a, b) in enumerate(src) if (a, b) == (g0, g0 + 1) and src_shape[k] == ep.shape[j]
+                        and k not in align.values()]
+                if same:
+                    src[same[0]], dst[j] = (0, ep.shape[j]), (0, ep.shape[j])
+                continue
+            if l1 - l0 == ep.shape[j]:
                 continue
             raise LayoutError(f"engine parameter {ep.name!r}: cannot tell which dim of {c.src!r} its sharded dim "
                               f"{j} comes from (copy {c.dst_box} <- {c.src_box})")
@@ -184,18 +203,23 @@ def merge_segments(segs: list[Segment]) -> list[Segment]:
 
 def name_map_from_recording(model: Any, rec: Recording, *, architecture: str, tp_size: int = 1, tp_rank: int = 0,
                             ep_size: int = 1, model_dtype: str | None = None,
-                            aliases: dict[str, str] | None = None) -> RecordedMap:
+                            aliases: dict[str, str] | None = None, fallback: dict[str, str] | None = None,
+                            loads: dict[str, tuple[str, ...]] | None = None) -> RecordedMap:
     """The name map of ``rec`` (one worker's recording at TP ``tp_size``, rank ``tp_rank``).
     ``aliases``: engine parameters that are views of another one's memory (``live_aliases``): no
-    loader writes them and none is mapped; they follow the parameter they view."""
-    if ep_size > 1:
-        raise LayoutError("recording the layout of an expert-parallel vLLM engine is not supported yet (each rank "
-                          "sees only its own experts); use a hand-written name map or enable_expert_parallel=False")
-    fallback = dict(rec.refused)
+    loader writes them and none is mapped; they follow the parameter they view. ``fallback`` /
+    ``loads``: what goes through vLLM's own loader (``fallback.plan_fallback``); without them
+    every refused checkpoint tensor is refused outright. Expert parallelism (``ep_size`` > 1) is
+    read from each fused-MoE layer's own config: a rank's loaders copy only its experts, at local
+    rows; vLLM's linear placement maps them back to global experts (checked by the self-check)."""
+    loads = loads or {}
+    moe_ep = (1, 0)
+    fallback = dict(fallback if fallback is not None else {})
+    refused = {n: why for n, why in rec.refused.items() if n not in fallback}
     params: list[EngineParam] = []
     engine_only: dict[str, str] = {}
     for name, local in rec.shapes.items():
-        if name in (aliases or {}):
+        if name in (aliases or {}) or name in loads:
             continue
         copies = rec.copies.get(name, [])
         if not copies:
@@ -203,7 +227,7 @@ def name_map_from_recording(model: Any, rec: Recording, *, architecture: str, tp
             if known is not None:
                 engine_only[name] = known
             else:  # a trainer update would never reach it: refuse rather than serve a stale tensor
-                fallback[name] = (f"engine parameter {name!r}: no checkpoint tensor is loaded into it by vLLM's "
+                refused[name] = (f"engine parameter {name!r}: no checkpoint tensor is loaded into it by vLLM's "
                                   f"load_weights (checkpoint tensors it ignored: {sorted(rec.skipped)[:4]})")
             continue
         path, _, attr = name.rpartition(".")
@@ -211,9 +235,16 @@ def name_map_from_recording(model: Any, rec: Recording, *, architecture: str, tp
         style, shard_dim, parts, expert_dim, full = _spec(module, attr, local, getattr(module, attr, None))
         dtype = rec.dtypes.get(name)
         probe = EngineParam(name, full, style, (), shard_dim=shard_dim, parts=parts, expert_dim=expert_dim)
-        moe = expert_dim is not None
-        iv = rank_intervals(probe, tp=tp_size if not moe else int(getattr(module.moe_config, "tp_size", 1)),
-                            tp_rank=tp_rank if not moe else int(getattr(module.moe_config, "tp_rank", 0)))
+        if expert_dim is None:
+            iv = rank_intervals(probe, tp=tp_size, tp_rank=tp_rank)
+        else:
+            cfg = module.moe_config
+            moe_ep = (int(getattr(cfg, "ep_size", 1)), int(getattr(cfg, "ep_rank", 0)))
+            if moe_ep[0] != ep_size:
+                raise LayoutError(f"engine parameter {name!r}: its MoE layer has expert-parallel size {moe_ep[0]}, "
+                                  f"the engine {ep_size}")
+            iv = rank_intervals(probe, tp=int(getattr(cfg, "tp_size", 1)), tp_rank=int(getattr(cfg, "tp_rank", 0)),
+                                ep_size=moe_ep[0], ep_rank=moe_ep[1])
         if iv is None:
             raise LayoutError(f"engine parameter {name!r}: this rank holds none of it, yet loaders wrote into it")
         segs = merge_segments([_to_global(probe, iv, c, rec.params[c.src]) for c in copies])
@@ -222,15 +253,16 @@ def name_map_from_recording(model: Any, rec: Recording, *, architecture: str, tp
     unused = {n: "vLLM's load_weights consumes it without writing an engine parameter (e.g. tied to the embedding)"
               for n in sorted(rec.skipped)}
     nm = NameMap(architecture, ENGINE, params, unused, engine_only=engine_only)
-    if fallback:
-        return RecordedMap(nm, dict(rec.params), fallback)
-    _self_check(nm, rec, tp_size, tp_rank)
-    return RecordedMap(nm, dict(rec.params), fallback)
+    out = RecordedMap(nm, dict(rec.params), fallback, dict(loads), refused)
+    if not refused:
+        _self_check(nm, rec, tp_size, tp_rank, *moe_ep)
+    return out
 
 
-def _self_check(nm: NameMap, rec: Recording, tp: int, tp_rank: int) -> None:
+def _self_check(nm: NameMap, rec: Recording, tp: int, tp_rank: int, ep_size: int = 1, ep_rank: int = 0) -> None:
     """The rank's tensors derived from the map hold exactly the recorded copies."""
-    got = engine_tensors_for_rank(None, nm, tp_size=tp, tp_rank=tp_rank, dtype="float32")
+    got = engine_tensors_for_rank(None, nm, tp_size=tp, tp_rank=tp_rank, ep_size=ep_size, ep_rank=ep_rank,
+                                  dtype="float32")
     for ep in nm.params:
         t = got.get(ep.name)
         want = merge_segments([Segment(c.src, c.src_box, c.dst_box) for c in rec.copies[ep.name]])
@@ -252,19 +284,25 @@ def record_engine_layout(model: Any, hf_config: Any, *, model_dir: str | None, a
     from fastsync.engines.vllm.record import record_copies
     from fastsync.engines.vllm.record_names import checkpoint_params, expert_splits, loader_names
 
+    from fastsync.engines.vllm.fallback import plan_fallback, probe_writes
+
     params = params if params is not None else checkpoint_params(hf_config, model_dir)
     aliases = live_aliases(model)  # before the recording swaps meta twins in
     names = loader_names(hf_config, list(params))
-    rec = record_copies(model, params, names=names, splits=expert_splits(hf_config, params, names))
-    return name_map_from_recording(model, rec, architecture=architecture, tp_size=tp_size, tp_rank=tp_rank,
-                                   ep_size=ep_size, model_dtype=model_dtype, aliases=aliases)
+    splits = expert_splits(hf_config, params, names)
+    rec = record_copies(model, params, names=names, splits=splits)
+    fed = splits if rec.split_fed else {}
+    why, loads = plan_fallback(rec, params, lambda t: probe_writes(model, t, names, fed)) if rec.refused else ({}, {})
+    out = name_map_from_recording(model, rec, architecture=architecture, tp_size=tp_size, tp_rank=tp_rank,
+                                  ep_size=ep_size, model_dtype=model_dtype, aliases=aliases, fallback=why, loads=loads)
+    out.names, out.splits = names, fed
+    return out
 
 
 def refusal(recorded: RecordedMap, rank: int) -> LayoutError:
-    """The set-up error for a recording with refused tensors: each named with its operation."""
-    items = sorted(recorded.fallback.items())
+    """The set-up error for what neither the fast path nor the fallback fills, each named."""
+    items = sorted(recorded.refused.items())
     listed = "; ".join(why for _, why in items[:5]) + (f"; ... ({len(items)} in all)" if len(items) > 5 else "")
-    return LayoutError(f"engine rank {rank}: vLLM's loaders do something to {len(items)} checkpoint tensor(s) that "
-                       f"is not a copy of a box, so fastsync cannot write them directly: {listed}. These tensors "
-                       "need vLLM's own load_weights with the full tensor (fallback path, not available yet); "
-                       "use a hand-written name map (fastsync_name_map hook) for this architecture")
+    return LayoutError(f"engine rank {rank}: fastsync cannot keep {len(items)} engine tensor(s) of this model in "
+                       f"step with the trainer: {listed}. Use a hand-written name map (fastsync_name_map hook) "
+                       "for this architecture")

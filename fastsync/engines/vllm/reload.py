@@ -13,7 +13,9 @@ extension can be filled by a live holder of the current version, or become one:
   (never mixed) or holds no plain copy.
 * ``fastsync_reload_receive(plan_json, options)`` on the joining engine: connect a receiver
   over the live memory (its own control-plane namespace per attempt), wait, post-process, flip,
-  then serve ``weight_version``.
+  then serve ``weight_version``. With ``rank_offset`` its workers are those engine ranks of a
+  plan over several joining engines, where a joining engine may also relay what landed to the
+  next one (``PeerReload.reload_group``).
 * ``fastsync_load_checkpoint(model_dir, weight_version)``: the same engine reads the safetensors
   checkpoint with vLLM's own iterator and ``model.load_weights`` into the same buffers, then the
   same post-processing: the fallback when no holder is left, and the bench's baseline.
@@ -49,7 +51,9 @@ _ALIGN = 64
 def ensure_staging(st: Any) -> None:
     """Give every prepacked parameter its staging tensor, all views of one touched arena
     (one NIXL registration instead of one per layer)."""
-    need = [(n, lp) for n, lp in st.live.items() if lp.kind in _STAGED and n in st.expected and n not in st.staging]
+    loaded = st.fallback.loads if getattr(st, "fallback", None) is not None else {}
+    need = [(n, lp) for n, lp in st.live.items()
+            if lp.kind in _STAGED and (n in st.expected or n in loaded) and n not in st.staging]
     if not need:
         return
     sizes = []
@@ -67,9 +71,18 @@ def ensure_staging(st: Any) -> None:
 
 
 def plain_tensors(st: Any) -> dict[str, torch.Tensor]:
-    """Every engine tensor's plain (unpacked) bytes: staging for prepacked parameters, the live
-    parameter otherwise."""
-    return {n: (st.staging[n] if st.live[n].kind in _STAGED else st.live[n].live) for n in st.expected}
+    """Every engine parameter's plain (unpacked) bytes: staging for prepacked parameters, the live
+    parameter otherwise; those vLLM's own loader fills on the fallback path included."""
+    loaded = list(st.fallback.loads) if getattr(st, "fallback", None) is not None else []
+    return {n: (st.staging[n] if st.live[n].kind in _STAGED else st.live[n].live)
+            for n in [*st.expected, *loaded] if n in st.live}
+
+
+def _refuse_fallback(st: Any, what: str) -> None:
+    if getattr(st, "fallback", None) is not None:
+        raise ConfigError(f"engine rank {st.rank}: {what} does not carry the {len(st.fallback.why)} checkpoint "
+                          f"tensor(s) this model loads through vLLM's load_weights (fallback path, e.g. "
+                          f"{sorted(st.fallback.why)[0]!r}) yet; sync it from the trainer instead")
 
 
 class ReloadWorkerMixin:
@@ -94,9 +107,10 @@ class ReloadWorkerMixin:
         from fastsync.sync.sender import WeightSender
 
         st = self._fastsync_state()  # type: ignore[attr-defined]
+        _refuse_fallback(st, "peer reload")
         _check_options("fastsync_reload_send", options, {"control_port", "control_host", "control_prefix", "control_secret",
                                                          "rank_offset", "handshake_version", "weight_version",
-                                                         "timeout_s"})
+                                                         "timeout_s", "chunk_bytes", "in_flight"})
         want = int(options["weight_version"])
         if st.version != want:
             raise SyncError(f"holder engine rank {st.rank} serves version {st.version}, the joining engine asked for "
@@ -113,8 +127,13 @@ class ReloadWorkerMixin:
                                          prefix=options["control_prefix"], secret=options.get("control_secret"))
         timeout = float(options.get("timeout_s", 60.0))
         t0 = time.perf_counter()
+        chunk = options.get("chunk_bytes")  # write batches: what a joining engine in a chain forwards at once
+        # batches in flight: a joining engine that forwards while it receives answers over a busy
+        # link, so waiting for each batch before the next leaves the link idle
+        topts = {"in_flight": int(options["in_flight"])} if "in_flight" in options else None
         tx = WeightSender(rank=rank, plan=Plan.loads(plan_json), sources=sources, shards=shards, control=control,
-                          transport="nixl", timeout_s=timeout)
+                          transport="nixl", transport_options=topts, timeout_s=timeout,
+                          max_chunk_bytes=None if chunk is None else int(chunk))
         try:
             tx.setup()
             setup_s = time.perf_counter() - t0
@@ -133,18 +152,22 @@ class ReloadWorkerMixin:
 
     def _fastsync_reload_receive(self, plan_json: str, options: dict) -> dict:
         st = self._fastsync_state()  # type: ignore[attr-defined]
+        _refuse_fallback(st, "peer reload")
         _check_options("fastsync_reload_receive", options, {"control_port", "control_host", "control_prefix",
                                                             "control_secret", "handshake_version", "weight_version",
-                                                            "timeout_s"})
+                                                            "timeout_s", "rank_offset"})
         want, hv = int(options["weight_version"]), int(options["handshake_version"])
         timeout = float(options.get("timeout_s", 60.0))
         t0 = time.perf_counter()
         conn = {k: options[k] for k in ("control_port", "control_host", "control_prefix", "control_secret")
                 if k in options}
         conn.update(transport="nixl", timeout_s=timeout)
+        # several joining engines in one plan (identical replicas, fed through relay chains): this
+        # one's workers are engine ranks rank_offset + tp_rank of it
+        rank = int(options.get("rank_offset", 0)) + st.tp_rank
         # an engine holding only dummy weights has nothing worth restoring: no in-place snapshot
         got = self._fastsync_connect(plan_json, conn, initial_version=0,  # type: ignore[attr-defined]
-                                     snapshot=bool(getattr(st, "plain", False)))
+                                     snapshot=bool(getattr(st, "plain", False)), rank=rank)
         connect_s = time.perf_counter() - t0
         reg = getattr(st.receiver.transport, "registration", {})
         try:
@@ -158,7 +181,7 @@ class ReloadWorkerMixin:
             if rx is not None:
                 rx.close()
         st.version, st.plain = want, True
-        return {"rank": st.rank, "version": want, "connect_s": connect_s, "registration": reg,
+        return {"rank": rank, "version": want, "connect_s": connect_s, "registration": reg,
                 "begin_s": begin_s, "close_s": time.perf_counter() - t_close,
                 "wait_s": fin["wait_s"], "postprocess_s": fin["postprocess_s"], "total_s": time.perf_counter() - t0,
                 "staged_bytes": got["staged_bytes"], "inplace_bytes": got["inplace_bytes"]}

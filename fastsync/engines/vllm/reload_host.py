@@ -67,6 +67,10 @@ class VllmReloadEngine(VllmEngine):
 
 
 def engine_pids(llm: Any) -> list[int]:
-    """PIDs of a ``vllm.LLM``'s engine-core processes (what a test kills to lose a holder)."""
-    mgr = llm.llm_engine.engine_core.resources.engine_manager
+    """PIDs of a ``vllm.LLM``'s engine-core processes (what a test kills to lose a holder); none
+    when the engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    resources = getattr(llm.llm_engine.engine_core, "resources", None)
+    if resources is None:
+        return []
+    mgr = resources.engine_manager
     return [p.pid for p in getattr(mgr, "processes", [])]

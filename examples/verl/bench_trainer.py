@@ -1,4 +1,4 @@
-"""One trainer-rank process of ``python -m fastsync_verl.bench``: a model sharded with FSDP2
+"""One trainer-rank process of ``examples/verl/bench.py``: a model sharded with FSDP2
 ``fully_shard`` over gloo, handing the ``fastsync`` backend either verl's full tensors (what
 verl's ``FSDPEngine.get_per_tensor_param`` yields for FSDP2: ``full_tensor()`` per parameter, on
 every rank) or its local shards (``ShardedWeights``, what ``fastsync_verl.shards`` hands over)."""
