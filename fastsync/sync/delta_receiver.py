@@ -43,7 +43,7 @@ from fastsync.executor.delta import (
 from fastsync.executor.metrics import SyncMetrics
 from fastsync.executor.staging import Landing, alloc_touched, as_bytes
 from fastsync.sync.delta_sender import delta_mode_key
-from fastsync.sync.receiver import WeightReceiver
+from fastsync.sync.receiver import DensePayload, WeightReceiver
 from fastsync.transport.nixl_delta import DeltaInbox
 from fastsync.transport.nixl_delta_relay import DeltaRelay, stream_bytes
 
@@ -107,6 +107,14 @@ def relay_inbox_sizes(plan: Any, rank: int, chunk_elems: int = DELTA_CHUNK_ELEMS
     always = set(f.direct)
     origins = sorted({t.src_rank for i, t in enumerate(plan.transfers) if t.dst_rank == j and i not in always})
     return {s: link_capacity(plan, s, j + root * e, chunk_elems) for s in origins}
+
+
+class _AnnouncedDense(DensePayload):
+    """The planned writes on a receiver with inboxes: says ``dense`` under the mode key, so the
+    trainer ranks do not wait for a delta the engine will not take."""
+
+    def announce(self, version: int) -> None:
+        self.rx.control.set(delta_mode_key(self.rx.rank, version), b"dense", timeout_s=self.rx.timeout_s)
 
 
 class DeltaPayload:
@@ -253,11 +261,8 @@ class DeltaReceiver(WeightReceiver):
         """A delta against the version held, or (``dense=True``) the ordinary planned writes."""
         if self.inbox is None:
             raise SyncError(f"engine rank {self.rank}: begin() before setup()")
-        if dense:
-            if self._open is not None:
-                raise SyncError(f"engine rank {self.rank}: version {version} begun while {self._open} is open")
-            self.control.set(delta_mode_key(self.rank, version), b"dense")
-            super().begin(version)
+        if dense:  # the base checks (and a refusal the trainers read) come before the mode is published
+            super().begin(version, payload=_AnnouncedDense(self))
         else:
             super().begin(version, payload=DeltaPayload(self))
 
