@@ -85,7 +85,8 @@ def test_closure_takes_recordable_tensors_that_share_a_parameter_with_a_fallback
 
 
 def _toy_state(m: _Toy):
-    from fastsync.engines.vllm.extension import FastSyncWorkerExtension, _State
+    from fastsync.engines.vllm.extension import FastSyncWorkerExtension
+    from fastsync.engines.vllm.worker_state import WorkerState
     from fastsync.engines.vllm.layout import LiveParam
 
     live = {"w": LiveParam("w", m, "w", (4, 3), "float32", "inplace"), "v": LiveParam("v", m, "v", (5,), "float32", "inplace")}
@@ -93,7 +94,7 @@ def _toy_state(m: _Toy):
     fb.allocate(live)
     fb.buffers[BUFFER + "a"].copy_(torch.arange(9.0).view(3, 3))
     fb.buffers[BUFFER + "b"].copy_(torch.tensor([7.0, 8.0, 9.0]))
-    st = _State(0, 0, 1, live, fb.engine_tensors())
+    st = WorkerState(0, 0, 1, live, fb.engine_tensors())
     st.fallback = fb
     ext = FastSyncWorkerExtension()
     ext.model_runner = SimpleNamespace(model=m)

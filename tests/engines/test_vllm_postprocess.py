@@ -11,7 +11,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
-from fastsync.engines.vllm.extension import FastSyncWorkerExtension, _State  # noqa: E402
+from fastsync.engines.vllm.extension import FastSyncWorkerExtension  # noqa: E402
+from fastsync.engines.vllm.worker_state import WorkerState  # noqa: E402
 from fastsync.engines.vllm.layout import LiveParam  # noqa: E402
 from fastsync.errors import SyncError  # noqa: E402
 
@@ -39,7 +40,7 @@ def test_failing_repack_puts_every_layer_back():
         "b.weight": LiveParam("b.weight", b, "weight", (16, 32), "float32", "linear_repack"),
         "moe.w13_weight": LiveParam("moe.w13_weight", broken, "w13_weight", (2, 4, 4), "float32", "moe_repack"),
     }
-    st = _State(0, 0, 1, live, {})
+    st = WorkerState(0, 0, 1, live, {})
     st.staging = {"a.weight": torch.ones(32, 16), "b.weight": torch.ones(16, 32), "moe.w13_weight": torch.ones(2, 4, 4)}
     with pytest.raises(SyncError, match=r"post-processing engine parameter 'moe.w13_weight' failed .*AttributeError"):
         FastSyncWorkerExtension()._fastsync_postprocess(st)
@@ -53,7 +54,7 @@ def test_failing_repack_puts_every_layer_back():
 def test_successful_repack_serves_the_staged_values():
     a = _packed_linear(32, 16, 0)
     live = {"a.weight": LiveParam("a.weight", a, "weight", (32, 16), "float32", "linear_repack")}
-    st = _State(0, 0, 1, live, {})
+    st = WorkerState(0, 0, 1, live, {})
     st.staging = {"a.weight": torch.full((32, 16), 0.5)}
     FastSyncWorkerExtension()._fastsync_postprocess(st)
     x = torch.randn(3, 16, generator=torch.Generator().manual_seed(3))

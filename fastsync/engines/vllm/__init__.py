@@ -25,7 +25,7 @@ ENGINE = "vllm"
 
 _EXPORTS = {
     "FastSyncWorkerExtension": "extension",
-    "EngineLanding": "extension",
+    "EngineLanding": "worker_state",
     "EXTENSION": "extension",
     "ensure_amx_permission": "extension",
     "VllmEngine": "host",

@@ -47,29 +47,32 @@ import logging
 import os
 import platform
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from fastsync.errors import ConfigError, LayoutError, SyncError
-from fastsync.executor.staging import Landing
-from fastsync.sync.delta_receiver import InboxLanding
 from fastsync.engines.vllm import ENGINE
 from fastsync.engines.vllm.fallback import Fallback
 from fastsync.engines.vllm.rpc_result import call_result as _result
 from fastsync.engines.vllm.reload import ReloadWorkerMixin, ensure_staging
+from fastsync.engines.vllm.worker_state import (
+    EngineDeltaLanding,
+    EngineLanding,
+    ModuleState,
+    StagedEngineLanding,
+    WorkerState,
+    check_staging_memory,
+)
 from fastsync.engines.vllm.layout import (
-    LiveParam,
     check_against,
     moe_padding,
     read_live_params,
 )
-from fastsync.layout.types import EngineTensor
 from fastsync.layout.wire import engine_tensors_to_json
 from fastsync.trace.recorder import now_ns
 
-__all__ = ["FastSyncWorkerExtension", "ensure_amx_permission", "EngineLanding", "EngineDeltaLanding", "EXTENSION"]
+__all__ = ["FastSyncWorkerExtension", "ensure_amx_permission", "EXTENSION"]
 
 log = logging.getLogger(__name__)
 
@@ -116,149 +119,6 @@ def ensure_amx_permission() -> bool:
 ensure_amx_permission()
 
 
-class EngineLanding(Landing):
-    """The receiver's ``inplace`` landing with a snapshot of only the parameters that are
-    written in their live memory (``backup_names``). Staging tensors of prepacked parameters need
-    none: the kernels' packed copies change only at the flip."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor], backup_names: list[str],
-                 on_apply: Callable[[], None] | None = None, arena: torch.Tensor | None = None) -> None:
-        super().__init__(tensors, mode="inplace", backup=False)
-        self.on_apply = on_apply
-        total = sum(self.infos[n].nbytes for n in backup_names)
-        if arena is not None and arena.numel() >= total:  # the previous receiver's, already touched
-            self._backup_arena = arena
-        else:
-            self._backup_arena = torch.zeros(max(total, 1), dtype=torch.uint8)  # touched once, at setup
-        off = 0
-        for n in backup_names:
-            nbytes = self.infos[n].nbytes
-            self._backup[n] = self._backup_arena[off: off + nbytes]
-            off += nbytes
-        self.backup = bool(backup_names)
-
-    def apply(self, names: list[str] | None = None) -> None:
-        """The flip's data step; then ``on_apply`` (the extension's post-processing), still
-        inside ``WeightReceiver.finish``'s rollback scope: a SyncError raised there rolls the
-        in-place parameters back and publishes the failure instead of the flip."""
-        super().apply(names)
-        if self.on_apply is not None:
-            self.on_apply()
-
-
-class StagedEngineLanding(EngineLanding):
-    """Staged receive (``fastsync_connect(..., staged=True)``): every write lands off the live
-    model, so the engine keeps generating on its version while the next one arrives. Prepacked
-    parameters land in their staging tensors (as always); parameters the kernels read in place
-    (embeddings, norms) land in a shadow arena. The flip (:meth:`apply`, the only part that needs
-    the engine paused) snapshots those live parameters, copies the shadows in and runs the
-    post-processing (repacks); if that fails, :meth:`rollback` puts the snapshot back."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor], shadow_names: list[str],
-                 on_apply: Callable[[], None] | None = None, arena: torch.Tensor | None = None) -> None:
-        Landing.__init__(self, tensors, mode="inplace", backup=False, shadow=shadow_names)
-        self.on_apply = on_apply
-        self.shadow_names = list(shadow_names)
-        total = sum(self.infos[n].nbytes for n in shadow_names)
-        self._backup_arena = (arena if arena is not None and arena.numel() >= total
-                              else torch.zeros(max(total, 1), dtype=torch.uint8))
-        off = 0
-        self._snap: dict[str, torch.Tensor] = {}
-        for n in shadow_names:
-            self._snap[n] = self._backup_arena[off: off + self.infos[n].nbytes]
-            off += self.infos[n].nbytes
-        self.backup = False
-        self._flipped = False
-
-    def begin(self) -> None:
-        self._flipped = False  # nothing live changes before the flip
-
-    def apply(self, names: list[str] | None = None) -> None:
-        from fastsync.executor.staging import as_bytes
-
-        for n in self.shadow_names:  # the live bytes as they are, for a failed post-processing
-            self._snap[n].copy_(as_bytes(self.live[n]))
-        self._flipped = True
-        Landing.apply(self, names)
-        if self.on_apply is not None:
-            self.on_apply()
-
-    def rollback(self) -> bool:
-        from fastsync.executor.staging import as_bytes
-
-        if self._flipped:
-            for n in self.shadow_names:
-                as_bytes(self.live[n]).copy_(self._snap[n])
-            self._flipped = False
-        self.torn = False
-        return True
-
-
-class EngineDeltaLanding(InboxLanding, EngineLanding):
-    """:class:`EngineLanding` plus the delta inboxes (``WeightSync(delta=True)``): a delta is
-    written into the same live and staging tensors as a dense sync, the rollback copy covers
-    exactly what it overwrote, and the same post-processing (repacks) runs before the flip."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor], backup_names: list[str],
-                 on_apply: Callable[[], None] | None, inbox_bytes: dict[int, int],
-                 arena: torch.Tensor | None = None) -> None:
-        EngineLanding.__init__(self, tensors, backup_names, on_apply=on_apply, arena=arena)
-        self.add_inboxes(inbox_bytes)
-
-
-class _State:
-    """What one worker keeps between ``collective_rpc`` calls."""
-
-    def __init__(self, rank: int, tp_rank: int, tp_size: int, live: dict[str, LiveParam],
-                 expected: dict[str, EngineTensor]) -> None:
-        self.rank = rank
-        self.tp_rank = tp_rank
-        self.tp_size = tp_size
-        self.live = live
-        self.expected = expected
-        self.staging: dict[str, torch.Tensor] = {}
-        self.receiver: Any = None
-        self.version = 0
-        self.open: int | None = None
-        self.last: dict = {}
-        # module states replaced by the open version's post-processing, kept until the flip is
-        # final so a failure anywhere before it can put the previous ones back
-        self.undo: list[_ModuleState] = []
-        self.postprocess_s = 0.0
-        self.postprocess_ns = 0  # when the last post-processing (repack) began, for a trace
-        self.plain = False  # staging tensors hold the served version's bytes (a holder for peer reload)
-        self.arenas: list[torch.Tensor] = []  # the staging arena(s), one NIXL registration each
-        self.backup_arena: torch.Tensor | None = None  # the in-place snapshot's memory, reused by each receiver
-        self.staged = False  # connected for staged receive (fastsync_stage / fastsync_flip)
-        self.stage_thread: Any = None  # drives the open staged version's receive while the engine generates
-        self.fallback: Any = None  # fallback.Fallback: checkpoint tensors vLLM's own loader takes at each flip
-        self.fallback_s = 0.0
-
-
-class _ModuleState:
-    """What a layer's post-load step replaces (``cpu_linear``, the parameter objects and their
-    data), saved before it runs so the layer can be put back exactly as it was."""
-
-    _MISSING = object()
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
-        self.cpu_linear = module.__dict__.get("cpu_linear", self._MISSING)
-        self.params = dict(module._parameters)
-        self.data = {n: p.data for n, p in self.params.items() if p is not None}
-
-    def restore(self) -> None:
-        m = self.module
-        if self.cpu_linear is self._MISSING:
-            m.__dict__.pop("cpu_linear", None)
-        else:
-            m.cpu_linear = self.cpu_linear
-        m._parameters.clear()
-        m._parameters.update(self.params)
-        for n, d in self.data.items():
-            self.params[n].data = d
-
-
 def _warm_transport() -> float:
     """Initialise NIXL in this worker once (0.0 when done before or NIXL is not installed)."""
     try:
@@ -266,22 +126,6 @@ def _warm_transport() -> float:
     except ImportError:
         return 0.0
     return warm_up()
-
-
-def _check_staging_memory(st: _State, dest: dict[str, torch.Tensor], shadow: list[str]) -> None:
-    """Staged receive keeps a shadow of every in-place parameter and a snapshot at the flip: refuse
-    at set-up, naming the option, when this host has not the memory for both."""
-    need = 2 * sum(dest[n].numel() * dest[n].element_size() for n in shadow)
-    try:
-        import psutil  # a vLLM dependency
-
-        avail = int(psutil.virtual_memory().available)
-    except Exception:  # cannot tell: do not refuse
-        return
-    if need > avail:
-        raise ConfigError(f"engine rank {st.rank}: staged=True needs {need} bytes for the shadow and flip copies of "
-                          f"{len(shadow)} in-place parameters, {avail} bytes are available; use staged=False "
-                          "(the engine then pauses for the whole transfer)")
 
 
 def _config_dict(hf_config: Any) -> dict:
@@ -336,7 +180,7 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
         check_against(live, expected, rank=rank, loaded=fb.loads if fb is not None else ())
         if fb is not None:  # one buffer per fallback tensor: planned and written like any engine tensor
             expected.update(fb.engine_tensors())
-        st = _State(rank, tp_rank, tp_size, live, expected)
+        st = WorkerState(rank, tp_rank, tp_size, live, expected)
         old = getattr(self, "_fastsync", None)
         if old is not None:  # describing again keeps the served version and the live receiver
             st.version, st.receiver, st.staging = old.version, old.receiver, old.staging
@@ -520,7 +364,7 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
         rx: Any
         staged = bool(options.get("staged"))
         if staged:
-            _check_staging_memory(st, dest, backup)
+            check_staging_memory(st, dest, backup)
         if staged and options.get("delta"):
             raise ConfigError("fastsync_connect: staged=True with delta=True is not supported yet (a delta patches "
                               "the live tensors); use one of them")
@@ -701,7 +545,7 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
         return True
 
     # ---- helpers --------------------------------------------------------------------------
-    def _fastsync_state(self, connected: bool = False) -> _State:
+    def _fastsync_state(self, connected: bool = False) -> WorkerState:
         st = getattr(self, "_fastsync", None)
         if st is None:
             raise SyncError("fastsync worker extension: fastsync_describe() has not run on this worker")
@@ -709,7 +553,7 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
             raise SyncError(f"engine rank {st.rank}: fastsync_connect() has not run on this worker")
         return st
 
-    def _fastsync_fallback_load(self, st: _State) -> None:
+    def _fastsync_fallback_load(self, st: WorkerState) -> None:
         """The fallback tensors through vLLM's own ``load_weights`` (``fallback.py``), inside the
         flip and before the repack; the in-place parameters it writes are snapshotted onto
         ``st.undo``, so a failure here or later puts them back with the repacked layers."""
@@ -727,7 +571,7 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
         finally:
             st.fallback_s = time.perf_counter() - t0
 
-    def _fastsync_postprocess(self, st: _State) -> None:
+    def _fastsync_postprocess(self, st: WorkerState) -> None:
         """Re-run exactly the post-load steps the CPU kernels read from, on the new values.
 
         Runs inside ``WeightReceiver.finish`` before the flip is published. Each layer's state is
@@ -741,14 +585,14 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
         try:
             for name, lp in st.live.items():
                 if lp.kind == "linear_repack":
-                    st.undo.append(_ModuleState(lp.module))
+                    st.undo.append(ModuleState(lp.module))
                     # UnquantizedLinearMethod on CPU: dispatch_cpu_unquantized_gemm(remove_weight=True)
                     # packs a copy (sgl VNNI or a oneDNN handle) and empties the parameter again.
                     lp.module.weight = torch.nn.Parameter(st.staging[name], requires_grad=False)
                     lp.module.quant_method.process_weights_after_loading(lp.module)
                 elif lp.kind == "inplace_repack":
                     for module in (lp.module, *lp.tied):  # a tied LM head keeps its own packed copy
-                        st.undo.append(_ModuleState(module))
+                        st.undo.append(ModuleState(module))
                         module.quant_method.process_weights_after_loading(module)
                 elif lp.kind == "moe_repack":
                     experts = lp.module.quant_method.moe_kernel.fused_experts
@@ -760,7 +604,7 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
                                           f"differ from the engine shape {lp.shape}")
                     packed = torch.empty_like(src)
                     torch.ops._C.prepack_moe_weight(src, packed, experts.isa)
-                    st.undo.append(_ModuleState(lp.module))
+                    st.undo.append(ModuleState(lp.module))
                     param.data = packed  # the kernel reads the layer's parameter at each forward
         except Exception as e:
             for saved in reversed(st.undo):
