@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from fastsync.errors import LayoutError, SyncError
+from fastsync.executor.arena import carve, nbytes_of
 from fastsync.layout.box import full_box
 from fastsync.layout.types import EngineTensor, Piece
 
@@ -186,14 +187,9 @@ class Fallback:
         if self.buffers:
             return
         dt = getattr(torch, self.dtype)
-        size = torch.empty(0, dtype=dt).element_size()
-        spans = [(x, -(-int(torch.Size(s).numel()) * size // _ALIGN) * _ALIGN) for x, s in sorted(self.shapes.items())]
-        arena = torch.zeros(max(sum(n for _, n in spans), 1), dtype=torch.uint8)
-        off = 0
-        for x, n in spans:
-            numel = int(torch.Size(self.shapes[x]).numel())
-            self.buffers[BUFFER + x] = arena[off: off + numel * size].view(dt).view(self.shapes[x])
-            off += n
+        _, views = carve(None, [(x, nbytes_of(s, dt)) for x, s in sorted(self.shapes.items())], align=_ALIGN)
+        for x, v in views.items():
+            self.buffers[BUFFER + x] = v.view(dt).view(self.shapes[x])
         for p in self.loads:
             if live[p].kind not in _STAGED:
                 self.snapshots[p] = torch.zeros_like(live[p].live)

@@ -38,6 +38,7 @@ import torch
 from fastsync.errors import ConfigError, SyncError
 from fastsync.engines.vllm.layout import moe_pads
 from fastsync.engines.vllm.rpc_result import call_result as _result
+from fastsync.executor.arena import carve, nbytes_of
 from fastsync.executor.staging import as_bytes
 from fastsync.layout.box import box_slices
 from fastsync.layout.padding import logical_to_engine
@@ -56,17 +57,9 @@ def ensure_staging(st: Any) -> None:
             if lp.kind in _STAGED and (n in st.expected or n in loaded) and n not in st.staging]
     if not need:
         return
-    sizes = []
-    for _, lp in need:
-        nbytes = int(torch.Size(lp.shape).numel()) * torch.empty(0, dtype=lp.live.dtype).element_size()
-        sizes.append(-(-nbytes // _ALIGN) * _ALIGN)
-    arena = torch.empty(max(sum(sizes), 1), dtype=torch.uint8)
-    arena.zero_()  # fault the pages in once, at setup
-    off = 0
-    for (name, lp), size in zip(need, sizes):
-        n = int(torch.Size(lp.shape).numel()) * torch.empty(0, dtype=lp.live.dtype).element_size()
-        st.staging[name] = arena[off: off + n].view(lp.live.dtype).view(lp.shape)
-        off += size
+    arena, views = carve(None, [(name, nbytes_of(lp.shape, lp.live.dtype)) for name, lp in need], align=_ALIGN)
+    for name, lp in need:
+        st.staging[name] = views[name].view(lp.live.dtype).view(lp.shape)
     st.arenas = getattr(st, "arenas", []) + [arena]
 
 

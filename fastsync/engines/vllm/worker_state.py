@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from fastsync.errors import ConfigError
+from fastsync.executor.arena import carve
 from fastsync.executor.staging import Landing
 from fastsync.engines.vllm.layout import LiveParam
 from fastsync.layout.types import EngineTensor
@@ -33,16 +34,9 @@ class EngineLanding(Landing):
                  on_apply: Callable[[], None] | None = None, arena: torch.Tensor | None = None) -> None:
         super().__init__(tensors, mode="inplace", backup=False)
         self.on_apply = on_apply
-        total = sum(self.infos[n].nbytes for n in backup_names)
-        if arena is not None and arena.numel() >= total:  # the previous receiver's, already touched
-            self._backup_arena = arena
-        else:
-            self._backup_arena = torch.zeros(max(total, 1), dtype=torch.uint8)  # touched once, at setup
-        off = 0
-        for n in backup_names:
-            nbytes = self.infos[n].nbytes
-            self._backup[n] = self._backup_arena[off: off + nbytes]
-            off += nbytes
+        # the previous receiver's arena when large enough (already touched), else one touched now
+        self._backup_arena, views = carve(arena, [(n, self.infos[n].nbytes) for n in backup_names])
+        self._backup.update(views)
         self.backup = bool(backup_names)
 
     def apply(self, names: list[str] | None = None) -> None:
@@ -67,14 +61,7 @@ class StagedEngineLanding(EngineLanding):
         Landing.__init__(self, tensors, mode="inplace", backup=False, shadow=shadow_names)
         self.on_apply = on_apply
         self.shadow_names = list(shadow_names)
-        total = sum(self.infos[n].nbytes for n in shadow_names)
-        self._backup_arena = (arena if arena is not None and arena.numel() >= total
-                              else torch.zeros(max(total, 1), dtype=torch.uint8))
-        off = 0
-        self._snap: dict[str, torch.Tensor] = {}
-        for n in shadow_names:
-            self._snap[n] = self._backup_arena[off: off + self.infos[n].nbytes]
-            off += self.infos[n].nbytes
+        self._backup_arena, self._snap = carve(arena, [(n, self.infos[n].nbytes) for n in shadow_names])
         self.backup = False
         self._flipped = False
 

@@ -1,0 +1,48 @@
+"""One arena, carved into views: many tensors in one allocation, so memory is touched once at
+set-up and registered with the transport once instead of once per tensor.
+
+Used by the engine side for its staging tensors, the in-place snapshot and the staged flip's
+copy (``engines/vllm/worker_state.py``, ``reload.py``) and the fallback buffers (``fallback.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import TypeVar
+
+import torch
+
+__all__ = ["arena_bytes", "carve", "nbytes_of"]
+
+K = TypeVar("K", bound=Hashable)
+
+
+def _up(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+def nbytes_of(shape: Sequence[int], dtype: torch.dtype) -> int:
+    """Bytes of a dense tensor of ``shape`` and ``dtype``."""
+    return int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
+
+
+def arena_bytes(sizes: Sequence[int], align: int = 1) -> int:
+    """The arena :func:`carve` needs for ``sizes`` bytes, each starting at a multiple of ``align``
+    (at least 1 byte, so an empty arena is still a tensor)."""
+    return max(sum(_up(int(n), align) for n in sizes), 1)
+
+
+def carve(arena: torch.Tensor | None, spans: Sequence[tuple[K, int]], *, align: int = 1) -> tuple[torch.Tensor, dict[K, torch.Tensor]]:
+    """``(arena, {key: uint8 view})``: one view of ``nbytes`` per ``(key, nbytes)``, in order, each
+    starting at a multiple of ``align`` bytes. ``arena`` is reused when it is a uint8 tensor large
+    enough (a previous receiver's, already touched), else a new zeroed one is made (zeroing faults
+    the pages in once, at set-up)."""
+    need = arena_bytes([n for _, n in spans], align)
+    if arena is None or arena.dtype != torch.uint8 or arena.numel() < need:
+        arena = torch.zeros(need, dtype=torch.uint8)
+    views: dict[K, torch.Tensor] = {}
+    off = 0
+    for key, n in spans:
+        views[key] = arena[off: off + int(n)]
+        off += _up(int(n), align)
+    return arena, views
