@@ -12,7 +12,12 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["arena_bytes", "carve", "nbytes_of"]
+from fastsync.executor.staging import alloc_touched
+
+__all__ = ["CACHE_LINE", "arena_bytes", "carve", "nbytes_of"]
+
+#: The alignment of the engine side's views: a cache line, so no two tensors share one.
+CACHE_LINE = 64
 
 K = TypeVar("K", bound=Hashable)
 
@@ -35,11 +40,11 @@ def arena_bytes(sizes: Sequence[int], align: int = 1) -> int:
 def carve(arena: torch.Tensor | None, spans: Sequence[tuple[K, int]], *, align: int = 1) -> tuple[torch.Tensor, dict[K, torch.Tensor]]:
     """``(arena, {key: uint8 view})``: one view of ``nbytes`` per ``(key, nbytes)``, in order, each
     starting at a multiple of ``align`` bytes. ``arena`` is reused when it is a uint8 tensor large
-    enough (a previous receiver's, already touched), else a new zeroed one is made (zeroing faults
-    the pages in once, at set-up)."""
+    enough (a previous receiver's, already touched), else a new one from
+    :func:`~fastsync.executor.staging.alloc_touched` (its pages faulted in once, at set-up)."""
     need = arena_bytes([n for _, n in spans], align)
     if arena is None or arena.dtype != torch.uint8 or arena.numel() < need:
-        arena = torch.zeros(need, dtype=torch.uint8)
+        arena = alloc_touched(need)
     views: dict[K, torch.Tensor] = {}
     off = 0
     for key, n in spans:

@@ -52,6 +52,7 @@ from fastsync.executor.delta import (
     transfer_itemsize,
     write_stream_header,
 )
+from fastsync.executor.arena import arena_bytes, carve
 from fastsync.executor.metrics import SyncMetrics
 from fastsync.executor.pack import source_view, transform_into
 from fastsync.executor.staging import alloc_touched, wait_device
@@ -113,12 +114,9 @@ class DeltaSender:
     def setup(self) -> None:
         self.inner.setup()
         device = next(iter(self.inner.sources.values())).device if self.inner.sources else torch.device("cpu")
-        total = sum(-(-t.nbytes // 8) * 8 for _, t in self.mine)  # 8-aligned: integer views
-        self._base_arena = alloc_touched(total, device)
-        off = 0
-        for i, t in self.mine:
-            self.base[i] = self._base_arena[off: off + t.nbytes]
-            off += -(-t.nbytes // 8) * 8
+        spans = [(i, t.nbytes) for i, t in self.mine]  # 8-aligned: integer views
+        self._base_arena, views = carve(alloc_touched(arena_bytes([n for _, n in spans], 8), device), spans, align=8)
+        self.base.update(views)
         self._scratch = alloc_touched(max((t.nbytes for _, t in self.mine), default=1), device)
         self._no_scan.clear()
         self._views.clear()  # views of the arenas just allocated are made at the first scan

@@ -65,6 +65,7 @@ from fastsync.engines.vllm.worker_state import (
     check_staging_memory,
 )
 from fastsync.engines.vllm.layout import (
+    STAGED_KINDS,
     check_against,
     moe_padding,
     read_live_params,
@@ -197,7 +198,7 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
             ensure_staging(st)
             agent_s = _warm_transport()
             prepare_s = time.perf_counter() - t0
-        staged = {n: f"{lp.kind}: {lp.why}" for n, lp in live.items() if lp.kind in ("linear_repack", "moe_repack")}
+        staged = {n: f"{lp.kind}: {lp.why}" for n, lp in live.items() if lp.kind in STAGED_KINDS}
         if staged:
             log.info("fastsync: engine rank %d stages %d of %d parameters (prepacked by the CPU kernels, "
                      "repacked at each flip), e.g. %s", rank, len(staged), len(live), next(iter(staged.items())))
@@ -341,7 +342,7 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
                 dest[name] = fb.buffers[name]
                 continue
             lp = st.live[name]
-            if lp.kind in ("linear_repack", "moe_repack"):
+            if lp.kind in STAGED_KINDS:
                 dest[name] = st.staging[name]
             else:
                 dest[name] = lp.live

@@ -36,7 +36,8 @@ from typing import Any
 import torch
 
 from fastsync.errors import LayoutError, SyncError
-from fastsync.executor.arena import carve, nbytes_of
+from fastsync.engines.vllm.layout import STAGED_KINDS
+from fastsync.executor.arena import CACHE_LINE, carve, nbytes_of
 from fastsync.layout.box import full_box
 from fastsync.layout.types import EngineTensor, Piece
 
@@ -46,8 +47,6 @@ log = logging.getLogger(__name__)
 
 #: Engine-tensor name prefix of a fallback buffer (``fastsync.fallback:transformer.h.0.attn.c_attn.weight``)
 BUFFER = "fastsync.fallback:"
-_STAGED = ("linear_repack", "moe_repack")
-_ALIGN = 64
 
 
 def _feed(name: str, t: torch.Tensor, names: dict[str, str], splits: dict | None) -> list[tuple[str, torch.Tensor]]:
@@ -187,11 +186,11 @@ class Fallback:
         if self.buffers:
             return
         dt = getattr(torch, self.dtype)
-        _, views = carve(None, [(x, nbytes_of(s, dt)) for x, s in sorted(self.shapes.items())], align=_ALIGN)
+        _, views = carve(None, [(x, nbytes_of(s, dt)) for x, s in sorted(self.shapes.items())], align=CACHE_LINE)
         for x, v in views.items():
             self.buffers[BUFFER + x] = v.view(dt).view(self.shapes[x])
         for p in self.loads:
-            if live[p].kind not in _STAGED:
+            if live[p].kind not in STAGED_KINDS:
                 self.snapshots[p] = torch.zeros_like(live[p].live)
 
     def load(self, model: torch.nn.Module, live: dict, staging: dict, undo: list) -> None:
@@ -204,7 +203,7 @@ class Fallback:
             snap.copy_(live[p].live)
             undo.append(_Snapshot(live[p].live, snap))
         # the memory each parameter is loaded into, read before the twins replace the parameters
-        dests = {p: staging[p] if live[p].kind in _STAGED else live[p].live for p in self.loads}
+        dests = {p: staging[p] if live[p].kind in STAGED_KINDS else live[p].live for p in self.loads}
         index, saved, by_name = _twins(model)
         current: list[str] = []
         try:

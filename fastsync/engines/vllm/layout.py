@@ -64,6 +64,8 @@ __all__ = [
 
 #: How a live parameter takes new values (see the module docstring).
 KINDS = ("inplace", "inplace_repack", "linear_repack", "moe_repack", "alias")
+#: Kinds the kernels read only as a packed copy: written into a staging tensor, repacked at the flip.
+STAGED_KINDS = ("linear_repack", "moe_repack")
 
 
 @dataclass(slots=True)

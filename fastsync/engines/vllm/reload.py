@@ -36,17 +36,15 @@ from typing import Any
 import torch
 
 from fastsync.errors import ConfigError, SyncError
-from fastsync.engines.vllm.layout import moe_pads
+from fastsync.engines.vllm.layout import STAGED_KINDS, moe_pads
 from fastsync.engines.vllm.rpc_result import call_result as _result
-from fastsync.executor.arena import carve, nbytes_of
+from fastsync.executor.arena import CACHE_LINE, carve, nbytes_of
 from fastsync.executor.staging import as_bytes
 from fastsync.layout.box import box_slices
 from fastsync.layout.padding import logical_to_engine
 
 __all__ = ["ReloadWorkerMixin", "ensure_staging", "plain_tensors"]
 
-_STAGED = ("linear_repack", "moe_repack")
-_ALIGN = 64
 
 
 def ensure_staging(st: Any) -> None:
@@ -54,10 +52,10 @@ def ensure_staging(st: Any) -> None:
     (one NIXL registration instead of one per layer)."""
     loaded = st.fallback.loads if getattr(st, "fallback", None) is not None else {}
     need = [(n, lp) for n, lp in st.live.items()
-            if lp.kind in _STAGED and (n in st.expected or n in loaded) and n not in st.staging]
+            if lp.kind in STAGED_KINDS and (n in st.expected or n in loaded) and n not in st.staging]
     if not need:
         return
-    arena, views = carve(None, [(name, nbytes_of(lp.shape, lp.live.dtype)) for name, lp in need], align=_ALIGN)
+    arena, views = carve(None, [(name, nbytes_of(lp.shape, lp.live.dtype)) for name, lp in need], align=CACHE_LINE)
     for name, lp in need:
         st.staging[name] = views[name].view(lp.live.dtype).view(lp.shape)
     st.arenas = getattr(st, "arenas", []) + [arena]
@@ -67,7 +65,7 @@ def plain_tensors(st: Any) -> dict[str, torch.Tensor]:
     """Every engine parameter's plain (unpacked) bytes: staging for prepacked parameters, the live
     parameter otherwise; those vLLM's own loader fills on the fallback path included."""
     loaded = list(st.fallback.loads) if getattr(st, "fallback", None) is not None else []
-    return {n: (st.staging[n] if st.live[n].kind in _STAGED else st.live[n].live)
+    return {n: (st.staging[n] if st.live[n].kind in STAGED_KINDS else st.live[n].live)
             for n in [*st.expected, *loaded] if n in st.live}
 
 
