@@ -2,7 +2,8 @@
 set-up and registered with the transport once instead of once per tensor.
 
 Used by the engine side for its staging tensors, the in-place snapshot and the staged flip's
-copy (``engines/vllm/worker_state.py``, ``reload.py``) and the fallback buffers (``fallback.py``).
+copy (``engines/vllm/worker_state.py``, ``reload.py``) and the fallback buffers (``fallback.py``),
+and by the delta sender for its base copies (``sync/delta_sender.py``, on the trainer's device).
 """
 
 from __future__ import annotations
