@@ -8,21 +8,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastsync import errors
-from fastsync.errors import FastSyncError, SyncError
+from fastsync.errors import SyncError, error_from_wire, error_wire
 
 __all__ = ["error_reply", "raise_worker_errors", "one_version"]
 
 
 def error_reply(e: BaseException) -> dict:
     """The ``{"error": [class name, message]}`` reply for an exception raised while answering a
-    request (inside a worker's ``collective_rpc`` or in :func:`serve`). A FastSyncError keeps its
-    class; anything else (a vLLM RuntimeError, a TypeError from bad arguments) comes back as a
-    SyncError whose message names the original type, so the caller gets an answer, not a dead
-    engine or a reply that never comes."""
-    if isinstance(e, FastSyncError):
-        return {"error": [type(e).__name__, str(e)]}
-    return {"error": ["SyncError", f"{type(e).__name__}: {e}"]}
+    request (inside a worker's ``collective_rpc`` or in :func:`serve`), so the caller gets an
+    answer, not a dead engine or a reply that never comes (the envelope: ``errors.error_wire``)."""
+    return {"error": list(error_wire(e))}
 
 
 def raise_worker_errors(results: list[Any], what: str) -> list[Any]:
@@ -30,10 +25,7 @@ def raise_worker_errors(results: list[Any], what: str) -> list[Any]:
     for r in results:
         if isinstance(r, dict) and "error" in r:
             cls_name, msg = r["error"]
-            cls = getattr(errors, cls_name, FastSyncError)
-            if not (isinstance(cls, type) and issubclass(cls, FastSyncError)):
-                cls = FastSyncError
-            raise cls(f"{what}: {msg}")
+            raise error_from_wire(str(cls_name), str(msg), what)
     return results
 
 

@@ -49,6 +49,7 @@ from fastsync.layout.wire import engine_tensors_from_json
 from fastsync.plan.types import Plan
 from fastsync.reload.plans import PlanCache
 from fastsync.reload.source import HolderRanks, engine_source_layout, merge_sources, params_of, target_layout
+from fastsync.sync.connect_options import ReloadReceiveOptions, ReloadSendOptions, StoreAddress
 from fastsync.sync.handshake import sender_done_key
 
 __all__ = ["PeerReload", "ReloadReport"]
@@ -277,14 +278,10 @@ class PeerReload:
         plan_json = plan.dumps()
         prefix = f"reload/{seq}/{attempt}"
         ctl = self.control.with_prefix(prefix)
-        base = {"control_port": self.control.port, "control_prefix": prefix, "handshake_version": _HANDSHAKE_VERSION,
-                "weight_version": version, "timeout_s": self.timeout_s}
-        host = getattr(self.control, "host", None)
-        if host:  # the store's address, as the engines' workers reach it (another host on a cluster)
-            base["control_host"] = host
-        secret = getattr(self.control, "secret", None)
-        if secret:  # the job secret: the workers' store clients and NIXL notifications need it
-            base["control_secret"] = secret.hex()
+        # the store's address as the engines' workers reach it (another host on a cluster), and the
+        # job secret: the workers' store clients and NIXL notifications need it
+        base = dict(StoreAddress.of(self.control, prefix=prefix), handshake_version=_HANDSHAKE_VERSION,
+                    weight_version=version, timeout_s=self.timeout_s)
         results: dict[tuple[str, str], Any] = {}
         failed: set[str] = set()
 
@@ -300,7 +297,7 @@ class PeerReload:
         t0 = time.perf_counter()
         jts = []
         for j, first in receivers:
-            opts = {**base, "rank_offset": first} if first else dict(base)
+            opts = ReloadReceiveOptions(**base, rank_offset=first).wire()
             jt = threading.Thread(target=run, args=(("j", j.name), lambda j=j, o=opts: j.reload_receive(plan_json, o)),
                                   daemon=True)
             jt.start()
@@ -319,7 +316,7 @@ class PeerReload:
                     ctl.set(sender_done_key(r, _HANDSHAKE_VERSION), f"err:holder {h.name} failed: {type(e).__name__}: {e}")
 
             holder_fail[h.name] = fail
-            opts = {**base, "rank_offset": offset, **(send_opts or {})}
+            opts = ReloadSendOptions(**base, rank_offset=offset, **(send_opts or {})).wire()
             th = threading.Thread(target=run, args=(("h", h.name), lambda h=h, opts=opts: h.reload_send(plan_json, opts),
                                                     fail), daemon=True)
             th.start()

@@ -13,10 +13,10 @@ import threading
 
 import torch
 
-from fastsync.control import DEFAULT_HOST, TCPStoreControl
 from fastsync.errors import ConfigError, SyncError
 from fastsync.layout.types import TrainerLayout
 from fastsync.plan.types import Plan
+from fastsync.sync.connect_options import ReloadSendOptions
 from fastsync.sync.sender import WeightSender
 
 __all__ = ["TrainerHolder"]
@@ -44,25 +44,24 @@ class TrainerHolder:
         return self.layout
 
     def reload_send(self, plan_json: str, options: dict) -> list[dict]:
-        want = int(options["weight_version"])
+        opts = ReloadSendOptions.parse(options)
+        want = opts.weight_version
         if self.version != want:
             raise SyncError(f"holder {self.name} holds version {self.version}, the joining engine asked for {want}: "
                             "refused (versions are never mixed)")
         plan = Plan.loads(plan_json)
-        offset = int(options.get("rank_offset", 0))
+        offset = opts.rank_offset
         out: list = [None] * self.layout.world_size
 
         def send(r: int) -> None:
-            control = TCPStoreControl.client(int(options["control_port"]),
-                                             host=options.get("control_host", DEFAULT_HOST),
-                                             prefix=options["control_prefix"], secret=options.get("control_secret"))
+            control = opts.control()
             shards = {n: [type(s)(s.rank + offset, s.box, s.local_offset) for s in ss]
                       for n, ss in self.layout.shards_on(r).items()}
             tx = WeightSender(rank=offset + r, plan=plan, sources=self.sources[r], shards=shards, control=control,
-                              transport="nixl", timeout_s=float(options.get("timeout_s", 60.0)))
+                              transport="nixl", timeout_s=opts.timeout_s)
             try:
                 tx.setup()
-                m = tx.sync(int(options["handshake_version"]))
+                m = tx.sync(opts.handshake_version)
                 out[r] = {"rank": offset + r, "send_s": m.end - m.start,
                           "registration": getattr(tx.transport, "registration", {})}
             except BaseException as e:
@@ -74,7 +73,7 @@ class TrainerHolder:
         for t in threads:
             t.start()
         for t in threads:
-            t.join(float(options.get("timeout_s", 60.0)) + 30)
+            t.join(opts.timeout_s + 30)
         for r in out:
             if isinstance(r, BaseException):
                 raise r

@@ -22,9 +22,11 @@ from typing import Any, Protocol
 
 import torch
 
-from fastsync.control import DEFAULT_HOST, ControlPlane
-from fastsync.errors import ConfigError, FastSyncError, LayoutError, SyncError
+from fastsync.control import ControlPlane
+from fastsync.errors import ConfigError, LayoutError, SyncError, error_from_text, error_text
+from fastsync.sync.connect_options import ConnectOptions, StoreAddress
 from fastsync.sync.pause_modes import PAUSE_MODES, check_pause_mode
+from fastsync.sync.sync_options import check_sync_options
 from fastsync.sync.handshake import Versions, delta_choice_key, setup_connected_key, setup_plan_key
 from fastsync.layout.limits import MAX_WORLD_SIZE, check_count, check_seconds
 from fastsync.layout.types import EngineLayout, ParamSpec, TrainerLayout
@@ -182,20 +184,7 @@ class WeightSync:
         if model is None and layout is None:
             raise ConfigError("WeightSync needs a model or layout= and sources=")
         check_seconds("timeout_s", timeout_s)
-        if not isinstance(delta, bool):
-            raise ConfigError(f"delta must be True or False, got {delta!r}")
-        if delta and transport != "nixl":
-            raise ConfigError(f"delta=True writes over NIXL; transport={transport!r} does not support it")
-        if fanout not in ("off", "auto", "chain", "direct"):
-            raise ConfigError(f"fanout must be 'off', 'auto', 'chain' or 'direct', got {fanout!r}")
-        if fanout in ("auto", "chain") and transport != "nixl":
-            raise ConfigError(f"fanout={fanout!r} may relay between engine ranks, which only transport 'nixl' does; "
-                              f"transport={transport!r}: use fanout='direct' or 'off'")
-        if not isinstance(staged, bool):
-            raise ConfigError(f"staged must be True or False, got {staged!r}")
-        if staged and delta:
-            raise ConfigError("staged=True and delta=True together are not supported yet (a delta patches the live "
-                              "tensors in place); choose one")
+        check_sync_options(transport=transport, timeout_s=timeout_s, delta=delta, fanout=fanout, staged=staged)
         check_pause_mode(pause_mode, PAUSE_MODES, "WeightSync")
         if control_port is not None:
             check_count("control_port", control_port, hi=65535)
@@ -307,11 +296,11 @@ class WeightSync:
             layout, sources = self._trainer_layout()
             raw = self.control.get(setup_plan_key(self.name, self._setups), self.timeout_s * 4, what="trainer rank 0 (plan)").decode()
             if raw.startswith("err:"):
-                raise _reraise(raw[4:], f"trainer rank {self.rank}: trainer rank 0 could not plan")
+                raise error_from_text(raw, f"trainer rank {self.rank}: trainer rank 0 could not plan")
             plan = Plan.loads(raw)
             got = self.control.get(setup_connected_key(self.name, self._setups), self.timeout_s * 4, what="engines (connect)").decode()
             if got.startswith("err:"):
-                raise _reraise(got[4:], f"trainer rank {self.rank}: engines refused the plan")
+                raise error_from_text(got, f"trainer rank {self.rank}: engines refused the plan")
         shards: dict[str, list[Shard]] = layout.shards_on(self.rank)
         kw = dict(rank=self.rank, plan=plan, sources=sources, shards=shards, control=self.control,
                   transport=self.transport, transport_options=self.transport_options, timeout_s=self.timeout_s)
@@ -352,18 +341,10 @@ class WeightSync:
         except BaseException as e:
             self._publish_error(setup_plan_key(self.name, self._setups), e)
             raise
-        secret = getattr(self.control, "secret", None)
-        options = {"control_port": self.control_port, "transport": self.transport,
-                   "control_host": getattr(self.control, "host", DEFAULT_HOST),
-                   "control_secret": secret.hex() if secret else None,
-                   "transport_options": self.transport_options, "timeout_s": self.timeout_s,
-                   "verify": self.verify, "control_prefix": getattr(self.control, "prefix", "fs")}
-        if self.delta:
-            options["delta"] = True
-        if self.staged:
-            options["staged"] = True
-        if self._trace is not None:
-            options["trace"] = True
+        options = ConnectOptions(**StoreAddress.of(self.control, port=self.control_port), transport=self.transport,
+                                 transport_options=self.transport_options, timeout_s=self.timeout_s,
+                                 verify=self.verify, delta=self.delta, staged=self.staged,
+                                 trace=self._trace is not None).wire()
         self.control.set(setup_plan_key(self.name, self._setups), plan_json)
         try:
             for h in self.engines:
@@ -376,14 +357,10 @@ class WeightSync:
         return layout, sources, plan
 
     def _publish_error(self, key: str, e: BaseException) -> None:
-        """``err:{Type}:{message}`` under ``key`` (a non-fastsync error travels as FastSyncError
-        naming its own type); best effort: the original error is what the caller raises."""
-        if isinstance(e, FastSyncError):
-            text = f"err:{type(e).__name__}:{e}"
-        else:
-            text = f"err:FastSyncError:{type(e).__name__}: {e}"
+        """``err:{Type}:{message}`` under ``key`` (``errors.error_text``); best effort: the
+        original error is what the caller raises."""
         try:
-            self.control.set(key, text)
+            self.control.set(key, error_text(e))
         except Exception:
             pass
 
@@ -429,13 +406,3 @@ class WeightSync:
         if self.sender is not None:
             self.sender.close()
             self.sender = None
-
-
-def _reraise(text: str, prefix: str) -> FastSyncError:
-    from fastsync import errors
-
-    cls_name, _, msg = text.partition(":")
-    cls = getattr(errors, cls_name, FastSyncError)
-    if not (isinstance(cls, type) and issubclass(cls, FastSyncError)):
-        cls = FastSyncError
-    return cls(f"{prefix}: {msg}")

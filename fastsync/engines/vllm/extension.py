@@ -71,6 +71,7 @@ from fastsync.engines.vllm.layout import (
     read_live_params,
 )
 from fastsync.layout.wire import engine_tensors_to_json
+from fastsync.sync.connect_options import ConnectOptions
 from fastsync.trace.recorder import now_ns
 
 __all__ = ["FastSyncWorkerExtension", "ensure_amx_permission", "EXTENSION"]
@@ -300,26 +301,19 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
 
     def fastsync_connect(self, plan_json: str, options: dict) -> dict:
         """Build this rank's receiver for ``plan_json`` and register its memory with the transport.
-        ``options``: ``control_port`` (required), ``control_host``, ``control_secret`` (the job
-        secret, hex; default ``$FASTSYNC_JOB_SECRET``), ``transport``, ``transport_options``,
-        ``timeout_s``, ``verify``."""
+        ``options``: a :class:`~fastsync.sync.connect_options.ConnectOptions` as it crossed
+        (``wire()``), checked key by key before anything is built."""
         return _result(lambda: self._fastsync_connect(plan_json, dict(options)))
 
-    def _fastsync_connect(self, plan_json: str, options: dict, initial_version: int | None = None,
+    def _fastsync_connect(self, plan_json: str, options: dict | ConnectOptions, initial_version: int | None = None,
                           snapshot: bool = True, rank: int | None = None) -> dict:
-        from fastsync.control import DEFAULT_HOST, TCPStoreControl
         from fastsync.sync.receiver import WeightReceiver
         from fastsync.plan.types import Plan
 
         st = self._fastsync_state()
         rank = st.rank if rank is None else rank  # a peer reload of several engines at once places this one
-        unknown = set(options) - {"control_port", "control_host", "control_prefix", "control_secret", "transport",
-                                  "transport_options", "timeout_s", "verify", "trace", "delta", "staged"}
-        if unknown:
-            raise ConfigError(f"fastsync_connect: unknown option(s) {sorted(unknown)}")
-        if "control_port" not in options:
-            raise ConfigError("fastsync_connect: options need 'control_port' (the TCPStore the trainers use)")
-        if options.get("trace"):  # WeightSync(trace_dir=...): finish() returns this rank's phases ("sync")
+        opts = options if isinstance(options, ConnectOptions) else ConnectOptions.parse(options)
+        if opts.trace:  # WeightSync(trace_dir=...): finish() returns this rank's phases ("sync")
             from fastsync.trace import enable
 
             enable()
@@ -353,26 +347,20 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
                 self._fastsync_fallback_load(s)
             self._fastsync_postprocess(s)
 
-        control = TCPStoreControl.client(int(options["control_port"]), host=options.get("control_host", DEFAULT_HOST),
-                                         prefix=options.get("control_prefix", "fs"),
-                                         secret=options.get("control_secret"))
         kw: dict[str, Any] = dict(
-            rank=rank, plan=plan, tensors=dest, control=control,
-            transport=options.get("transport", "nixl"), transport_options=options.get("transport_options"),
-            timeout_s=float(options.get("timeout_s", 60.0)), verify=bool(options.get("verify", False)),
+            rank=rank, plan=plan, tensors=dest, control=opts.control(),
+            transport=opts.transport, transport_options=opts.transport_options,
+            timeout_s=opts.timeout_s, verify=opts.verify,
             initial_version=st.version if initial_version is None else initial_version,
         )
         rx: Any
-        staged = bool(options.get("staged"))
+        staged = opts.staged
         if staged:
             check_staging_memory(st, dest, backup)
-        if staged and options.get("delta"):
-            raise ConfigError("fastsync_connect: staged=True with delta=True is not supported yet (a delta patches "
-                              "the live tensors); use one of them")
         if staged:  # writes land off the live model: the engine keeps generating until the flip
             landing: EngineLanding = StagedEngineLanding(dest, backup, on_apply=post, arena=st.backup_arena)
             rx = WeightReceiver(landing=landing, **kw)
-        elif options.get("delta"):  # WeightSync(delta=True): deltas land in the same memory, same fence
+        elif opts.delta:  # WeightSync(delta=True): deltas land in the same memory, same fence
             from fastsync.sync.delta_receiver import DeltaReceiver, inbox_sizes
 
             landing = EngineDeltaLanding(dest, backup if snapshot else [], post,

@@ -42,6 +42,7 @@ from fastsync.executor.arena import CACHE_LINE, carve, nbytes_of
 from fastsync.executor.staging import as_bytes
 from fastsync.layout.box import box_slices
 from fastsync.layout.padding import logical_to_engine
+from fastsync.sync.connect_options import ReloadReceiveOptions, ReloadSendOptions
 
 __all__ = ["ReloadWorkerMixin", "ensure_staging", "plain_tensors"]
 
@@ -88,21 +89,18 @@ class ReloadWorkerMixin:
         return _result(run)
 
     def fastsync_reload_send(self, plan_json: str, options: dict) -> dict:
-
+        """A holder writes its shards to the joining engines (``ReloadSendOptions``, as it crossed)."""
         return _result(lambda: self._fastsync_reload_send(plan_json, dict(options)))
 
     def _fastsync_reload_send(self, plan_json: str, options: dict) -> dict:
-        from fastsync.control import DEFAULT_HOST, TCPStoreControl
         from fastsync.plan.types import Plan
         from fastsync.reload.source import local_shards
         from fastsync.sync.sender import WeightSender
 
         st = self._fastsync_state()  # type: ignore[attr-defined]
         _refuse_fallback(st, "peer reload")
-        _check_options("fastsync_reload_send", options, {"control_port", "control_host", "control_prefix", "control_secret",
-                                                         "rank_offset", "handshake_version", "weight_version",
-                                                         "timeout_s", "chunk_bytes", "in_flight"})
-        want = int(options["weight_version"])
+        opts = ReloadSendOptions.parse(options)
+        want = opts.weight_version
         if st.version != want:
             raise SyncError(f"holder engine rank {st.rank} serves version {st.version}, the joining engine asked for "
                             f"{want}: refused (versions are never mixed)")
@@ -110,25 +108,22 @@ class ReloadWorkerMixin:
             raise SyncError(f"holder engine rank {st.rank} holds no plain copy of its prepacked weights (it was loaded "
                             "by vLLM's own loader); fill it through fastsync once (a sync, a reload or "
                             "fastsync_load_checkpoint) to make it a holder")
-        rank = int(options.get("rank_offset", 0)) + st.tp_rank
+        rank = opts.rank_offset + st.tp_rank
         plain = plain_tensors(st)
         shards, buffer_of = local_shards(st.expected, rank)
         sources = {p: plain[t] for p, t in buffer_of.items()}
-        control = TCPStoreControl.client(int(options["control_port"]), host=options.get("control_host", DEFAULT_HOST),
-                                         prefix=options["control_prefix"], secret=options.get("control_secret"))
-        timeout = float(options.get("timeout_s", 60.0))
+        timeout = opts.timeout_s
         t0 = time.perf_counter()
-        chunk = options.get("chunk_bytes")  # write batches: what a joining engine in a chain forwards at once
         # batches in flight: a joining engine that forwards while it receives answers over a busy
         # link, so waiting for each batch before the next leaves the link idle
-        topts = {"in_flight": int(options["in_flight"])} if "in_flight" in options else None
-        tx = WeightSender(rank=rank, plan=Plan.loads(plan_json), sources=sources, shards=shards, control=control,
+        topts = {"in_flight": opts.in_flight} if opts.in_flight is not None else None
+        tx = WeightSender(rank=rank, plan=Plan.loads(plan_json), sources=sources, shards=shards, control=opts.control(),
                           transport="nixl", transport_options=topts, timeout_s=timeout,
-                          max_chunk_bytes=None if chunk is None else int(chunk))
+                          max_chunk_bytes=opts.chunk_bytes)  # what a joining engine in a chain forwards at once
         try:
             tx.setup()
             setup_s = time.perf_counter() - t0
-            m = tx.sync(int(options["handshake_version"]), timeout_s=timeout)
+            m = tx.sync(opts.handshake_version, timeout_s=timeout)
             if st.version != want:  # cannot happen inside one collective_rpc; kept as the invariant
                 raise SyncError(f"holder engine rank {st.rank} changed version during the reload")
             reg = getattr(tx.transport, "registration", {})
@@ -138,26 +133,20 @@ class ReloadWorkerMixin:
                 "bytes": sum(m.bytes_per_link.values())}
 
     def fastsync_reload_receive(self, plan_json: str, options: dict) -> dict:
-
+        """A joining engine's workers take the weights from live holders (``ReloadReceiveOptions``)."""
         return _result(lambda: self._fastsync_reload_receive(plan_json, dict(options)))
 
     def _fastsync_reload_receive(self, plan_json: str, options: dict) -> dict:
         st = self._fastsync_state()  # type: ignore[attr-defined]
         _refuse_fallback(st, "peer reload")
-        _check_options("fastsync_reload_receive", options, {"control_port", "control_host", "control_prefix",
-                                                            "control_secret", "handshake_version", "weight_version",
-                                                            "timeout_s", "rank_offset"})
-        want, hv = int(options["weight_version"]), int(options["handshake_version"])
-        timeout = float(options.get("timeout_s", 60.0))
+        opts = ReloadReceiveOptions.parse(options)
+        want, hv, timeout = opts.weight_version, opts.handshake_version, opts.timeout_s
         t0 = time.perf_counter()
-        conn = {k: options[k] for k in ("control_port", "control_host", "control_prefix", "control_secret")
-                if k in options}
-        conn.update(transport="nixl", timeout_s=timeout)
         # several joining engines in one plan (identical replicas, fed through relay chains): this
         # one's workers are engine ranks rank_offset + tp_rank of it
-        rank = int(options.get("rank_offset", 0)) + st.tp_rank
+        rank = opts.rank_offset + st.tp_rank
         # an engine holding only dummy weights has nothing worth restoring: no in-place snapshot
-        got = self._fastsync_connect(plan_json, conn, initial_version=0,  # type: ignore[attr-defined]
+        got = self._fastsync_connect(plan_json, opts.connect(), initial_version=0,  # type: ignore[attr-defined]
                                      snapshot=bool(getattr(st, "plain", False)), rank=rank)
         connect_s = time.perf_counter() - t0
         reg = getattr(st.receiver.transport, "registration", {})
@@ -271,14 +260,3 @@ def _loading_param(module: Any, data: torch.Tensor) -> Any:
     if loader is None:
         raise SyncError(f"{type(module).__name__} has no vLLM weight loader; cannot load a checkpoint into it")
     return ModelWeightParameter(data=data, input_dim=1, output_dim=0, weight_loader=loader)
-
-
-def _check_options(what: str, options: dict, known: set[str]) -> None:
-    unknown = set(options) - known
-    if unknown:
-        raise ConfigError(f"{what}: unknown option(s) {sorted(unknown)}")
-    for k in ("control_port", "weight_version") + (("handshake_version",) if "handshake_version" in known else ()):
-        if k not in options:
-            raise ConfigError(f"{what}: options need {k!r}")
-    if "control_prefix" not in options:
-        raise ConfigError(f"{what}: options need 'control_prefix' (one namespace per reload attempt)")

@@ -8,7 +8,7 @@ to open and when its writes landed. Errors travel as ``err:{Type}:{message}``.
 
 from __future__ import annotations
 
-from fastsync.errors import FastSyncError
+from fastsync.errors import error_text, raise_error_text  # the one codec, re-exported for the wt modules
 
 __all__ = ["describe_key", "connect_key", "connected_key", "version_key", "open_key", "staged_key", "error_text",
            "raise_error_text"]
@@ -44,23 +44,3 @@ def staged_key(engine_rank: int, version: int) -> str:
     """Staged receive: an engine rank's writes of ``version`` all landed (JSON with
     ``received_s``), or ``err:...`` when the receive failed; published while the engine generates."""
     return f"wt/engine/{engine_rank}/staged/{version}"
-
-
-def error_text(e: BaseException) -> str:
-    """``err:{Type}:{message}``; an exception that is not a FastSyncError travels as FastSyncError
-    naming its own type."""
-    if isinstance(e, FastSyncError):
-        return f"err:{type(e).__name__}:{e}"
-    return f"err:FastSyncError:{type(e).__name__}: {e}"
-
-
-def raise_error_text(raw: bytes | str, prefix: str) -> None:
-    """Raise the FastSyncError that :func:`error_text` wrote (``raw`` starts with ``err:``)."""
-    from fastsync import errors
-
-    text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
-    cls_name, _, msg = text[4:].partition(":")
-    cls = getattr(errors, cls_name, FastSyncError)
-    if not (isinstance(cls, type) and issubclass(cls, FastSyncError)):
-        cls = FastSyncError
-    raise cls(f"{prefix}: {msg}")
