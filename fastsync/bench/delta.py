@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import queue
 import statistics
 import time
 import traceback
@@ -28,7 +27,8 @@ import zlib
 from dataclasses import dataclass, replace
 from typing import Any
 
-from fastsync.errors import ConfigError, SyncError
+from fastsync.bench.rows import collect_rows, exits
+from fastsync.errors import ConfigError
 
 __all__ = ["DeltaBenchConfig", "scaled_config", "run_delta_bench"]
 
@@ -240,20 +240,8 @@ def _run(cfg: DeltaBenchConfig, hf: dict, plan: Any, rig: Any, load_before: floa
     try:
         for p in procs:
             p.start()
-        deadline = time.monotonic() + timeout_s
-        while sum(r.get("kind") == "exit" for r in rows) < len(procs):
-            if time.monotonic() >= deadline:
-                raise SyncError(f"delta-bench did not finish within {timeout_s:.0f} s")
-            try:
-                row = results.get(timeout=1.0)
-            except queue.Empty:
-                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise SyncError(f"delta-bench worker(s) died (exit codes {dead})") from None
-                continue
-            if row.get("kind") == "crash":
-                raise SyncError(f"delta-bench {row['role']} crashed: {row['error']}\n{row['trace']}")
-            rows.append(row)
+        collect_rows(results, {f"worker {i}": p for i, p in enumerate(procs)}, done=lambda got: exits(got) >= len(procs),
+                     timeout_s=timeout_s, what="delta-bench", rows=rows)
     finally:
         for p in procs:
             p.join(timeout=10)

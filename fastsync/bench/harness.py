@@ -18,6 +18,7 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from fastsync.bench.model import BenchModel, build_bench_model
+from fastsync.bench.rows import collect_rows
 from fastsync.bench.trace_out import write_bench_trace
 from fastsync.bench.workers import WorkerConfig, receiver_main, trainer_main
 from fastsync.control import TCPStoreControl
@@ -89,26 +90,9 @@ class Cluster:
     def collect(self, done: Callable[[list[dict]], bool], timeout_s: float,
                 on_row: Callable[[dict], None] | None = None) -> list[dict]:
         """Gather rows until ``done(rows)`` or the deadline; SyncError on a crash or timeout."""
-        deadline = time.monotonic() + timeout_s
-        while not done(self.rows):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise SyncError(f"benchmark workers did not finish within {timeout_s:.0f} s "
-                                f"({len(self.rows)} results so far)")
-            try:
-                row = self.results.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                dead = [f"{k[0]} {k[1]} (exit {p.exitcode})" for k, p in self.procs.items()
-                        if p.exitcode not in (None, 0, 17)]
-                if dead:
-                    raise SyncError(f"benchmark worker(s) died: {', '.join(dead)}")
-                continue
-            if row.get("kind") == "crash":
-                raise SyncError(f"{row['role']} rank {row['rank']} crashed: {row['error']}\n{row.get('trace', '')}")
-            self.rows.append(row)
-            if on_row is not None:
-                on_row(row)
-        return self.rows
+        procs = {f"{k[0]} {k[1]}": p for k, p in self.procs.items()}
+        return collect_rows(self.results, procs, done=done, timeout_s=timeout_s, what="benchmark workers",
+                            rows=self.rows, on_row=on_row)
 
     def drain(self, grace_s: float, on_row: Callable[[dict], None] | None = None) -> list[str]:
         """After a failure: keep reading rows until every worker exited or ``grace_s`` passed

@@ -14,6 +14,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastsync.bench.rows import KILLED_ON_PURPOSE
+
 __all__ = ["WorkerConfig", "trainer_main", "receiver_main"]
 
 
@@ -197,7 +199,7 @@ def trainer_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
 
                 def on_chunk(k: int, _kc: int = kill_chunk) -> None:
                     if k >= _kc:
-                        os._exit(17)  # a trainer dying mid-sync, some writes already landed
+                        os._exit(KILLED_ON_PURPOSE)  # a trainer dying mid-sync, some writes already landed
             _barrier(cfg, control, f"bench/{name}/{version}", watch, rank)
             t_start = time.time()
             try:
@@ -261,13 +263,13 @@ def receiver_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
             if cfg.kill_engine_at == (rank, version):
                 results.put({"kind": "killed", "role": "engine", "rank": rank, "version": version, "time": time.time()})
                 time.sleep(0.2)  # let the queue's feeder thread hand the row over
-                os._exit(17)  # an engine rank dying as the others begin the version
+                os._exit(KILLED_ON_PURPOSE)  # an engine rank dying as the others begin the version
             row: dict[str, Any]
             if cfg.kill_engine_open_at == (rank, version):
                 rx.begin(version)  # an engine rank (a relay) dying with the version open, before it forwards
                 results.close()
                 results.join_thread()  # rows already put (earlier versions) reach the parent first
-                os._exit(17)
+                os._exit(KILLED_ON_PURPOSE)
             try:
                 if cfg.delta:  # dense while nothing complete is held (or after a failure), else a delta
                     rx.sync(version, dense=not dense_ok, timeout_s=cfg.sync_timeout_s)

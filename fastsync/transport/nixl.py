@@ -345,12 +345,8 @@ class NixlTransport(Transport):
         return done
 
     def _missing(self) -> dict[int | str, str]:
-        out: dict[int | str, str] = {}
-        for s, n in self._expect.items():
-            if n is None:
-                out[s] = "no write completed"
-            elif len(self._got[s]) < n:
-                out[s] = f"{n - len(self._got[s])} of {n} write batches missing"
+        out: dict[int | str, str] = notes.missing(self._expect, self._got, nothing="no write completed",
+                                                  unit="write batches")
         if self._relay is not None:
             out.update(self._relay.missing())
         return out

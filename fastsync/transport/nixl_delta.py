@@ -268,12 +268,7 @@ class DeltaInbox:
         return done
 
     def missing(self) -> dict[int, str]:
-        out = {}
-        for s, m in self._expect.items():
-            if m is None:
-                out[s] = "no delta page arrived"
-            elif len(self._got[s]) < m:
-                out[s] = f"{m - len(self._got[s])} of {m} delta pages missing"
+        out = notes.missing(self._expect, self._got, nothing="no delta page arrived", unit="delta pages")
         if self.relay is not None:
             out.update(self.relay.missing())
         return out

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from fastsync.security import check_mac, mac
 
-__all__ = ["KINDS", "TAG_BYTES", "Note", "encode", "decode", "authentic"]
+__all__ = ["KINDS", "TAG_BYTES", "Note", "encode", "decode", "authentic", "missing"]
 
 #: Bytes of the MAC a notification carries (``security.mac``'s default size).
 TAG_BYTES = 16
@@ -67,3 +67,17 @@ def authentic(key: bytes, note: Note, *, agent: str, dst: int) -> bool:
     if len(note.tag) != TAG_BYTES:  # a short tag would be checked truncated: a guess in 256 for one byte
         return False
     return check_mac(key, note.tag, *_fields(note.kind, agent, dst, note.version, note.src, note.a, note.b))
+
+
+def missing(expect: dict, got: dict, *, nothing: str, unit: str) -> dict:
+    """What a receiver still waits for, per sender (dense batches, delta pages): ``nothing`` for a
+    sender none of whose notifications came (its count unknown), else ``"k of n {unit} missing"``;
+    senders with all ``n`` arrived are left out. ``expect``: sender -> count it announced (None
+    until its first notification); ``got``: sender -> the indices that arrived."""
+    out = {}
+    for s, n in expect.items():
+        if n is None:
+            out[s] = nothing
+        elif len(got[s]) < n:
+            out[s] = f"{n - len(got[s])} of {n} {unit} missing"
+    return out

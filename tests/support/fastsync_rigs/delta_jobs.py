@@ -100,6 +100,7 @@ def trainer_job(job: DeltaJob, rank: int, results: Any) -> None:
     from fastsync.control import TCPStoreControl
     from fastsync.layout.box import box_slices
     from fastsync.layout.types import Shard
+    from fastsync.bench.rows import KILLED_ON_PURPOSE
     from fastsync.sync.delta_sender import DeltaSender
 
     try:
@@ -123,7 +124,7 @@ def trainer_job(job: DeltaJob, rank: int, results: Any) -> None:
 
                 def on_page(k: int, _kp: int = kill_page) -> None:
                     if k >= _kp:
-                        os._exit(17)  # a trainer dying mid-delta, some pages already written
+                        os._exit(KILLED_ON_PURPOSE)  # a trainer dying mid-delta, some pages already written
             control.barrier(f"delta/{version}", job.trainers + job.rollouts, job.timeout_s)
             row: dict[str, Any] = {"kind": "sync", "role": "trainer", "rank": rank, "version": version}
             try:
@@ -203,14 +204,12 @@ def engine_job(job: DeltaJob, rank: int, results: Any) -> None:
 
 def run_job(job: DeltaJob, timeout_s: float = 240.0) -> list[dict]:
     """Spawn every rank of ``job`` (127.0.0.1, one store owned here), collect their rows until all
-    exited (or died: a killed trainer's exit code 17 is expected), kill what is left."""
+    exited (or died: a killed trainer's exit code, ``KILLED_ON_PURPOSE``, is expected), kill what is left."""
     import multiprocessing as mp
-    import queue
-    import time
     from dataclasses import replace
 
+    from fastsync.bench.rows import KILLED_ON_PURPOSE, collect_rows, exits
     from fastsync.control import TCPStoreControl
-    from fastsync.errors import SyncError
 
     store = TCPStoreControl.server(port=0, timeout_s=job.timeout_s)
     job = replace(job, port=store.port)
@@ -222,24 +221,10 @@ def run_job(job: DeltaJob, timeout_s: float = 240.0) -> list[dict]:
     try:
         for p in procs:
             p.start()
-        deadline = time.monotonic() + timeout_s
-        while True:
-            exited = sum(r.get("kind") == "exit" for r in rows)
-            killed = sum(p.exitcode == 17 for p in procs)
-            if exited + killed >= len(procs):
-                break
-            if time.monotonic() >= deadline:
-                raise SyncError(f"delta job did not finish within {timeout_s:.0f} s ({len(rows)} rows)")
-            try:
-                row = results.get(timeout=0.5)
-            except queue.Empty:
-                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0, 17)]
-                if dead:
-                    raise SyncError(f"delta job worker(s) died with exit codes {dead}") from None
-                continue
-            if row.get("kind") == "crash":
-                raise SyncError(f"{row['role']} rank {row['rank']} crashed: {row['error']}\n{row['trace']}")
-            rows.append(row)
+        names = {f"{'engine' if i < job.rollouts else 'trainer'} {i if i < job.rollouts else i - job.rollouts}": p
+                 for i, p in enumerate(procs)}
+        collect_rows(results, names, timeout_s=timeout_s, what="delta job", rows=rows, poll_s=0.5,
+                     done=lambda got: exits(got) + sum(p.exitcode == KILLED_ON_PURPOSE for p in procs) >= len(procs))
     finally:
         for p in procs:
             p.join(timeout=5)
