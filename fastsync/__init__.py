@@ -74,6 +74,9 @@ _LAZY: dict[str, tuple[str, str]] = {
     "one_version": ("fastsync.host.replies", "one_version"),
     "PAUSE_MODES": ("fastsync.sync.pause_modes", "PAUSE_MODES"),
     "check_pause_mode": ("fastsync.sync.pause_modes", "check_pause_mode"),
+    "check_sync_options": ("fastsync.sync.sync_options", "check_sync_options"),
+    "Spelling": ("fastsync.sync.sync_options", "Spelling"),
+    "FANOUTS": ("fastsync.sync.sync_options", "FANOUTS"),
     "weight_spans": ("fastsync.engines.vllm.pause", "weight_spans"),
     # the host kit (fastsync.host)
     "open_control": ("fastsync.host.control", "open_control"),
@@ -82,6 +85,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "share_over_torch": ("fastsync.host.control", "share_over_torch"),
     "node_address": ("fastsync.host.control", "node_address"),
     "RpcEngine": ("fastsync.host.rpc_engine", "RpcEngine"),
+    "ray_result": ("fastsync.host.rpc_engine", "ray_result"),
     "FullCopySender": ("fastsync.host.fullcopy", "FullCopySender"),
     "FullCopyReceiver": ("fastsync.host.fullcopy", "FullCopyReceiver"),
     "shard_views": ("fastsync.host.fullcopy_plan", "shard_views"),
@@ -115,6 +119,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "torch_dtype": ("fastsync.executor.staging", "torch_dtype"),
     # MoE
     "patch_moe": ("fastsync.moe.patch", "patch"),
+    "MOE_BACKENDS": ("fastsync.moe.block", "BACKENDS"),
     "RoutingReplay": ("fastsync.moe.replay", "RoutingReplay"),
     # plugins
     "register_plugin": ("fastsync.plugins", "register_plugin"),

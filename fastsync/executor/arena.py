@@ -3,7 +3,8 @@ set-up and registered with the transport once instead of once per tensor.
 
 Used by the engine side for its staging tensors, the in-place snapshot and the staged flip's
 copy (``engines/vllm/worker_state.py``, ``reload.py``) and the fallback buffers (``fallback.py``),
-and by the delta sender for its base copies (``sync/delta_sender.py``, on the trainer's device).
+by the delta sender for its base copies (``sync/delta_sender.py``, on the trainer's device) and by
+the host kit's full-copy channel for its typed buffers (``host/fullcopy_plan.flat_views``).
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from fastsync.errors import ConfigError
-from fastsync.executor.staging import alloc_touched, dtype_name, torch_dtype
+from fastsync.executor.arena import CACHE_LINE, carve, nbytes_of
+from fastsync.executor.staging import dtype_name, torch_dtype
 from fastsync.plan import Plan, build_plan
 from fastsync.layout.box import box_shape, full_box
 from fastsync.layout.trainer import replicated_layout
@@ -97,22 +98,12 @@ def build_full_copy_plan(inventory: Inventory, num_trainers: int, num_receivers:
 
 
 def flat_views(specs: list[tuple[str, tuple[int, ...], str]]) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-    """One touched buffer per dtype (registered once by the transport), a shaped view per tensor."""
-    by_dtype: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
-    for name, shape, dtype in specs:
-        by_dtype.setdefault(dtype, []).append((name, shape))
-    flats: list[torch.Tensor] = []
-    views: dict[str, torch.Tensor] = {}
-    for dtype, items in by_dtype.items():
-        dt = torch_dtype(dtype)
-        sizes = [int(torch.Size(shape).numel()) for _, shape in items]
-        flat = alloc_touched(sum(sizes) * dt.itemsize).view(dt) if sum(sizes) else torch.empty(0, dtype=dt)
-        flats.append(flat)
-        off = 0
-        for (name, shape), n in zip(items, sizes):
-            views[name] = flat[off: off + n].view(shape)
-            off += n
-    return flats, views
+    """One touched arena (registered once by the transport) carved into a shaped view per tensor
+    (``executor.arena.carve``, each view on a cache line of its own). Returns ``([arena], views)``:
+    the arena is what keeps the views' memory alive."""
+    dtypes = {name: torch_dtype(dtype) for name, _, dtype in specs}
+    arena, raw = carve(None, [(name, nbytes_of(shape, dtypes[name])) for name, shape, _ in specs], align=CACHE_LINE)
+    return [arena], {name: raw[name].view(dtypes[name]).view(shape) for name, shape, _ in specs}
 
 
 def shard_views(trainer: TrainerLayout, rank: int) -> tuple[dict[str, Box], dict[str, torch.Tensor]]:

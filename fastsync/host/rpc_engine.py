@@ -6,20 +6,43 @@ A host supplies two functions: ``submit(method, *args)`` starts a call and retur
 once (a Ray ``ObjectRef``, a future), ``result(handle, timeout_s, what)`` waits for it with a
 deadline and returns the per-worker replies (raising :class:`~fastsync.errors.SyncError` naming
 ``what`` on a timeout or a failed call). Worker replies that carry an error are raised by name
-(``raise_worker_errors``); versions must agree (``one_version``). Ray::
+(``raise_worker_errors``); versions must agree (``one_version``). Over a Ray actor that forwards
+the calls (``ray`` is imported only when one is used)::
 
-    engine = RpcEngine(lambda m, *a: getattr(actor, m).remote(*a), ray_result, name="vLLM engine 0")
+    engine = RpcEngine.over_ray(actor, name="vLLM engine 0", timeout_s=120.0)
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
-from fastsync.errors import SyncError
+from fastsync.errors import FastSyncError, SyncError
 from fastsync.host.replies import one_version, raise_worker_errors
 
-__all__ = ["RpcEngine"]
+__all__ = ["RpcEngine", "ray_result"]
+
+#: How much of a failed Ray call's error is kept in the SyncError (Ray's include remote tracebacks).
+_RAY_ERROR_CHARS = 400
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def ray_result(ref: Any, timeout_s: float, what: str) -> Any:
+    """``ray.get(ref)`` with a deadline: SyncError naming ``what`` when it does not answer within
+    ``timeout_s`` or the actor call failed (the end of Ray's error kept); a fastsync error the
+    actor raised comes through as it is."""
+    import ray
+
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError as e:
+        raise SyncError(f"{what} did not answer within {timeout_s:.0f} s") from e
+    except ray.exceptions.RayError as e:
+        if isinstance(e, FastSyncError):  # raised by fastsync in the actor: Ray re-raises it as its own class
+            raise
+        text = _ANSI.sub("", str(e))  # Ray colours the remote frame's name for a terminal
+        raise SyncError(f"{what} failed: {type(e).__name__}: {text[-_RAY_ERROR_CHARS:]}") from e
 
 
 class RpcEngine:
@@ -34,6 +57,15 @@ class RpcEngine:
         self.timeout_s = timeout_s
         self.connect_options = dict(connect_options or {})
         self._pending: dict[int, Any] = {}
+
+    @classmethod
+    def over_ray(cls, actor: Any, *, name: str, timeout_s: float = 120.0,
+                 connect_options: dict | None = None) -> "RpcEngine":
+        """The handle of a Ray actor with fastsync's calls as methods (``actor.fastsync_connect``
+        ...), each awaited with :func:`ray_result`."""
+        return cls(lambda method, *args: getattr(actor, method).remote(*args),
+                   lambda ref, t, what: ray_result(ref, t, f"{name}: {what}"), name=name, timeout_s=timeout_s,
+                   connect_options=connect_options)
 
     def _call(self, method: str, *args: Any, what: str, timeout_s: float | None = None) -> list[Any]:
         got = self._result(self._submit(method, *args), self.timeout_s if timeout_s is None else timeout_s, what)

@@ -90,8 +90,10 @@ def test_bad_options_are_named():
     assert options_from_args(SimpleNamespace()) == FastSyncOptions()  # OpenRLHF started without the launcher
     with pytest.raises(ConfigError, match="--fastsync.fanout must be one of"):
         FastSyncOptions(fanout="ring").validate()
-    with pytest.raises(ConfigError, match="--fastsync.delta and --fastsync.fanout off need --fastsync.transport nixl"):
+    with pytest.raises(ConfigError, match="--fastsync.delta writes over NIXL; --fastsync.transport torch does not"):
         FastSyncOptions(delta=True, transport="torch").validate()
+    with pytest.raises(ConfigError, match="--fastsync.fanout chain may relay between engine ranks"):
+        FastSyncOptions(fanout="chain", transport="torch").validate()
     assert FastSyncOptions(delta=True, fanout="chain").validate().fanout == "chain"  # deltas are relayed
     assert FastSyncOptions(delta=True, fanout="auto").validate().fanout == "auto"
 

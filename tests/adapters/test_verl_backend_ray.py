@@ -21,6 +21,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import time
 
 import pytest
 
@@ -275,3 +276,34 @@ def test_brand_new_replica_added_after_a_sync_gets_the_current_weights(ray_local
         assert job.setups()[-1] == 1  # the new rank set up once, in the new session
     finally:
         job.close()
+
+
+def test_ray_calls_are_awaited_with_a_deadline_and_their_errors_named(ray_local) -> None:
+    """The host kit's ``ray_result`` (both adapters' Ray calls): a fastsync error raised in the
+    actor comes back as its own class, anything else as SyncError naming the call, and a call
+    that does not answer by its deadline as SyncError, not a hang."""
+    from fastsync import ConfigError, SyncError, ray_result
+
+    @ray.remote
+    def call(kind: str) -> list:
+        if kind == "config":
+            raise ConfigError("engine_kwargs.fastsync.fanout must be one of off, auto, chain, direct")
+        if kind == "crash":
+            raise RuntimeError("CUDA error: an illegal memory access")
+        if kind == "slow":
+            time.sleep(30)
+        return [{"rank": 0}]
+
+    assert ray_result(call.remote("ok"), 60.0, "engine 0: describe") == [{"rank": 0}]
+    with pytest.raises(ConfigError, match="fanout must be one of"):
+        ray_result(call.remote("config"), 60.0, "engine 0: connect")
+    crashed = r"(?s)engine 0: update failed: RayTaskError\(RuntimeError\).*illegal memory"
+    with pytest.raises(SyncError, match=crashed) as e:
+        ray_result(call.remote("crash"), 60.0, "engine 0: update")
+    assert "\x1b[" not in str(e.value)  # Ray's terminal colours stripped
+    t0 = time.monotonic()
+    slow = call.remote("slow")
+    with pytest.raises(SyncError, match="engine 0: version did not answer within 2 s"):
+        ray_result(slow, 2.0, "engine 0: version")
+    assert time.monotonic() - t0 < 20
+    ray.cancel(slow, force=True)

@@ -5,15 +5,20 @@ package ``worker_extension_cls`` strings name). Imports nothing heavy until a na
 from __future__ import annotations
 
 from fastsync import (
+    FANOUTS,
+    MOE_BACKENDS,
     ConfigError,
     LayoutError,
     ParamSpec,
     RpcEngine,
+    Spelling,
     SyncError,
     TrainerLayout,
     WeightSync,
+    check_sync_options,
     node_address,
     patch_moe,
+    ray_result,
     replicated_layout,
     share_over_torch,
     trainer_layout_from_spec,
@@ -21,8 +26,8 @@ from fastsync import (
 )
 
 __all__ = ["ConfigError", "LayoutError", "SyncError", "ParamSpec", "WeightSync", "RpcEngine", "node_address",
-           "share_over_torch", "replicated_layout", "zero3_layout", "patch_moe", "weight_spans",
-           "worker_extension_class"]
+           "share_over_torch", "ray_result", "replicated_layout", "zero3_layout", "patch_moe", "weight_spans",
+           "FANOUTS", "MOE_BACKENDS", "Spelling", "check_sync_options", "worker_extension_class"]
 
 
 def zero3_layout(params: dict[str, ParamSpec], world_size: int) -> TrainerLayout:

@@ -8,13 +8,13 @@ import argparse
 from dataclasses import dataclass, fields
 from typing import Any
 
-from fastsync_openrlhf._fastsync import ConfigError
+from fastsync_openrlhf._fastsync import FANOUTS, MOE_BACKENDS, ConfigError, Spelling, check_sync_options
 
 __all__ = ["FastSyncOptions", "add_arguments", "options_from_args"]
 
 _TRANSPORTS = ("nixl", "torch")
-_MOE_BACKENDS = ("off", "auto", "torch", "grouped_mm", "te", "deepep")
-_FANOUTS = ("off", "auto", "chain", "direct")
+_MOE_BACKENDS = ("off", *MOE_BACKENDS)
+_SPELLING = Spelling(prefix="--fastsync.", cli=True)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -40,15 +40,10 @@ class FastSyncOptions:
     def validate(self) -> "FastSyncOptions":
         if self.transport not in _TRANSPORTS:
             raise ConfigError(f"--fastsync.transport must be one of {_TRANSPORTS}, got {self.transport!r}")
-        if not self.timeout_s > 0:
-            raise ConfigError(f"--fastsync.timeout_s must be positive, got {self.timeout_s}")
         if self.moe not in _MOE_BACKENDS:
             raise ConfigError(f"--fastsync.moe must be one of {_MOE_BACKENDS}, got {self.moe!r}")
-        if self.fanout not in _FANOUTS:
-            raise ConfigError(f"--fastsync.fanout must be one of {_FANOUTS}, got {self.fanout!r}")
-        if (self.delta or self.fanout in ("auto", "chain")) and self.transport != "nixl":
-            raise ConfigError(f"--fastsync.delta and --fastsync.fanout {self.fanout} need --fastsync.transport nixl, "
-                              f"got {self.transport!r}")
+        check_sync_options(_SPELLING, transport=self.transport, timeout_s=self.timeout_s, delta=self.delta,
+                           fanout=self.fanout)
         return self
 
 
@@ -65,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--fastsync.verify", action="store_true", default=False, help="per-transfer checksums")
     g.add_argument("--fastsync.delta", action="store_true", default=False,
                    help="after a dense first sync, send only the elements that changed (NIXL)")
-    g.add_argument("--fastsync.fanout", choices=_FANOUTS, default="off",
+    g.add_argument("--fastsync.fanout", choices=FANOUTS, default="off",
                    help="several identical vLLM engines: plan one, feed the others by relays (chain), by the cost "
                         "model's choice (auto) or from the trainer ranks (direct)")
     g.add_argument("--fastsync.moe", choices=_MOE_BACKENDS, default="off",

@@ -23,7 +23,7 @@ from typing import Any
 import ray
 from openrlhf.trainer.ray import ppo_actor
 
-from fastsync_openrlhf._fastsync import ConfigError
+from fastsync_openrlhf._fastsync import ConfigError, ray_result
 from fastsync_openrlhf.config import FastSyncOptions, options_from_args
 from fastsync_openrlhf.zero3 import DeepSpeedWeightSync
 
@@ -95,7 +95,9 @@ class FastSyncActorPPOTrainer(_OriginalTrainer):  # type: ignore[misc, valid-typ
             self._fastsync_sync.setup()
         result = self._fastsync_sync.sync()
         if dist.get_rank() == 0 and getattr(self.strategy.args.vllm, "enable_prefix_caching", False):
-            ray.get([e.reset_prefix_cache.remote() for e in self.vllm_engines])  # cached KV is of the old weights
+            # cached KV is of the old weights
+            ray_result([e.reset_prefix_cache.remote() for e in self.vllm_engines], self._fastsync_options().timeout_s,
+                       "vLLM engines: reset_prefix_cache")
         dist.barrier()
         return result
 

@@ -34,7 +34,6 @@ from fastsync_openrlhf._fastsync import (
     ConfigError,
     LayoutError,
     ParamSpec,
-    SyncError,
     WeightSync,
     replicated_layout,
     zero3_layout,
@@ -45,25 +44,12 @@ __all__ = ["RayEngine", "DeepSpeedWeightSync", "zero3_sources"]
 log = logging.getLogger(__name__)
 
 
-def _ray_result(index: int) -> Any:
-    def result(ref: Any, timeout_s: float, what: str) -> Any:
-        import ray
-
-        try:
-            return ray.get(ref, timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError as e:
-            raise SyncError(f"vLLM engine {index}: {what} did not answer within {timeout_s:.0f} s") from e
-        except ray.exceptions.RayError as e:
-            raise SyncError(f"vLLM engine {index}: {what} failed: {type(e).__name__}: {e}") from e
-    return result
-
-
 def RayEngine(actor: Any, *, index: int, control_host: str, timeout_s: float) -> RpcEngine:
     """fastsync's engine handle (what ``WeightSync`` drives) for one ``FastSyncRolloutRayActor``:
     the host kit's ``RpcEngine`` over Ray actor calls. ``control_host`` is added to the connect
     options (the engine's workers join trainer rank 0's control plane there)."""
-    return RpcEngine(lambda method, *args: getattr(actor, method).remote(*args), _ray_result(index),
-                     name=f"vLLM engine {index}", timeout_s=timeout_s, connect_options={"control_host": control_host})
+    return RpcEngine.over_ray(actor, name=f"vLLM engine {index}", timeout_s=timeout_s,
+                              connect_options={"control_host": control_host})
 
 
 def _dtype(t: torch.Tensor) -> str:

@@ -14,7 +14,7 @@ import asyncio
 import concurrent.futures
 from typing import Any
 
-from fastsync import SyncError
+from fastsync import SyncError, ray_result
 
 __all__ = ["is_paused", "pause", "resume", "label", "after_flip"]
 
@@ -23,8 +23,6 @@ def _on_engine_loop(server: Any, what: str, coro_fn: Any, timeout_s: float) -> A
     """Run ``coro_fn(engine, actor)`` (``engine``: the actor's AsyncLLM; ``actor``: the
     ``vLLMHttpServer`` itself) on the server actor's event loop and return its result, within
     ``timeout_s`` (SyncError naming ``what`` after it, the coroutine cancelled)."""
-    import ray
-
     def call(self: Any) -> Any:
         engine = getattr(self, "engine", None)
         handler = getattr(engine, "output_handler", None)
@@ -38,7 +36,7 @@ def _on_engine_loop(server: Any, what: str, coro_fn: Any, timeout_s: float) -> A
             fut.cancel()
             raise SyncError(f"verl's vLLM server did not {what} within {timeout_s:.1f} s") from None
 
-    return ray.get(server.__ray_call__.remote(call), timeout=timeout_s + 30)
+    return ray_result(server.__ray_call__.remote(call), timeout_s + 30, f"verl's vLLM server ({what})")
 
 
 def is_paused(server: Any, timeout_s: float = 60.0) -> bool:

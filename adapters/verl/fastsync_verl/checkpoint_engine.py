@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
 
-from fastsync import PAUSE_MODES, ConfigError, SyncError, TCPStoreControl, check_pause_mode
+from fastsync import PAUSE_MODES, ConfigError, Spelling, SyncError, TCPStoreControl, check_pause_mode, check_sync_options
 from fastsync import control_address, join_control, open_control
 from fastsync_verl.inplace import INPLACE_MODES
 from fastsync_verl.rollout_end import Receive, RolloutEnd
@@ -45,6 +45,7 @@ MEGATRON_NOTICE = ("Megatron actor: verl 0.9.1 hands checkpoint engines full (TP
                    "delta_sharded backend (get_per_tensor_param_shard); fastsync does not plan from it yet, so "
                    "Megatron actors use the full-tensor path")
 _SHARD_MODES = ("auto", "on", "off")
+_SPELLING = Spelling(prefix="engine_kwargs.fastsync.", true="true", false="false")  # as verl's YAML writes them
 log = logging.getLogger("fastsync_verl")
 
 
@@ -74,22 +75,12 @@ class FastSyncCheckpointEngine(CheckpointEngine):
         if bucket_size <= 0:
             raise ConfigError("checkpoint_engine.update_weights_bucket_megabytes must be positive, "
                               f"got {bucket_size} bytes")
-        if timeout_s <= 0:
-            raise ConfigError(f"engine_kwargs.fastsync.timeout_s must be positive, got {timeout_s}")
+        check_sync_options(_SPELLING, transport=transport, timeout_s=timeout_s, delta=delta, fanout=fanout, staged=staged)
         if trainer_shards not in _SHARD_MODES:
             raise ConfigError(f"engine_kwargs.fastsync.trainer_shards must be one of {_SHARD_MODES}, got {trainer_shards!r}")
         if inplace not in INPLACE_MODES:
             raise ConfigError(f"engine_kwargs.fastsync.inplace must be one of {INPLACE_MODES}, got {inplace!r}")
-        if not isinstance(delta, bool):
-            raise ConfigError(f"engine_kwargs.fastsync.delta must be true or false, got {delta!r}")
-        if fanout not in ("off", "auto", "chain", "direct"):
-            raise ConfigError(f"engine_kwargs.fastsync.fanout must be one of off, auto, chain, direct, got {fanout!r}")
         check_pause_mode(pause_mode, PAUSE_MODES, "verl's vLLM server", key="engine_kwargs.fastsync.pause_mode")
-        if not isinstance(staged, bool):
-            raise ConfigError(f"engine_kwargs.fastsync.staged must be true or false, got {staged!r}")
-        if staged and delta:
-            raise ConfigError("engine_kwargs.fastsync.staged=true with engine_kwargs.fastsync.delta=true: a delta "
-                              "patches the live weights, a staged receive lands off them; choose one")
         self.delta, self.fanout = delta, fanout
         self.pause_mode, self.staged = pause_mode, staged
         self.trainer_shards = trainer_shards

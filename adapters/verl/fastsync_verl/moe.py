@@ -21,14 +21,13 @@ from collections.abc import Callable
 
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
 
-from fastsync import ConfigError
+from fastsync import MOE_BACKENDS, ConfigError
 
 __all__ = ["install", "uninstall", "installed_backend"]
 
 log = logging.getLogger(__name__)
 
 _ORIGINAL: Callable = FSDPEngine._build_module
-_BACKENDS = ("auto", "torch", "grouped_mm", "te", "deepep")
 _state: dict[str, str | None] = {"backend": None}
 
 
@@ -52,8 +51,8 @@ def _wrap(original: Callable) -> Callable:
 def install(backend: str = "auto") -> None:
     """Make verl's FSDP engine swap MoE blocks after ``_build_module`` (idempotent; the last
     call's backend wins)."""
-    if backend not in _BACKENDS:
-        raise ConfigError(f"fastsync_verl.moe: backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend not in MOE_BACKENDS:
+        raise ConfigError(f"fastsync_verl.moe: backend must be one of {MOE_BACKENDS}, got {backend!r}")
     _state["backend"] = backend
     if not getattr(FSDPEngine._build_module, "_fastsync_moe", False):
         FSDPEngine._build_module = _wrap(_ORIGINAL)

@@ -25,7 +25,7 @@ import logging
 import time
 from typing import Any
 
-from fastsync import PAUSE_MODES, ConfigError, SyncError, check_pause_mode, one_version, raise_worker_errors
+from fastsync import PAUSE_MODES, ConfigError, check_pause_mode, one_version, raise_worker_errors, ray_result
 from fastsync_verl import stamps
 from fastsync_verl.asyncllm import after_flip, is_paused, label, pause
 
@@ -61,21 +61,14 @@ class ServerEngine:
         self.last_phases: dict[str, float] = {}  # the last update's pause, flip (or update), after-flip times
 
     def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
-        import ray
-
         t = self.timeout_s if timeout_s is None else timeout_s
         reply = f"verl/reply/{self.engine_id}/{next(_ids)}-{time.monotonic_ns()}"
         secret = self.control.secret.hex()
         request = {"method": method, "args": list(args), "reply": reply,
                    "control": [self.control.host, self.control.port, secret, self.control.prefix]}
         what = f"verl vLLM server {self.engine_id}: {method}"
-        try:
-            ray.get(self.server.collective_rpc.remote("fastsync_verl_call", timeout=t + 5, args=(request,)),
-                    timeout=t + 30)
-        except ray.exceptions.GetTimeoutError as e:
-            raise SyncError(f"{what}: no answer within {t + 30:.0f} s") from e
-        except ray.exceptions.RayError as e:  # e.g. an engine without fastsync_verl_call (wrong extension)
-            raise SyncError(f"{what} failed in verl's server: {type(e).__name__}: {str(e)[-400:]}") from e
+        # failed, e.g., on an engine without fastsync_verl_call (wrong extension)
+        ray_result(self.server.collective_rpc.remote("fastsync_verl_call", timeout=t + 5, args=(request,)), t + 30, what)
         got = [json.loads(self.control.get(f"{reply}/{w}", 30.0, what=f"{what} (reply of worker {w})"))
                for w in range(self.workers)]
         return raise_worker_errors(got, what)
@@ -97,9 +90,8 @@ class ServerEngine:
                               f"engine_kwargs.fastsync.pause_mode={self.pause_mode!r}, staged={self.staged}")
         got = self._call("fastsync_connect", plan_json, options)
         stamps.install(self.server, self.timeout_s)  # version stamps on verl's rollout records
-        import ray
-
-        served = ray.get(self.server.__ray_call__.remote(lambda srv: srv.global_steps), timeout=60)
+        served = ray_result(self.server.__ray_call__.remote(lambda srv: srv.global_steps), 60.0,
+                            f"verl vLLM server {self.engine_id}: its global_steps")
         # name the weights AsyncLLM serves with verl's record of them: every completion's spans carry it
         label(self.server, self.version() if served is None else served, self.timeout_s)
         return got
