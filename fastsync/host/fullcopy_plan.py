@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from fastsync.errors import ConfigError
-from fastsync.executor.arena import CACHE_LINE, carve, nbytes_of
+from fastsync.executor.arena import carve_typed
 from fastsync.executor.staging import dtype_name, torch_dtype
 from fastsync.plan import Plan, build_plan
 from fastsync.layout.box import box_shape, full_box
@@ -99,11 +99,10 @@ def build_full_copy_plan(inventory: Inventory, num_trainers: int, num_receivers:
 
 def flat_views(specs: list[tuple[str, tuple[int, ...], str]]) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     """One touched arena (registered once by the transport) carved into a shaped view per tensor
-    (``executor.arena.carve``, each view on a cache line of its own). Returns ``([arena], views)``:
+    (``executor.arena.carve_typed``, each view on a cache line of its own). Returns ``([arena], views)``:
     the arena is what keeps the views' memory alive."""
-    dtypes = {name: torch_dtype(dtype) for name, _, dtype in specs}
-    arena, raw = carve(None, [(name, nbytes_of(shape, dtypes[name])) for name, shape, _ in specs], align=CACHE_LINE)
-    return [arena], {name: raw[name].view(dtypes[name]).view(shape) for name, shape, _ in specs}
+    arena, views = carve_typed(None, [(name, shape, torch_dtype(dtype)) for name, shape, dtype in specs])
+    return [arena], views
 
 
 def shard_views(trainer: TrainerLayout, rank: int) -> tuple[dict[str, Box], dict[str, torch.Tensor]]:

@@ -52,7 +52,7 @@ from fastsync.executor.delta import (
     transfer_itemsize,
     write_stream_header,
 )
-from fastsync.executor.arena import arena_bytes, carve
+from fastsync.executor.arena import carve
 from fastsync.executor.metrics import SyncMetrics
 from fastsync.executor.pack import source_view, transform_into
 from fastsync.executor.staging import alloc_touched, wait_device
@@ -114,8 +114,8 @@ class DeltaSender:
     def setup(self) -> None:
         self.inner.setup()
         device = next(iter(self.inner.sources.values())).device if self.inner.sources else torch.device("cpu")
-        spans = [(i, t.nbytes) for i, t in self.mine]  # 8-aligned: integer views
-        self._base_arena, views = carve(alloc_touched(arena_bytes([n for _, n in spans], 8), device), spans, align=8)
+        # 8-aligned: integer views
+        self._base_arena, views = carve(None, [(i, t.nbytes) for i, t in self.mine], align=8, device=device)
         self.base.update(views)
         self._scratch = alloc_touched(max((t.nbytes for _, t in self.mine), default=1), device)
         self._no_scan.clear()

@@ -34,3 +34,25 @@ def test_reuses_a_large_enough_arena_and_replaces_a_small_one():
 
 def test_nbytes_of_counts_awkward_shapes():
     assert nbytes_of((7, 13), torch.bfloat16) == 182 and nbytes_of((), torch.float32) == 4
+
+
+def test_typed_views_have_their_shape_and_dtype_on_cache_lines():
+    from fastsync.executor.arena import CACHE_LINE, carve_typed
+
+    specs = [("w", (7, 13), torch.bfloat16), ("b", (5,), torch.float32), ("e", (0,), torch.float16),
+             ("i", (2, 3), torch.int64)]
+    arena, views = carve_typed(None, specs)
+    for key, shape, dtype in specs:
+        assert views[key].shape == shape and views[key].dtype == dtype, key
+        assert (views[key].data_ptr() - arena.data_ptr()) % CACHE_LINE == 0, key
+    views["w"].fill_(1)
+    views["i"].fill_(3)
+    assert float(views["w"].sum()) == 91 and int(views["b"].sum()) == 0 and int(views["i"].sum()) == 18
+
+
+def test_an_arena_is_reused_only_on_the_device_asked_for():
+    old = torch.zeros(100, dtype=torch.uint8)
+    same, _ = carve(old, [("x", 40)], device="cpu")
+    assert same is old
+    fresh, _ = carve(None, [("x", 40)], align=8, device=torch.device("cpu"))
+    assert fresh.device.type == "cpu" and fresh.numel() == 40

@@ -37,7 +37,7 @@ import torch
 
 from fastsync.errors import LayoutError, SyncError
 from fastsync.engines.vllm.layout import STAGED_KINDS
-from fastsync.executor.arena import CACHE_LINE, carve, nbytes_of
+from fastsync.executor.arena import carve_typed
 from fastsync.layout.box import full_box
 from fastsync.layout.types import EngineTensor, Piece
 
@@ -186,9 +186,8 @@ class Fallback:
         if self.buffers:
             return
         dt = getattr(torch, self.dtype)
-        _, views = carve(None, [(x, nbytes_of(s, dt)) for x, s in sorted(self.shapes.items())], align=CACHE_LINE)
-        for x, v in views.items():
-            self.buffers[BUFFER + x] = v.view(dt).view(self.shapes[x])
+        _, views = carve_typed(None, [(BUFFER + x, s, dt) for x, s in sorted(self.shapes.items())])
+        self.buffers.update(views)
         for p in self.loads:
             if live[p].kind not in STAGED_KINDS:
                 self.snapshots[p] = torch.zeros_like(live[p].live)

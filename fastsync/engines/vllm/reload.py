@@ -38,7 +38,7 @@ import torch
 from fastsync.errors import ConfigError, SyncError
 from fastsync.engines.vllm.layout import STAGED_KINDS, moe_pads
 from fastsync.engines.vllm.rpc_result import call_result as _result
-from fastsync.executor.arena import CACHE_LINE, carve, nbytes_of
+from fastsync.executor.arena import carve_typed
 from fastsync.executor.staging import as_bytes
 from fastsync.layout.box import box_slices
 from fastsync.layout.padding import logical_to_engine
@@ -56,9 +56,8 @@ def ensure_staging(st: Any) -> None:
             if lp.kind in STAGED_KINDS and (n in st.expected or n in loaded) and n not in st.staging]
     if not need:
         return
-    arena, views = carve(None, [(name, nbytes_of(lp.shape, lp.live.dtype)) for name, lp in need], align=CACHE_LINE)
-    for name, lp in need:
-        st.staging[name] = views[name].view(lp.live.dtype).view(lp.shape)
+    arena, views = carve_typed(None, [(name, lp.shape, lp.live.dtype) for name, lp in need])
+    st.staging.update(views)
     st.arenas = getattr(st, "arenas", []) + [arena]
 
 
