@@ -20,6 +20,7 @@ from typing import Any, ClassVar, TypeVar
 
 from fastsync.control import DEFAULT_HOST, TCPStoreControl
 from fastsync.errors import ConfigError
+from fastsync.sync.sync_options import check_sync_options
 
 __all__ = ["StoreAddress", "ConnectOptions", "ReloadReceiveOptions", "ReloadSendOptions"]
 
@@ -121,9 +122,11 @@ class ConnectOptions(StoreAddress):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.staged and self.delta:
-            raise ConfigError("fastsync_connect: staged=True with delta=True is not supported yet (a delta patches "
-                              "the live tensors); use one of them")
+        try:  # the rules every entry point's options follow (a delta needs NIXL, not with staged)
+            check_sync_options(transport=self.transport, timeout_s=self.timeout_s, delta=self.delta,
+                               staged=self.staged)
+        except ConfigError as e:
+            raise ConfigError(f"{self.call}: {e}") from None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,7 +11,7 @@ from fastsync.sync.connect_options import ConnectOptions, ReloadReceiveOptions, 
 
 def test_a_record_crosses_as_a_dict_and_comes_back_equal() -> None:
     sent = ConnectOptions(control_port=29500, control_host="198.18.0.1", control_prefix="job/3",
-                          control_secret="ab" * 16, transport="torch", transport_options={"in_flight": 4},
+                          control_secret="ab" * 16, transport="nixl", transport_options={"in_flight": 4},
                           timeout_s=30, verify=True, delta=True)
     wire = sent.wire()
     assert wire["control_host"] == "198.18.0.1" and wire["delta"] is True and wire["staged"] is False
@@ -34,6 +34,7 @@ def test_a_record_crosses_as_a_dict_and_comes_back_equal() -> None:
     ({"control_port": 1, "transport_options": [1]}, "'transport_options' must be dict or None"),
     ({"control_port": 1, "control_prefix": ""}, "'control_prefix' must not be empty"),
     ({"control_port": 1, "staged": True, "delta": True}, "staged=True with delta=True"),
+    ({"control_port": 1, "delta": True, "transport": "torch"}, "delta=True writes over NIXL; transport='torch'"),
 ])
 def test_bad_options_are_refused_naming_the_call_and_the_key(options: dict, named: str) -> None:
     with pytest.raises(ConfigError) as e:

@@ -215,15 +215,16 @@ def run_job(job: DeltaJob, timeout_s: float = 240.0) -> list[dict]:
     job = replace(job, port=store.port)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=engine_job, args=(job, r, results), daemon=True) for r in range(job.rollouts)]
-    procs += [ctx.Process(target=trainer_job, args=(job, t, results), daemon=True) for t in range(job.trainers)]
+    named = {f"engine {r}": ctx.Process(target=engine_job, args=(job, r, results), daemon=True)
+             for r in range(job.rollouts)}
+    named.update({f"trainer {t}": ctx.Process(target=trainer_job, args=(job, t, results), daemon=True)
+                  for t in range(job.trainers)})
+    procs = list(named.values())
     rows: list[dict] = []
     try:
         for p in procs:
             p.start()
-        names = {f"{'engine' if i < job.rollouts else 'trainer'} {i if i < job.rollouts else i - job.rollouts}": p
-                 for i, p in enumerate(procs)}
-        collect_rows(results, names, timeout_s=timeout_s, what="delta job", rows=rows, poll_s=0.5,
+        collect_rows(results, named, timeout_s=timeout_s, what="delta job", rows=rows, poll_s=0.5,
                      done=lambda got: exits(got) + sum(p.exitcode == KILLED_ON_PURPOSE for p in procs) >= len(procs))
     finally:
         for p in procs:
