@@ -20,6 +20,7 @@ from typing import Any, ClassVar, TypeVar
 
 from fastsync.control import DEFAULT_HOST, TCPStoreControl
 from fastsync.errors import ConfigError
+from fastsync.layout.limits import check_seconds
 from fastsync.sync.sync_options import check_sync_options
 
 __all__ = ["StoreAddress", "ConnectOptions", "ReloadReceiveOptions", "ReloadSendOptions"]
@@ -63,8 +64,8 @@ class StoreAddress:
         if not self.control_prefix:
             raise ConfigError(f"{self.call}: option 'control_prefix' must not be empty")
         for f in dataclasses.fields(self):
-            if f.name.endswith("timeout_s") and getattr(self, f.name) <= 0:
-                raise ConfigError(f"{self.call}: option {f.name!r} must be positive, got {getattr(self, f.name)!r}")
+            if f.name.endswith("timeout_s"):  # finite, positive, at most a day: every wait has a deadline
+                check_seconds(f"{self.call}: option {f.name!r}", getattr(self, f.name))
 
     @classmethod
     def parse(cls: type[T], options: Mapping[str, Any], what: str | None = None) -> T:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastsync.errors import ConfigError
+from fastsync.layout.limits import check_seconds
 
 __all__ = ["FANOUTS", "Spelling", "PYTHON", "check_sync_options"]
 
@@ -50,8 +51,7 @@ def check_sync_options(spell: Spelling = PYTHON, *, transport: str, timeout_s: A
     """ConfigError naming the option (as ``spell`` writes it) for a value out of range, or for two
     that cannot go together: a delta and relays write over NIXL only; a staged receive lands off
     the live weights, which a delta patches."""
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-        raise ConfigError(f"{spell.key('timeout_s')} must be positive, got {timeout_s!r}")
+    check_seconds(spell.key("timeout_s"), timeout_s)  # finite, positive, at most a day: every wait has a deadline
     for name, v in (("delta", delta), ("staged", staged)):
         if not isinstance(v, bool):
             raise ConfigError(f"{spell.key(name)} must be {spell.true} or {spell.false}, got {v!r}")

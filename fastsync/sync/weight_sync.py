@@ -28,7 +28,7 @@ from fastsync.sync.connect_options import ConnectOptions, StoreAddress
 from fastsync.sync.pause_modes import PAUSE_MODES, check_pause_mode
 from fastsync.sync.sync_options import check_sync_options
 from fastsync.sync.handshake import Versions, delta_choice_key, setup_connected_key, setup_plan_key
-from fastsync.layout.limits import MAX_WORLD_SIZE, check_count, check_seconds
+from fastsync.layout.limits import MAX_WORLD_SIZE, check_count
 from fastsync.layout.types import EngineLayout, ParamSpec, TrainerLayout
 from fastsync.plan.types import Plan
 
@@ -183,7 +183,6 @@ class WeightSync:
             raise ConfigError("give both layout= and sources=, or neither (then the model describes itself)")
         if model is None and layout is None:
             raise ConfigError("WeightSync needs a model or layout= and sources=")
-        check_seconds("timeout_s", timeout_s)
         check_sync_options(transport=transport, timeout_s=timeout_s, delta=delta, fanout=fanout, staged=staged)
         check_pause_mode(pause_mode, PAUSE_MODES, "WeightSync")
         if control_port is not None:
