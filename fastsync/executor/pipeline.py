@@ -30,12 +30,20 @@ from fastsync.executor.program import Chunk
 __all__ = ["run_pipelined"]
 
 
-def _wait(ev: threading.Event, deadline: float, what: str, failed: list[BaseException]) -> None:
-    while not ev.wait(0.01):
+#: How often the calling thread drives the transport while it waits for packing (``progress``).
+PROGRESS_EVERY_S = 0.002
+
+
+def _wait(ev: threading.Event, deadline: float, what: str, failed: list[BaseException],
+          progress: Callable[[], None] | None = None) -> None:
+    nap = 0.01 if progress is None else PROGRESS_EVERY_S
+    while not ev.wait(nap):
         if failed:
             raise failed[0]
         if time.monotonic() >= deadline:
             raise SyncError(f"timed out waiting for {what}")
+        if progress is not None:
+            progress()
 
 
 def run_pipelined(
@@ -49,13 +57,17 @@ def run_pipelined(
     overlap: bool = True,
     on_chunk: Callable[[int], None] | None = None,
     in_flight: int = 1,
+    progress: Callable[[], None] | None = None,
 ) -> None:
     """Run ``pack -> post -> drain`` over ``chunks`` with packing overlapped with writes.
 
     ``drain(chunk, deadline)`` must return only when the chunk's staging slot may be reused.
     Stage seconds land in ``metrics``: ``pack`` (helper thread), ``wait_pack`` (main thread
     stalled on packing), ``post`` and ``drain``. ``in_flight``: chunks written at once (see the
-    module docstring).
+    module docstring). ``progress``: called every :data:`PROGRESS_EVERY_S` while the calling
+    thread waits for a chunk's packing, for transports whose posted writes move only while the
+    sender drives them (UCX over TCP: without it the writes already posted stall while the next
+    chunk packs).
     """
     if in_flight < 1:
         raise SyncError(f"run_pipelined: in_flight must be >= 1, got {in_flight}")
@@ -115,7 +127,7 @@ def run_pipelined(
             # the slot chunk k packs into must be free first (only binds when in_flight >= slots)
             drain_through(min(prev_same_slot[k], k - 1))
             with metrics.stage("wait_pack"):
-                _wait(packed[k], deadline, f"packing of chunk {k}", failed)
+                _wait(packed[k], deadline, f"packing of chunk {k}", failed, progress)
             # Drain k-in_flight before posting k: with one in flight this frees k-1's slot so
             # chunk k+1 packs while k is written (with cma, NIXL copies inside transfer(), so
             # the write of k is the post itself).

@@ -437,7 +437,22 @@ class NixlTransport(Transport):
             ctx.packer.pack(c, crcs)
             wait_device(ctx.packer.staging)  # NIXL reads VRAM on its own streams: packing must be done
 
+        moving: list = []  # handles posted and not yet seen done: what ``progress`` drives
+
+        def progress() -> None:
+            # Over TCP, UCX sends a posted write's bytes only while this process drives it: without
+            # this the chunk already posted stalls while the next one packs. Any state check
+            # progresses the worker; errors are left for drain to report with their ranks.
+            while moving:
+                try:
+                    if self.agent.check_xfer_state(moving[0]) != "DONE":
+                        return
+                except Exception:
+                    return
+                moving.pop(0)
+
         def post(c: Chunk) -> None:
+            moving.extend(w.handle for _, w, _ in self._handles[c.index])
             for d, w, k in self._handles[c.index]:
                 n = self._num_posts[d]
                 msg = notes.encode(self._key, "fs", sender_agent=self.agent_name, dst=d, version=version, src=rank, a=k, b=n)
@@ -479,7 +494,8 @@ class NixlTransport(Transport):
             self._settle()
         try:
             run_pipelined(ctx.program.chunks, pack=pack, post=post, drain=drain, deadline=deadline,
-                          metrics=metrics, overlap=self.overlap, on_chunk=on_chunk, in_flight=self.in_flight)
+                          metrics=metrics, overlap=self.overlap, on_chunk=on_chunk, in_flight=self.in_flight,
+                          progress=progress)
         except BaseException:
             # Let writes already posted finish (bounded) before the failure is reported, so none
             # lands after the receivers rolled back; what is still in flight then is settled

@@ -139,3 +139,28 @@ def test_in_flight_below_one_is_refused() -> None:
     with pytest.raises(SyncError, match="in_flight"):
         run_pipelined(_chunks(2), pack=lambda c: None, post=lambda c: None, drain=lambda c, d: None,
                       deadline=time.monotonic() + 10, metrics=SyncMetrics(1, "trainer", 0, "test"), in_flight=0)
+
+
+def test_progress_drives_posted_writes_while_the_next_chunk_packs() -> None:
+    """A transport whose posted writes move only while the sender drives them (UCX over TCP) gets
+    ``progress`` calls while the calling thread waits for packing, after the previous chunk is
+    posted, and none once every chunk is packed in time."""
+    posted: list[int] = []
+    calls: list[tuple[int, ...]] = []
+
+    def slow_pack(c: Chunk) -> None:
+        if c.index:
+            time.sleep(0.05)
+
+    m = SyncMetrics(1, "trainer", 0, "test")
+    run_pipelined(_chunks(3), pack=slow_pack, post=lambda c: posted.append(c.index), drain=lambda c, dl: None,
+                  deadline=time.monotonic() + 10, metrics=m, progress=lambda: calls.append(tuple(posted)))
+    assert posted == [0, 1, 2]
+    # every 2 ms while chunk 1 packs (chunk 0 posted) and while chunk 2 packs (chunks 0 and 1 posted)
+    assert calls.count((0,)) >= 3 and calls.count((0, 1)) >= 3
+    assert set(calls) <= {(), (0,), (0, 1)}
+
+    calls.clear()
+    run_pipelined(_chunks(3), pack=lambda c: None, post=lambda c: None, drain=lambda c, dl: None,
+                  deadline=time.monotonic() + 10, metrics=m, progress=lambda: calls.append(()))
+    assert len(calls) <= 3  # packing keeps ahead: at most a call per chunk raced with its packer
