@@ -25,7 +25,7 @@ from typing import Any
 
 from fastsync.bench.hosts import MAX_NIC_GBPS, HostRig
 from fastsync.bench.model import BenchModel
-from fastsync.errors import SyncError
+from fastsync.errors import ConfigError, SyncError
 from fastsync.layout.box import box_numel
 from fastsync.layout.types import DTYPE_BYTES
 from fastsync.plan.hosts import HostMap, rank0_on_hosts, simulate_on_hosts
@@ -83,7 +83,7 @@ def _streams(rig: HostRig, pairs: list[tuple[int, int]], nbytes: int) -> float:
     return max(done) - t0
 
 
-def calibrate(rig: HostRig, pairs: list[tuple[int, int]] | None = None) -> dict[str, Any]:
+def calibrate(rig: HostRig, pairs: list[tuple[int, int]] | None = None, packers: int = 1) -> dict[str, Any]:
     """Measured once per rig, with TCP streams like the sync's (medians of 5):
 
     * ``efficiency``: what the sync's connections achieve together through the NICs, as a share
@@ -92,7 +92,8 @@ def calibrate(rig: HostRig, pairs: list[tuple[int, int]] | None = None) -> dict[
       busiest NIC port would take at line rate;
     * ``efficiency_one_stream``: the same for a single stream;
     * ``intra_gbps``: one stream over a host's loopback;
-    * ``pack_bytes_per_s``: one thread's packing rate per transform (:func:`pack_rates`);
+    * ``pack_bytes_per_s``: one packer's rate per transform while ``packers`` (the sync's trainer
+      ranks) pack at once on this machine's cores (:func:`pack_rates`);
     * ``cpu_gbps``: what this machine's CPUs move through the kernel's TCP stack and the veths over
       ``pairs`` at once with the NIC limit lifted: on a rig every host shares the same few cores,
       which a real cluster's NICs do not.
@@ -117,7 +118,8 @@ def calibrate(rig: HostRig, pairs: list[tuple[int, int]] | None = None) -> dict[
     finally:
         rig.set_rate(rate)
     out: dict[str, Any] = {"efficiency": eff, "efficiency_one_stream": one, "intra_gbps": intra, "cpu_gbps": cpu}
-    out["pack_bytes_per_s"] = pack_rates()  # before the workers start: a quiet machine
+    out["pack_bytes_per_s"] = pack_rates(packers)  # before the workers start: a quiet machine
+    out["packers"] = packers
     return out
 
 
@@ -146,14 +148,20 @@ def rank0_buckets(model: BenchModel, bucket_bytes: int) -> tuple[list[int], list
     return sizes, gather
 
 
-def pack_rates() -> dict[str, float]:
-    """Source bytes per second one thread packs, per transform, measured here on a 16 MiB bf16
-    tensor (median of 7): the trainer's CPU-bound part of a sync that needs casts or FP8."""
+def pack_rates(packers: int = 1) -> dict[str, float]:
+    """Source bytes per second one packer packs, per transform, while ``packers`` pack at once
+    (one thread each, on a 16 MiB bf16 tensor, median of 7 rounds): the trainer's CPU-bound part
+    of a sync that needs casts or FP8. On a host rig every trainer rank packs on the same few
+    cores; whether they slow each other down depends on the CPU (on an Intel machine with AMX four
+    FP8 packers on two cores went as fast as one; on an AMD EPYC without it each went at half
+    speed), so it is measured with as many packers as the sync has trainer ranks, not assumed."""
     import torch
 
     from fastsync.executor.pack import transform_into
     from fastsync.plugins import transforms
 
+    if packers < 1:
+        raise ConfigError(f"pack_rates: packers must be at least 1, got {packers}")
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -162,18 +170,30 @@ def pack_rates() -> dict[str, float]:
         for name in sorted(transforms()):
             if name == "copy":
                 continue
-            out = torch.empty(0, dtype=torch.uint8)
             try:
                 reg = transforms()[name]
-                out = torch.empty(reg.obj(src, torch.float8_e4m3fn).contiguous().view(torch.uint8).numel(),
-                                  dtype=torch.uint8)
-                times = []
+                size = reg.obj(src, torch.float8_e4m3fn).contiguous().view(torch.uint8).numel()
+            except Exception:  # a transform that does not apply to this probe: not modelled
+                continue
+            outs = [torch.empty(size, dtype=torch.uint8) for _ in range(packers)]
+            times: list[float] = []
+            lock = threading.Lock()
+            start = threading.Barrier(packers)
+
+            def one(out: torch.Tensor, name: str = name) -> None:
+                start.wait()
                 for _ in range(7):
                     t0 = time.perf_counter()
                     transform_into(out, src, name, "float8_e4m3fn")
-                    times.append(time.perf_counter() - t0)
-            except Exception:  # a transform that does not apply to this probe: not modelled
-                continue
+                    dt = time.perf_counter() - t0
+                    with lock:
+                        times.append(dt)
+
+            threads = [threading.Thread(target=one, args=(o,), daemon=True) for o in outs]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join(120)
             rates[name] = src.numel() * src.element_size() / statistics.median(times)
         return rates
     finally:
@@ -182,11 +202,10 @@ def pack_rates() -> dict[str, float]:
 
 def pack_estimate(model: BenchModel, rates: dict[str, float], slot_bytes: int) -> tuple[list[float], list[int]]:
     """Per trainer rank: seconds of packing (its transformed sources at the measured one-thread
-    rate) and the chunks it is cut into. Four trainer ranks on two cores packed as fast as one
-    (FP8 quantisation waits on memory more than on the cores), so no contention factor."""
+    rate) and the chunks it is cut into. ``rates`` are per packer with every trainer rank packing
+    at once (:func:`pack_rates`), so contention for the machine's cores is in them."""
     from fastsync.plan.replicate import sender_copies
 
-    share = 1.0
     secs, chunks = [], []
     for r in range(model.plan.num_trainers):
         t_s, staged = 0.0, 0
@@ -194,7 +213,7 @@ def pack_estimate(model: BenchModel, rates: dict[str, float], slot_bytes: int) -
             if t.transform == "copy" or t.transform not in rates:
                 continue
             src = box_numel(t.src_box) * DTYPE_BYTES[model.params[t.src_param].dtype]
-            t_s += src / rates[t.transform] * share
+            t_s += src / rates[t.transform]
             staged += t.nbytes
         secs.append(t_s)
         chunks.append(max(1, -(-staged // slot_bytes)))

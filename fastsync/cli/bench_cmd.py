@@ -185,7 +185,7 @@ def _run_on_hosts(args: argparse.Namespace, cfg, transports: list[str], progress
     load_start = [round(x, 2) for x in os.getloadavg()]  # every host shares this machine's cores: say how busy
     with HostRig(hosts.num_hosts, args.nic_gbps, args.latency_ms) as rig:
         pairs = [(a, b) for a in hosts.trainer_host for b in hosts.engine_host if a != b]  # one per connection
-        cal = calibrate(rig, pairs)
+        cal = calibrate(rig, pairs, packers=args.trainers)
         result = run_bench(cfg, transports, steps=args.steps, warmup=args.warmup, progress=progress,
                            trace_file=args.trace, plot_file=args.plot, rig=rig, placement=hosts.placement())
     from fastsync.bench.model import build_bench_model

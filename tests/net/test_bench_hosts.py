@@ -41,6 +41,7 @@ def test_readme_cluster_command(host_rig) -> None:  # host_rig: skips, saying wh
     assert out["speedup_vs_rank0"] >= 1.5, out["speedup_vs_rank0"]
     assert out["predicted_speedup_vs_rank0"]["nixl"] > 1.5
     assert 0.5 < out["calibration"]["efficiency"] <= 1.0
+    assert out["calibration"]["packers"] == 4  # the packing probe runs as many packers as trainer ranks
 
 
 def test_bad_cluster_flags_are_refused_before_anything_starts(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,20 @@
+"""The host rig's packing probe: one rate per FP8 transform, measured with as many packers at
+once as the sync has trainer ranks (they share the machine's cores), refused without one."""
+
+from __future__ import annotations
+
+import pytest
+
+from fastsync.bench.cluster import pack_rates
+from fastsync.errors import ConfigError
+
+
+def test_pack_rates_per_packer_with_packers_at_once() -> None:
+    one, two = pack_rates(1), pack_rates(2)
+    assert {"fp8_block", "fp8_scale"} <= set(one) and set(one) == set(two)
+    assert all(r > 0 for r in (*one.values(), *two.values()))
+
+
+def test_pack_rates_refuses_no_packer() -> None:
+    with pytest.raises(ConfigError, match="pack_rates: packers must be at least 1, got 0"):
+        pack_rates(0)
