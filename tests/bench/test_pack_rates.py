@@ -18,3 +18,18 @@ def test_pack_rates_per_packer_with_packers_at_once() -> None:
 def test_pack_rates_refuses_no_packer() -> None:
     with pytest.raises(ConfigError, match="pack_rates: packers must be at least 1, got 0"):
         pack_rates(0)
+
+
+def test_a_transform_the_probe_cannot_run_is_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    import fastsync.executor.pack as pack
+
+    real = pack.transform_into
+
+    def no_block(out, src, name, *a, **k):
+        if name == "fp8_block":
+            raise RuntimeError("not on this CPU")
+        return real(out, src, name, *a, **k)
+
+    monkeypatch.setattr(pack, "transform_into", no_block)
+    got = pack_rates(2)
+    assert "fp8_block" not in got and got["fp8_scale"] > 0
