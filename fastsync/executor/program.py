@@ -262,16 +262,18 @@ def compile_send(
                 f"receiver's {info.dtype} tensor needs {box_numel(t.dst_box) * info.itemsize}"
             )
         runs = _direct_runs(t, info, shards, src_dtypes, min_direct_run_bytes) if direct else None
-        if runs is not None:
-            direct_items.append(SendItem(index, t, byte_runs(t.dst_box, info), src_runs=runs))
+        if runs is None:
+            staged_items.extend(_staged(index, t, info, fill_bytes, slot_bytes))
             continue
-        for piece in split_transfer(t, fill_bytes):
-            if piece.nbytes > slot_bytes:
-                raise ConfigError(
-                    f"transfer of {piece.src_param!r} ({piece.transform}, {piece.nbytes} bytes) does not fit a "
-                    f"staging slot of {slot_bytes} bytes: raise staging_bytes"
-                )
-            staged_items.append(SendItem(index, piece, byte_runs(piece.dst_box, info)))
+        # a direct transfer larger than a batch goes in pieces too: a relay forwards what one batch
+        # completes, so a whole embedding in one batch made every hop store-and-forward all of it
+        pieces = split_transfer(t, direct_chunk_bytes)  # [t] when it fits
+        piece_runs = [runs] if len(pieces) == 1 else [
+            _direct_runs(p, info, shards, src_dtypes, min_direct_run_bytes) for p in pieces]
+        if any(r is None for r in piece_runs):  # all pieces one way: checksums chain in destination order
+            staged_items.extend(_staged(index, t, info, fill_bytes, slot_bytes))
+            continue
+        direct_items += [SendItem(index, p, byte_runs(p.dst_box, info), src_runs=r) for p, r in zip(pieces, piece_runs)]
     chunks: list[Chunk] = []
     cur: Chunk | None = None
     used = 0
@@ -298,6 +300,19 @@ def compile_send(
         cur.items.append(it)
         used += size
     return SendProgram(rank, chunks, slot_bytes, num_slots, dst_info)
+
+
+def _staged(index: int, t: Transfer, info: TensorInfo, fill_bytes: int, slot_bytes: int) -> list[SendItem]:
+    """``t`` as staged items of at most ``fill_bytes`` each (a piece that cannot split must fit a slot)."""
+    out = []
+    for piece in split_transfer(t, fill_bytes):
+        if piece.nbytes > slot_bytes:
+            raise ConfigError(
+                f"transfer of {piece.src_param!r} ({piece.transform}, {piece.nbytes} bytes) does not fit a "
+                f"staging slot of {slot_bytes} bytes: raise staging_bytes"
+            )
+        out.append(SendItem(index, piece, byte_runs(piece.dst_box, info)))
+    return out
 
 
 def _direct_runs(

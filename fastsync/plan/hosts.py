@@ -70,6 +70,8 @@ class HostTraffic:
     posts: tuple[int, ...]  # writes each trainer rank posts
     relay_hops: int
     biggest_relayed: int
+    biggest_whole_relayed: int = 0  # the largest relayed transfer that cannot split (a quantised one)
+    relayed_pair_bytes: int = 0  # the most one trainer rank writes into one relayed engine rank
 
     @property
     def cross_host_bytes(self) -> int:
@@ -104,7 +106,13 @@ def host_traffic(plan: Plan, hosts: HostMap) -> HostTraffic:
             move(hosts.trainer_host[src], hosts.trainer_host[owner], nbytes)
     hops = max((r.hop for r in relays), default=0)
     biggest = max((r.transfer.nbytes for r in relays), default=0)
-    return HostTraffic(tuple(eg), tuple(ig), tuple(intra), tuple(posts), hops, biggest)
+    whole = max((r.transfer.nbytes for r in relays if r.transfer.transform != "copy"), default=0)
+    pair: dict[tuple[int, int, int], int] = {}
+    for r in relays:
+        key = (r.transfer.src_rank, r.src_rank, r.dst_rank)
+        pair[key] = pair.get(key, 0) + r.transfer.nbytes
+    return HostTraffic(tuple(eg), tuple(ig), tuple(intra), tuple(posts), hops, biggest, whole,
+                       max(pair.values(), default=0))
 
 
 def flow_bytes(plan: Plan, hosts: HostMap) -> dict[tuple[int, int], tuple[int, int, int]]:
@@ -174,9 +182,10 @@ def simulate_on_hosts(plan: Plan, hosts: HostMap, *, nic_gbps: float, efficiency
     ``cpu_gbps``: where every host shares one machine's cores (a namespace cluster), the rate
     those cores move bytes through the network stack, for all hosts together (None: unlimited,
     as on a cluster of real machines whose NICs do the moving). ``relay_unit_bytes``: the most a
-    relay forwards at once (it forwards what one trainer write batch completes), so a hop costs
-    the larger of it and the biggest relayed transfer, once per trainer rank (their last batches
-    land together and leave a relay together). ``pack_seconds[r]``: trainer rank ``r``'s
+    relay forwards at once (it forwards what one trainer write batch completes, large transfers
+    in pieces), so a hop costs one batch (no more than a trainer rank writes into the relaying rank,
+    no less than a transfer that cannot split), once per trainer rank (their last batches land
+    together and leave a relay together); 0 means whole transfers. ``pack_seconds[r]``: trainer rank ``r``'s
     packing compute (casts, FP8 quantisation) in ``pack_chunks[r]`` chunks; the first chunk is
     packed before anything is written, the rest overlaps the writes. ``fair_share``: the
     trainer -> engine connections share each host's NIC max-min fairly, as TCP does
@@ -194,7 +203,10 @@ def simulate_on_hosts(plan: Plan, hosts: HostMap, *, nic_gbps: float, efficiency
     # each hop ends one unit per trainer rank after the previous one: the trainer ranks' last
     # batches land together (they share their hosts' NICs fairly), so the last hop carries them at once
     origins = len({t.src_rank for t in plan.transfers}) if tr.relay_hops else 0
-    unit = max(tr.biggest_relayed, relay_unit_bytes) if tr.relay_hops else 0
+    unit = 0
+    if tr.relay_hops:
+        unit = (max(min(relay_unit_bytes, tr.relayed_pair_bytes), tr.biggest_whole_relayed) if relay_unit_bytes
+                else tr.biggest_relayed)
     relay_s = tr.relay_hops * (origins * unit / bw + per_transfer_s)
     latency_s = round_trips * 2 * latency_ms / 1e3
     cpu_s = (tr.cross_host_bytes + sum(tr.intra)) / gbps_to_bytes_per_s(cpu_gbps) if cpu_gbps else 0.0

@@ -148,6 +148,8 @@ class NixlTransport(Transport):
         self._num_posts: dict[int, int] = {}
         self._remote: dict[int, str] = {}
         self._got: dict[int, set[int]] = {}
+        self._begun_at: float | None = None  # this rank's last begin, and when its own bytes were all in
+        self._landed_at: float | None = None
         self._expect: dict[int, int | None] = {}
         self._key = b""  # notification MAC key, from the job secret
         self._control = None
@@ -257,6 +259,7 @@ class NixlTransport(Transport):
         if self._renew_pending:
             self.renew_endpoint()
         self._got = {src: set() for src in self.receiver.program.by_src}
+        self._begun_at, self._landed_at = time.monotonic(), None
         self._load_senders()
         self._expect = {src: (self._senders[src]["posts"] if src in self._senders else None)
                         for src in self.receiver.program.by_src}
@@ -339,10 +342,22 @@ class NixlTransport(Transport):
             # notification when its state is checked and found complete, so checking late held
             # every downstream replica until this one had landed (each hop store-and-forwarded all)
             forwarded = self._relay.forwards_done()
-            done = done and self._relay.incoming_done() and forwarded
+            landed = done and self._relay.incoming_done()
+            done = landed and forwarded
+        else:
+            landed = done
+        if landed and self._landed_at is None:
+            self._landed_at = time.monotonic()
         if not done and self.poll_sleep_s:
             time.sleep(self.poll_sleep_s)
         return done
+
+    @property
+    def landed_s(self) -> float | None:
+        """Seconds from this rank's last begin until every byte it holds had landed (a relaying
+        rank may then still be forwarding); None before that."""
+        landed, begun = self._landed_at, self._begun_at
+        return None if landed is None or begun is None else landed - begun
 
     def _missing(self) -> dict[int | str, str]:
         out: dict[int | str, str] = notes.missing(self._expect, self._got, nothing="no write completed",
@@ -386,10 +401,11 @@ class NixlTransport(Transport):
             except Exception as e:
                 raise TransportError(f"nixl: trainer rank {ctx.rank} cannot add engine rank {d}'s agent: {e}") from e
         counts: dict[int, int] = {}
-        batches: dict[int, list[list[int]]] = {}  # dst -> write batch k -> flat transfer indices in it
+        batches: dict[int, list[list[list[int]]]] = {}  # dst -> write batch k -> [flat index, offset, bytes]
         for c in prog.chunks:
             local: dict[int, list] = {}
             remote: dict[int, list] = {}
+            segs: dict[int, list[list[int]]] = {}
             lmem = "DRAM"
             for it in c.items:
                 d, name = it.transfer.dst_rank, it.transfer.dst_tensor
@@ -403,6 +419,7 @@ class NixlTransport(Transport):
                     lmem, ldev = _mem(view)
                     local.setdefault(d, []).append((view.data_ptr(), n, ldev))
                     remote.setdefault(d, []).append((base + off, n, dev))
+                    segs.setdefault(d, []).append([it.index, off, n])
             entries = []
             for d in sorted(local):
                 ldesc = self.agent.get_xfer_descs(np.array(local[d], dtype=np.uint64), lmem)
@@ -411,14 +428,14 @@ class NixlTransport(Transport):
                                   what=f"from trainer rank {ctx.rank} to engine rank {d}")
                 entries.append((d, w, counts.get(d, 0)))
                 counts[d] = counts.get(d, 0) + 1
-                batches.setdefault(d, []).append(sorted({it.index for it in c.items if it.transfer.dst_rank == d}))
+                batches.setdefault(d, []).append(segs[d])
             self._handles[c.index] = entries
         self._num_posts = counts
         sent = prog.bytes_per_dst()
         for d in dsts:  # what the receivers check every notification against
             ctx.control.set(f"nixl/send/{ctx.rank}/to/{d}", json.dumps(
                 {"agent": self.agent_name, "posts": counts.get(d, 0), "bytes": sent.get(d, 0)}))
-        if ctx.plan.has_relays:  # relaying engine ranks forward batch by batch: say which transfers each holds
+        if ctx.plan.has_relays:  # relaying engine ranks forward batch by batch: say which bytes each wrote
             for d, rows in batches.items():
                 ctx.control.set(batches_key(ctx.rank, d), json.dumps(rows))
         for d in dsts:

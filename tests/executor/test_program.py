@@ -131,3 +131,36 @@ def test_every_byte_is_expected_once() -> None:
 def test_plan_roundtrip_keeps_hash() -> None:
     *_, plan = _setup()
     assert Plan.loads(plan.dumps()).plan_hash == plan.plan_hash
+
+
+def test_direct_transfers_larger_than_a_batch_go_in_pieces_that_rebuild_them() -> None:
+    """With a chunk cap (relayed plans), a direct transfer larger than a batch is split into direct
+    pieces in separate chunks (a relay forwards what one batch completes); the pieces' bytes are
+    exactly the transfer's, in destination order, and no chunk exceeds the cap."""
+    params, tl, el, plan = _setup(trainers=1, tp=1)
+    infos = _infos(el)
+    shards = tl.shards_on(0)
+    sources = {p: torch.randn(box_shape(sh[0].box), generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+               for p, sh in shards.items()}
+    cap = 4 << 10
+    whole = compile_send(plan, 0, infos, shards=shards, src_dtypes={p: "bfloat16" for p in shards},
+                         min_direct_run_bytes=64)
+    big = [it.transfer for c in whole.chunks for it in c.items if it.direct and it.transfer.nbytes > cap]
+    assert big, "the test model needs a direct transfer larger than the cap"
+    prog = compile_send(plan, 0, infos, shards=shards, src_dtypes={p: "bfloat16" for p in shards},
+                        min_direct_run_bytes=64, max_chunk_bytes=cap)
+    assert all(c.nbytes <= cap for c in prog.chunks if c.slot < 0)
+    staging = torch.zeros(prog.staging_bytes, dtype=torch.uint8)
+    packer = Packer(prog, staging, sources, shards)
+    for t in big:
+        index = plan.transfers.index(t)
+        items = [it for c in prog.chunks for it in c.items if it.index == index]
+        assert len({it.chunk for it in items}) > 1 and all(it.direct for it in items)
+        dst = torch.zeros(infos[t.dst_rank][t.dst_tensor].nbytes, dtype=torch.uint8)
+        for it in items:
+            for view, off in packer.segment_views(it):
+                dst[off: off + view.numel()] = view
+        sh = shards[t.src_param][0]
+        local = [(s - o, e - o) for (s, e), (o, _) in zip(t.src_box, sh.box)]
+        got = dst.view(torch.bfloat16).view(infos[t.dst_rank][t.dst_tensor].shape)[box_slices(t.dst_box)]
+        assert torch.equal(got.reshape(-1), sources[t.src_param][box_slices(tuple(local))].reshape(-1))
