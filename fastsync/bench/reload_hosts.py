@@ -252,6 +252,9 @@ def run_reload_bench_hosts(model: str, *, holders: int, joiners: int, nic_gbps: 
                     report["chains"] = rep.fanout
                     phases = {k: [round(w[0][k], 3) for w in workers.values()]
                               for k in ("connect_s", "begin_s", "wait_s", "postprocess_s", "close_s")}
+                    # from its begin until its own bytes were in (a relaying engine then still forwards)
+                    phases["landed_s"] = [None if w[0].get("landed_s") is None else round(w[0]["landed_s"], 3)
+                                          for w in workers.values()]
                 sent = [rig.nic_bytes(i)[0] - n for i, n in enumerate(nic)]
                 peer.append(wall)
                 verified &= all(r.source == "peer" for r in reps)
@@ -267,6 +270,7 @@ def run_reload_bench_hosts(model: str, *, holders: int, joiners: int, nic_gbps: 
                                "checkpoint_per_joiner": got,
                                "peer_nic_tx_bytes": {"holders": sum(sent[:holders]), "storage": sent[storage],
                                                      "joiners": sum(sent[holders:storage])},
+                               "peer_nic_tx_bytes_per_host": sent,
                                "checkpoint_nic_tx_bytes": {"holders": sum(sent_c[:holders]),
                                                            "storage": sent_c[storage]}})
             first = js[0].call("first_request")

@@ -115,7 +115,12 @@ def test_reload_bench_engines_joining_at_once_from_peers_and_from_a_storage_host
     else:
         assert out["chains"] == {"mode": "chain", "replicas": 2, "roots": 1, "depth": 1, "relayed": True}, out
         assert 0.9 * size < sent["holders"] < 1.3 * size and 0.9 * size < sent["joiners"] < 1.3 * size, r
+        # each joining engine says when its own bytes were in (the first then still forwards)
+        landed = r["peer_phases_per_joiner_s"]["landed_s"]
+        assert all(x is not None and x > 0 for x in landed), r
     assert sent["storage"] < 0.1 * size, r
+    per_host = r["peer_nic_tx_bytes_per_host"]  # holders, joiners, storage host: the totals above, host by host
+    assert len(per_host) == 4 and per_host[0] == sent["holders"] and sum(per_host[1:3]) == sent["joiners"], r
     assert r["checkpoint_nic_tx_bytes"]["storage"] > 1.9 * size and r["checkpoint_nic_tx_bytes"]["holders"] < 0.1 * size
     assert out["weights_seconds"]["peer"] > 0 and out["weights_seconds"]["checkpoint"] > 0
 

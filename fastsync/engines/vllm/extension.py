@@ -447,7 +447,8 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
         total = time.perf_counter() - t0
         st.last = {"rank": st.rank, "version": version, "wait_s": t_wait,
                    "finish_s": total - t_wait - st.postprocess_s - st.fallback_s, "postprocess_s": st.postprocess_s,
-                   "fallback_s": st.fallback_s, "total_s": total}
+                   "fallback_s": st.fallback_s, "total_s": total,
+                   "landed_s": getattr(rx.transport, "landed_s", None)}  # NIXL: own bytes in (relays may go on)
         m = rx.last_metrics
         if m is not None and m.spans is not None:  # tracing: the phases, the repack inside "apply"
             apply_thread = next((s["thread"] for s in m.spans if s["name"] == "apply"), "repack")

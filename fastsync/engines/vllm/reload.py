@@ -162,7 +162,8 @@ class ReloadWorkerMixin:
         st.version, st.plain = want, True
         return {"rank": rank, "version": want, "connect_s": connect_s, "registration": reg,
                 "begin_s": begin_s, "close_s": time.perf_counter() - t_close,
-                "wait_s": fin["wait_s"], "postprocess_s": fin["postprocess_s"], "total_s": time.perf_counter() - t0,
+                "wait_s": fin["wait_s"], "landed_s": fin.get("landed_s"), "postprocess_s": fin["postprocess_s"],
+                "total_s": time.perf_counter() - t0,
                 "staged_bytes": got["staged_bytes"], "inplace_bytes": got["inplace_bytes"]}
 
     def fastsync_load_checkpoint(self, model_dir: str, weight_version: int = 0) -> dict:
