@@ -109,3 +109,42 @@ def test_weight_sync_matrix(two, cell):
     finally:
         for w in ws:
             w.close()
+
+
+def test_auto_fanout_with_delta_plans_once_and_writes_every_replica_direct(two):
+    """``WeightSync(delta=True, fanout="auto")`` into the same two live engines, after the cells:
+    ``auto`` plans copies direct when each trainer rank can feed both one-rank replicas (relayed
+    deltas are the cells above); the first sync dense, then a sparse step as a delta stream to each
+    replica's rank, both engines' bytes and tokens the trainer's after each."""
+    hf, control = two["hf"], two["control"]
+    full = {n: p.data for n, p in hf.named_parameters()}
+    layout = fsdp_layout({n: ParamSpec(n, tuple(t.shape), "float32") for n, t in full.items()}, 2)
+
+    def shards() -> list[dict]:
+        return [{n: full[n][box_slices(ss[0].box)].clone() for n, ss in layout.shards_on(r).items()} for r in range(2)]
+
+    sources = shards()
+    ws = [WeightSync(rank=r, world_size=2, control=control.with_prefix("auto"), engines=two["engines"] if r == 0 else [],
+                     transport="nixl", timeout_s=60, layout=layout, sources=sources[r], name="auto",
+                     control_port=control.port, fanout="auto", delta=True) for r in range(2)]
+    try:
+        run_ranks([lambda r=r: ws[r].setup() for r in range(2)], 300)
+        plan = ws[0].plan
+        assert plan.fanout is not None and plan.fanout.replicas == 2 and not plan.has_relays
+        version = 10 * (len(cell_params()) + 1)  # above every cell's block
+        for v, frac, kind in ((version, 0.5, "dense"), (version + 1, 0.03, "delta")):
+            sparse_step(full, v, frac)
+            for r, fresh in enumerate(shards()):
+                for n, t in fresh.items():
+                    sources[r][n].copy_(t)
+            run_ranks([lambda r=r: ws[r].sync(v) for r in range(2)], 120)
+            assert ws[0].last_kind == kind
+            _check_engines(two, full, v, f"auto version {v} ({kind})")
+        for w in ws:
+            st = w.sender.last_stats
+            assert st["mode"] == "delta" and 0 < st["bytes_sent"] < 0.2 * st["bytes_dense"], st
+            links = w.sender.last_metrics.bytes_per_link
+            assert set(links) >= {f"t{w.rank}->r0", f"t{w.rank}->r1"}, links  # both replicas, direct
+    finally:
+        for w in ws:
+            w.close()

@@ -40,3 +40,13 @@ def test_each_refusal_names_the_option_as_its_users_write_it(spell: Spelling, kw
                                 dict(staged=True, fanout="direct"), dict(transport="torch", fanout="direct")])
 def test_what_goes_together_passes(kw: dict) -> None:
     check_sync_options(PYTHON, **{"transport": "nixl", "timeout_s": 1, **kw})
+
+
+def test_weight_sync_refuses_relays_without_nixl_before_anything_starts() -> None:
+    """``WeightSync`` runs the same check at construction: no control plane is touched."""
+    torch = pytest.importorskip("torch")
+    from fastsync.sync import WeightSync
+
+    with pytest.raises(ConfigError, match="fanout='chain' may relay between engine ranks, which only transport 'nixl'"):
+        WeightSync(torch.nn.Linear(2, 2), rank=0, world_size=1, control=object(), transport="torch",  # type: ignore[arg-type]
+                   fanout="chain")
