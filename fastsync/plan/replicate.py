@@ -108,19 +108,27 @@ def expand_indexed(plan: Plan) -> tuple[list[tuple[int, Transfer]], list[Relay]]
 
 def sender_copies(plan: Plan, rank: int) -> list[tuple[int, Transfer]]:
     """``[(flat index, write)]`` trainer ``rank`` makes itself: O(its transfers x replicas it feeds),
-    not the whole expanded plan (what ``compile_send`` needs)."""
+    not the whole expanded plan (what ``compile_send`` needs), in the order it sends them.
+
+    The replicas a rank feeds take turns transfer by transfer, starting at a replica that depends on
+    the rank. Written replica by replica (all of replica 0, then all of replica 1), every trainer
+    rank wrote into one replica's NIC at a time while the others idled: two peer holders feeding
+    two chain roots took 18 s for 9.3 s of wire, each root receiving at line rate for half the time."""
     f = plan.fanout
     if f is None:
         return [(i, t) for i, t in enumerate(plan.transfers) if t.src_rank == rank]
     n, e = len(plan.transfers), f.replica_size
     always = set(f.direct)
+    fed = [k for k in range(f.replicas) if f.parents[k] < 0]
+    every = list(range(f.replicas))
     out = []
-    mine = [(i, t) for i, t in enumerate(plan.transfers) if t.src_rank == rank]
-    for k in range(f.replicas):
-        fed = f.parents[k] < 0
-        for i, t in mine:
-            if fed or i in always:
-                out.append((k * n + i, t if k == 0 else dataclasses.replace(t, dst_rank=t.dst_rank + k * e)))
+    for i, t in enumerate(plan.transfers):
+        if t.src_rank != rank:
+            continue
+        ks = every if i in always else fed
+        first = rank % len(ks)
+        for k in ks[first:] + ks[:first]:
+            out.append((k * n + i, t if k == 0 else dataclasses.replace(t, dst_rank=t.dst_rank + k * e)))
     return out
 
 

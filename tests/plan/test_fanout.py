@@ -69,6 +69,23 @@ def test_per_rank_copies_are_the_expanded_plans(mode: str) -> None:
         assert sorted(map(repr, receiver_copies(plan, r))) == sorted(repr(x) for x in direct if x[1].dst_rank == r)
 
 
+def test_ranks_feeding_several_replicas_take_them_in_turns_from_different_starts() -> None:
+    """Each trainer rank alternates between the replicas it feeds, transfer by transfer, starting at
+    a replica set by its rank: never all of one replica before the next (every rank then wrote into
+    one replica's NIC at a time; two peer holders feeding two chain roots ran at half line rate)."""
+    params, trainer, engine = _setup(4, trainers=2)
+    plan = build_plan(params, trainer, engine, fanout="direct")
+    e, n = plan.fanout.replica_size, len(plan.transfers)
+    for r in range(plan.num_trainers):
+        replicas = [idx // n for idx, _ in sender_copies(plan, r)]
+        assert all(t.dst_rank // e == k for (_, t), k in zip(sender_copies(plan, r), replicas))
+        assert replicas[:4] == [(r + j) % 4 for j in range(4)], replicas[:8]
+        # in every window of four consecutive writes each replica once
+        assert all(sorted(replicas[j:j + 4]) == [0, 1, 2, 3] for j in range(0, len(replicas), 4)), replicas
+    firsts = {sender_copies(plan, r)[0][0] // n for r in range(plan.num_trainers)}
+    assert firsts == {0, 1}  # the two ranks start at different replicas
+
+
 def test_fanout_is_part_of_the_plan_identity() -> None:
     params, trainer, engine = _setup(3)
     hashes = {build_plan(params, trainer, engine, fanout=m).plan_hash for m in ("off", "direct", "chain")}
