@@ -66,38 +66,61 @@ def _check_engines(two, full, version: int, what: str) -> None:
         assert e.generate(PROMPTS, 6) == want_tokens, f"{what}, engine {i}: tokens differ from the trainer's"
 
 
+class _Trainers:
+    """Two FSDP-sharded trainer ranks (threads) of the HF model with one ``WeightSync`` each, set up
+    against the module's two live engines."""
+
+    def __init__(self, two: dict, name: str, **options) -> None:
+        self.full = {n: p.data for n, p in two["hf"].named_parameters()}
+        self.layout = fsdp_layout({n: ParamSpec(n, tuple(t.shape), "float32") for n, t in self.full.items()}, 2)
+        self.sources = self._shards()
+        control = two["control"]
+        self.ws = [WeightSync(rank=r, world_size=2, control=control.with_prefix(name),
+                              engines=two["engines"] if r == 0 else [], transport="nixl", timeout_s=60,
+                              layout=self.layout, sources=self.sources[r], name=name, control_port=control.port,
+                              **options) for r in range(2)]
+        try:
+            run_ranks([lambda r=r: self.ws[r].setup() for r in range(2)], 300)
+        except BaseException:
+            self.close()
+            raise
+
+    def _shards(self) -> list[dict]:
+        return [{n: self.full[n][box_slices(ss[0].box)].clone() for n, ss in self.layout.shards_on(r).items()}
+                for r in range(2)]
+
+    def sync(self, version: int, frac: float) -> None:
+        """Change ``frac`` of the weights, sync ``version`` from both ranks."""
+        sparse_step(self.full, version, frac)
+        for r, fresh in enumerate(self._shards()):
+            for n, t in fresh.items():
+                self.sources[r][n].copy_(t)
+        run_ranks([lambda r=r: self.ws[r].sync(version) for r in range(2)], 120)
+
+    def close(self) -> None:
+        for w in self.ws:
+            w.close()
+
+
 @pytest.mark.parametrize("cell", cell_params())
 def test_weight_sync_matrix(two, cell):
     payload, route = cell
-    hf, control = two["hf"], two["control"]
-    full = {n: p.data for n, p in hf.named_parameters()}
-    layout = fsdp_layout({n: ParamSpec(n, tuple(t.shape), "float32") for n, t in full.items()}, 2)
-
-    def shards() -> list[dict]:
-        return [{n: full[n][box_slices(ss[0].box)].clone() for n, ss in layout.shards_on(r).items()} for r in range(2)]
-
-    sources = shards()
     name = cell_id(cell)
-    ws = [WeightSync(rank=r, world_size=2, control=control.with_prefix(name), engines=two["engines"] if r == 0 else [],
-                     transport="nixl", timeout_s=60, layout=layout, sources=sources[r], name=name,
-                     control_port=control.port, fanout=FANOUT[route], delta=payload == "delta") for r in range(2)]
+    tr = None
     try:
-        run_ranks([lambda r=r: ws[r].setup() for r in range(2)], 300)
+        tr = _Trainers(two, name, fanout=FANOUT[route], delta=payload == "delta")
+        ws = tr.ws
         plan = ws[0].plan
         assert plan.fanout is not None and plan.fanout.replicas == 2 and plan.num_receivers == 2
         assert plan.has_relays == (route == "relayed")
         version = first_version(cell)
         steps = [(version, 0.5)] + ([(version + 1, 0.03)] if payload == "delta" else [])
         for v, frac in steps:
-            sparse_step(full, v, frac)
-            for r, fresh in enumerate(shards()):
-                for n, t in fresh.items():
-                    sources[r][n].copy_(t)
-            run_ranks([lambda r=r: ws[r].sync(v) for r in range(2)], 120)
+            tr.sync(v, frac)
             kind = "delta" if payload == "delta" and v > version else "dense"
             if payload == "delta":  # trainer rank 0's choice: dense first, then a delta
                 assert ws[0].last_kind == kind
-            _check_engines(two, full, v, f"{name} version {v} ({kind})")
+            _check_engines(two, tr.full, v, f"{name} version {v} ({kind})")
         links = ws[0].sender.last_metrics.bytes_per_link
         if route == "relayed":  # the trainer ranks wrote the first replica only; a relay fed the second
             assert set(links) == {"t0->r0"}, links
@@ -107,8 +130,8 @@ def test_weight_sync_matrix(two, cell):
             st = ws[0].sender.last_stats
             assert st["mode"] == "delta" and 0 < st["bytes_sent"] < 0.2 * st["bytes_dense"], st
     finally:
-        for w in ws:
-            w.close()
+        if tr is not None:
+            tr.close()
 
 
 def test_auto_fanout_with_delta_plans_once_and_writes_every_replica_direct(two):
@@ -116,35 +139,22 @@ def test_auto_fanout_with_delta_plans_once_and_writes_every_replica_direct(two):
     ``auto`` plans copies direct when each trainer rank can feed both one-rank replicas (relayed
     deltas are the cells above); the first sync dense, then a sparse step as a delta stream to each
     replica's rank, both engines' bytes and tokens the trainer's after each."""
-    hf, control = two["hf"], two["control"]
-    full = {n: p.data for n, p in hf.named_parameters()}
-    layout = fsdp_layout({n: ParamSpec(n, tuple(t.shape), "float32") for n, t in full.items()}, 2)
-
-    def shards() -> list[dict]:
-        return [{n: full[n][box_slices(ss[0].box)].clone() for n, ss in layout.shards_on(r).items()} for r in range(2)]
-
-    sources = shards()
-    ws = [WeightSync(rank=r, world_size=2, control=control.with_prefix("auto"), engines=two["engines"] if r == 0 else [],
-                     transport="nixl", timeout_s=60, layout=layout, sources=sources[r], name="auto",
-                     control_port=control.port, fanout="auto", delta=True) for r in range(2)]
+    tr = None
     try:
-        run_ranks([lambda r=r: ws[r].setup() for r in range(2)], 300)
+        tr = _Trainers(two, "auto", fanout="auto", delta=True)
+        ws = tr.ws
         plan = ws[0].plan
         assert plan.fanout is not None and plan.fanout.replicas == 2 and not plan.has_relays
         version = 10 * (len(cell_params()) + 1)  # above every cell's block
         for v, frac, kind in ((version, 0.5, "dense"), (version + 1, 0.03, "delta")):
-            sparse_step(full, v, frac)
-            for r, fresh in enumerate(shards()):
-                for n, t in fresh.items():
-                    sources[r][n].copy_(t)
-            run_ranks([lambda r=r: ws[r].sync(v) for r in range(2)], 120)
+            tr.sync(v, frac)
             assert ws[0].last_kind == kind
-            _check_engines(two, full, v, f"auto version {v} ({kind})")
+            _check_engines(two, tr.full, v, f"auto version {v} ({kind})")
         for w in ws:
             st = w.sender.last_stats
             assert st["mode"] == "delta" and 0 < st["bytes_sent"] < 0.2 * st["bytes_dense"], st
             links = w.sender.last_metrics.bytes_per_link
             assert set(links) >= {f"t{w.rank}->r0", f"t{w.rank}->r1"}, links  # both replicas, direct
     finally:
-        for w in ws:
-            w.close()
+        if tr is not None:
+            tr.close()
