@@ -64,7 +64,7 @@ class NixlRelay(ChainHop):
         self._mem_of = mem_of
         self._agent_name = agent_name
         # units: (origin trainer rank, the trainer batch it waits for, {base transfer index: byte ranges})
-        self.units: list[tuple[int, frozenset[int], dict[int, list[tuple[int, int]]]]] = []
+        self.units: list[tuple[int, int, dict[int, list[tuple[int, int]]]]] = []
         self._handles: dict[tuple[int, int], PreparedWrite] = {}  # (child, unit) -> prepared WRITE
         self._version: int | None = None
         self._got: set[int] = set()
@@ -100,7 +100,7 @@ class NixlRelay(ChainHop):
                     if x % n in relayed[origin]:
                         members.setdefault(x % n, []).append((int(off), int(nb)))
                 if members:
-                    self.units.append((origin, frozenset({k}), members))
+                    self.units.append((origin, k, members))
                     covered.update(members)
             for i in sorted(relayed[origin] - covered)[:1]:
                 raise TransportError(f"nixl: trainer rank {origin} writes no batch carrying transfer {i} into "
@@ -199,13 +199,13 @@ class NixlRelay(ChainHop):
         for (child, u), w in self._handles.items():
             if (child, u) in self._posted or child in self.failed or busy.get(child, 0) >= FORWARDS_IN_FLIGHT:
                 continue
-            origin, deps, _ = self.units[u]
+            origin, batch, _ = self.units[u]
             if self.prog.upstream is not None:
                 ready = u in self._got
             else:
                 if origin not in landed:
                     landed[origin] = batches_landed(origin)
-                ready = all(k in landed[origin] for k in deps)
+                ready = batch in landed[origin]
             if not ready:
                 continue
             armed = self._child_armed(child, v)

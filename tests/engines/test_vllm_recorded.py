@@ -265,7 +265,6 @@ def test_expert_parallel_engine_records_the_hand_map_and_syncs_bit_for_bit(tmp_p
     from fastsync.layout.namemap_wire import name_map_from_json
     from fastsync.models.inventory import inventory_from_config
 
-    sys.path.insert(0, os.path.dirname(__file__))
     from sync_rig import SyncRig
 
     d, arch = _build("ep", {"ep": EP_MOE}, tmp_path)

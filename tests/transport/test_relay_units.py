@@ -43,9 +43,9 @@ def test_a_transfer_split_over_batches_is_forwarded_batch_by_batch() -> None:
     relay = _relay([[[0, 0, 1000]], [[0, 1000, 1000], [1, 0, 500]], [[0, 2000, 1000]]])
     relay._cut_units()
     assert relay.units == [
-        (0, frozenset({0}), {0: [(0, 1000)]}),
-        (0, frozenset({1}), {0: [(1000, 1000)], 1: [(0, 500)]}),
-        (0, frozenset({2}), {0: [(2000, 1000)]}),
+        (0, 0, {0: [(0, 1000)]}),
+        (0, 1, {0: [(1000, 1000)], 1: [(0, 500)]}),
+        (0, 2, {0: [(2000, 1000)]}),
     ]
 
 
