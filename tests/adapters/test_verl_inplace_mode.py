@@ -1,12 +1,10 @@
-"""Which path a verl session takes (``fastsync_verl.inplace``, ``fastsync_verl.server.capability``):
-in place only when every rollout rank can and the trainer sends shards; otherwise the full-tensor
-fallback with the reason, or a ConfigError naming it under ``inplace='on'``. Real control store,
+"""What a verl rollout rank reports for the session's path (``fastsync_verl.server.capability``; the
+decision itself, ``fastsync.host.path_choice``, is tested in tests/host) and the backend's checks. Real control store,
 verl's real ``RolloutConfig``; the server adapters are stand-ins holding verl's config (the real
 ``ServerAdapter`` is exercised by tests/adapters/test_verl_smoke.py)."""
 
 from __future__ import annotations
 
-import json
 import types
 
 import pytest
@@ -15,9 +13,8 @@ pytest.importorskip("verl.checkpoint_engine", reason="verl not installed (see re
 
 from verl.workers.config import RolloutConfig  # noqa: E402
 
-from fastsync import ConfigError, TCPStoreControl  # noqa: E402
+from fastsync import ConfigError  # noqa: E402
 from fastsync_verl.checkpoint_engine import MEGATRON_NOTICE, FastSyncCheckpointEngine  # noqa: E402
-from fastsync_verl.inplace import MODE_KEY, decide_mode, publish_rollout_mode, read_mode  # noqa: E402
 from fastsync_verl.server import capability  # noqa: E402
 
 pytest.importorskip("vllm", reason="vLLM not installed")
@@ -29,13 +26,6 @@ def shim(tmp_path_factory):
     from fastsync_rigs.verl_cpu import vllm_dist_shim
 
     vllm_dist_shim(str(tmp_path_factory.mktemp("vllmdist")))  # verl's vLLM package on the CPU build
-
-
-@pytest.fixture()
-def ctl():
-    c = TCPStoreControl.server(port=0, host="127.0.0.1")
-    yield c.with_prefix("t")
-    c.close()
 
 
 def _adapter(leader: bool = True, node_rank: int = 0, **cfg) -> types.SimpleNamespace:
@@ -67,33 +57,8 @@ def test_capability_names_what_blocks_the_in_place_path(shim) -> None:
     assert not ok and "LoRA" in why
 
 
-def test_rank0_decides_in_place_only_when_every_side_can(ctl) -> None:
-    publish_rollout_mode(ctl, 0, True, "", True, 1)
-    publish_rollout_mode(ctl, 1, True, "", True, 1)
-    got = decide_mode(ctl, 2, None, "auto", 5, version=3)
-    assert got == {"mode": "inplace", "why": "", "leaders": [[0, 1], [1, 1]], "version": 3}
-    assert read_mode(ctl, 5, "rollout rank 1") == got
-    # a new master (fresh backend, version 1) meeting engines an earlier session synced: the
-    # session's versions start above the newest any engine served or began
-    publish_rollout_mode(ctl, 1, True, "", True, 1, held=12)
-    assert decide_mode(ctl, 2, None, "auto", 5, version=1)["version"] == 13
-    assert decide_mode(ctl, 2, None, "auto", 5, version=20)["version"] == 20
-    # a trainer without shards: full tensors, named (fresh buffers per session: the version stays)
-    got = decide_mode(ctl, 2, "engine_kwargs.fastsync.trainer_shards='off'", "auto", 5, version=1)
-    assert got["mode"] == "fulltensor" and "trainer_shards='off'" in got["why"] and got["version"] == 1
-    # one rollout rank that cannot (SGLang, wrong extension): fallback naming the rank, refused under 'on'
-    publish_rollout_mode(ctl, 1, False, "rollout.name='sglang'", False, 0)
-    got = decide_mode(ctl, 2, None, "auto", 5, version=1)
-    assert got["mode"] == "fulltensor" and got["why"] == "rollout rank 1: rollout.name='sglang'"
-    with pytest.raises(ConfigError, match="inplace='on'.*rollout rank 1: rollout.name='sglang'"):
-        decide_mode(ctl, 2, None, "on", 5, version=1)
-    with pytest.raises(ConfigError, match="refused the session"):  # the others get the refusal, not a timeout
-        read_mode(ctl, 5, "rollout rank 0")
-    assert json.loads(ctl.get(MODE_KEY, 5))["mode"] == "error"
-
-
 def test_adopted_version_moves_the_master_on() -> None:
-    from fastsync_verl.session import MasterState
+    from fastsync.host import MasterState
 
     eng = FastSyncCheckpointEngine(1 << 20)
     eng._master, eng._version = MasterState(), 1

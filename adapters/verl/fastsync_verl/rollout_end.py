@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from fastsync import ConfigError, ControlPlane, FastSyncError, SyncError, serve_engine
-from fastsync import FullCopyReceiver
-from fastsync_verl.inplace import engine_id, publish_rollout_mode, read_mode
+from fastsync import FullCopyReceiver, publish_capability, read_path
+from fastsync_verl.inplace import engine_id
 from fastsync_verl.server import ServerEngine
 from fastsync_verl.server import capability as server_capability
 
@@ -44,10 +44,10 @@ class RolloutEnd:
         o = self.owner
         if o.inplace == "off":
             ok, why = False, "engine_kwargs.fastsync.inplace='off'"
-        publish_rollout_mode(self.control, self.rank, ok, why, leader, workers, held)
+        publish_capability(self.control, self.rank, ok, why, leader, workers, held)
         if not ok and o.inplace == "on":
             raise ConfigError(f"fastsync rollout rank {self.rank}: engine_kwargs.fastsync.inplace='on' but: {why}")
-        self.mode = await asyncio.to_thread(read_mode, self.control, o.timeout_s * 4, f"rollout rank {self.rank}")
+        self.mode = await asyncio.to_thread(read_path, self.control, o.timeout_s * 4, f"rollout rank {self.rank}")
         self._leader = (leader, workers)
 
     async def serve(self, adapter: Any, fallback: Any, global_steps: int | None, version: int) -> Any:

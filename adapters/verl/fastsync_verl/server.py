@@ -19,13 +19,11 @@ engine tensors (the fence on vLLM 0.32 / verl 0.9.1, step by step: ``adapters/ve
 
 from __future__ import annotations
 
-import itertools
-import json
 import logging
 import time
 from typing import Any
 
-from fastsync import PAUSE_MODES, ConfigError, check_pause_mode, one_version, raise_worker_errors, ray_result
+from fastsync import PAUSE_MODES, ConfigError, check_pause_mode, one_version, ray_result, store_replies, store_request
 from fastsync_verl import stamps
 from fastsync_verl.asyncllm import after_flip, is_paused, label, pause
 
@@ -35,7 +33,6 @@ log = logging.getLogger("fastsync_verl")
 
 SERVER_ADAPTER = "verl.workers.rollout.vllm_rollout.vllm_rollout.ServerAdapter"
 _EXT_KEY = "actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls"
-_ids = itertools.count(1)
 
 
 # ---- the engine handle the leader serves ----------------------------------------------------
@@ -62,16 +59,11 @@ class ServerEngine:
 
     def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
         t = self.timeout_s if timeout_s is None else timeout_s
-        reply = f"verl/reply/{self.engine_id}/{next(_ids)}-{time.monotonic_ns()}"
-        secret = self.control.secret.hex()
-        request = {"method": method, "args": list(args), "reply": reply,
-                   "control": [self.control.host, self.control.port, secret, self.control.prefix]}
+        request = store_request(self.control, method, args, caller=self.engine_id)
         what = f"verl vLLM server {self.engine_id}: {method}"
         # failed, e.g., on an engine without fastsync_verl_call (wrong extension)
         ray_result(self.server.collective_rpc.remote("fastsync_verl_call", timeout=t + 5, args=(request,)), t + 30, what)
-        got = [json.loads(self.control.get(f"{reply}/{w}", 30.0, what=f"{what} (reply of worker {w})"))
-               for w in range(self.workers)]
-        return raise_worker_errors(got, what)
+        return store_replies(self.control, request, self.workers, what)
 
     def describe(self, options: dict | None = None) -> list[dict]:
         return self._call("fastsync_describe", options or {})

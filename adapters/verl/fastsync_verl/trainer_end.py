@@ -1,7 +1,7 @@
 """One verl actor rank's end of a fastsync session (``FastSyncCheckpointEngine`` opens one per
 session and closes it when the session changes).
 
-Trainer rank 0 decides the session's path once (``fastsync_verl.inplace``): **in place** (this
+Trainer rank 0 decides the session's path once (``fastsync.host.path_choice``): **in place** (this
 rank's FSDP2 shards, copied into one registered buffer, written by fastsync's ``WeightSync`` into
 the live engine tensors of every replica) or **full copy** (fastsync's buffered full-copy
 channel, ``fastsync.host.fullcopy``: from the local shards, or from verl's full tensors where
@@ -19,8 +19,8 @@ import torch
 from verl.workers.rollout.utils import ensure_async_iterator
 
 from fastsync import ConfigError, ControlPlane, ParamSpec, TrainerLayout, trainer_layout_from_module
-from fastsync import FullCopySender, shard_views
-from fastsync_verl.inplace import InplaceTrainer, decide_mode, read_mode
+from fastsync import FullCopySender, decide_path, read_path, shard_views
+from fastsync_verl.inplace import POLICY_KEY, InplaceTrainer
 from fastsync_verl.shards import ShardedWeights, local_shard
 
 __all__ = ["TrainerEnd"]
@@ -82,8 +82,9 @@ class TrainerEnd:
     def _decide(self, why: str | None, version: int) -> dict:
         o = self.owner
         if self.rank == 0:
-            return decide_mode(self.control, self.num_receivers, why, o.inplace, o.timeout_s * 4, version)
-        return read_mode(self.control, o.timeout_s * 4, f"trainer rank {self.rank}")
+            return decide_path(self.control, self.num_receivers, why, o.inplace, o.timeout_s * 4, version,
+                               policy_key=POLICY_KEY)
+        return read_path(self.control, o.timeout_s * 4, f"trainer rank {self.rank}")
 
     async def _send_inplace(self, module: Any, version: int, t0: float) -> dict[str, float]:
         o = self.owner
