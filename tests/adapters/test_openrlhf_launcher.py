@@ -113,21 +113,6 @@ def test_colocate_all_keeps_openrlhf_cuda_ipc_and_says_so(standin, capsys):
     assert capsys.readouterr().out == ""
 
 
-def test_partition_that_is_not_zero3_flat_layout_is_refused_by_name():
-    import torch
-
-    from fastsync.errors import LayoutError
-    from fastsync_openrlhf.zero3 import zero3_sources
-
-    good = SimpleNamespace(ds_tensor=torch.zeros(5), ds_numel=9)  # ceil(9/2) = 5, last rank padded
-    assert zero3_sources({"a.weight": good}, rank=1, world_size=2)["a.weight"].numel() == 5
-    bad = SimpleNamespace(ds_tensor=torch.zeros(4), ds_numel=9)
-    with pytest.raises(LayoutError, match=r"'b.weight'.*rank 1|rank 1.*'b.weight'"):
-        zero3_sources({"b.weight": bad}, rank=1, world_size=2)
-    with pytest.raises(LayoutError, match="not a ZeRO-3 parameter"):
-        zero3_sources({"c.weight": SimpleNamespace()}, rank=0, world_size=2)
-
-
 def test_adapter_reaches_fastsync_through_one_module_and_public_names():
     """Only ``_fastsync.py`` imports fastsync, from ``fastsync.__all__`` (plus the vLLM worker
     extension package that ``worker_extension_cls`` strings name), so a core refactor touches

@@ -2,21 +2,17 @@
 
 OpenRLHF gathers every parameter whole on every rank (``GatheredParameters``) and rank 0 alone
 broadcasts it, one ``ray.get`` per parameter. Here the plan is built once from DeepSpeed's own
-partitioning: under ZeRO-3 each rank holds ``param.ds_tensor``, the flat slice
-``[r*ceil(n/N), (r+1)*ceil(n/N))`` of every parameter (the last rank's padded), which is exactly
-fastsync's ``zero3:N`` layout; under ZeRO-0/1/2 every rank holds every parameter whole
-(``replicated:N``: the planner splits the bytes among the ranks). Every rank then WRITEs its own
-bytes straight into the engines' live weights (NIXL), nothing is gathered.
-
-Order of calls (on every DeepSpeed rank, after ``optimizer.step()``)::
+partitioning (``fastsync.deepspeed_layout``: ZeRO-3's ``ds_tensor`` slices, or whole parameters
+below stage 3) and every rank WRITEs its own bytes straight into the engines' live weights (NIXL);
+nothing is gathered. On every DeepSpeed rank, after ``optimizer.step()``::
 
     sync = DeepSpeedWeightSync(actor.model.module, engines=vllm_engines, zero_stage=3)
     sync.setup()        # once (collective): layouts, plan, memory registration
     sync.sync()         # every step: version 1, 2, ...; engines flip when every write landed
     sync.close()
 
-Nothing here imports OpenRLHF; DeepSpeed is only read through the parameters' ``ds_*``
-attributes. The engines are ``FastSyncRolloutRayActor`` handles (:class:`RayEngine` wraps them).
+Nothing here imports OpenRLHF or DeepSpeed. The engines are ``FastSyncRolloutRayActor`` handles
+(:func:`RayEngine` wraps them).
 """
 
 from __future__ import annotations
@@ -32,14 +28,11 @@ from fastsync_openrlhf._fastsync import (
     node_address,
     share_over_torch,
     ConfigError,
-    LayoutError,
-    ParamSpec,
     WeightSync,
-    replicated_layout,
-    zero3_layout,
+    deepspeed_layout,
 )
 
-__all__ = ["RayEngine", "DeepSpeedWeightSync", "zero3_sources"]
+__all__ = ["RayEngine", "DeepSpeedWeightSync"]
 
 log = logging.getLogger(__name__)
 
@@ -50,27 +43,6 @@ def RayEngine(actor: Any, *, index: int, control_host: str, timeout_s: float) ->
     options (the engine's workers join trainer rank 0's control plane there)."""
     return RpcEngine.over_ray(actor, name=f"vLLM engine {index}", timeout_s=timeout_s,
                               connect_options={"control_host": control_host})
-
-
-def _dtype(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
-
-
-def zero3_sources(params: dict[str, torch.nn.Parameter], rank: int, world_size: int) -> dict[str, torch.Tensor]:
-    """Each ZeRO-3 parameter's local partition (``param.ds_tensor``), checked against the
-    ``zero3:N`` partitioning before it is planned on: LayoutError naming the parameter and rank."""
-    out: dict[str, torch.Tensor] = {}
-    for name, p in params.items():
-        part = getattr(p, "ds_tensor", None)
-        if part is None:
-            raise LayoutError(f"trainer rank {rank}: parameter {name!r} is not a ZeRO-3 parameter (no ds_tensor)")
-        numel = int(p.ds_numel)
-        want = -(-numel // world_size)
-        if part.dim() != 1 or part.numel() != want or not part.is_contiguous():
-            raise LayoutError(f"trainer rank {rank}: parameter {name!r} partition has {tuple(part.shape)}, expected a "
-                              f"contiguous [{want}] (ceil({numel}/{world_size})): not DeepSpeed ZeRO-3's flat layout")
-        out[name] = part.data
-    return out
 
 
 class DeepSpeedWeightSync:
@@ -88,7 +60,7 @@ class DeepSpeedWeightSync:
         if not engines:
             raise ConfigError("DeepSpeedWeightSync: no vLLM engines to sync into (--vllm.num_engines 0?)")
         if zero_stage not in (0, 1, 2, 3):
-            raise ConfigError(f"--ds.zero_stage must be 0-3, got {zero_stage}")
+            raise ConfigError(f"--ds.zero_stage must be 0-3, got {zero_stage}")  # before any rank plans
         self.module = module
         self.engines = list(engines)
         self.zero_stage = zero_stage
@@ -108,12 +80,7 @@ class DeepSpeedWeightSync:
         self.setup_s = 0.0
 
     def _layout(self) -> tuple[Any, dict[str, torch.Tensor]]:
-        params = dict(self.module.named_parameters())
-        if self.zero_stage == 3:
-            specs = {n: ParamSpec(n, tuple(int(d) for d in p.ds_shape), _dtype(p)) for n, p in params.items()}
-            return zero3_layout(specs, self.world_size), zero3_sources(params, self.rank, self.world_size)
-        specs = {n: ParamSpec(n, tuple(p.shape), _dtype(p)) for n, p in params.items()}
-        return replicated_layout(specs, self.world_size), {n: p.data for n, p in params.items()}
+        return deepspeed_layout(self.module, self.rank, self.world_size, self.zero_stage)
 
     def _control(self) -> Any:
         """Trainer rank 0 serves fastsync's control store; its port and the job secret reach the
