@@ -132,6 +132,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "torch_dtype": ("fastsync.executor.staging", "torch_dtype"),
     # MoE
     "patch_moe": ("fastsync.moe.patch", "patch"),
+    "patch_moe_partitioned": ("fastsync.moe.partitioned", "patch_partitioned"),
     "MOE_BACKENDS": ("fastsync.moe.block", "BACKENDS"),
     "RoutingReplay": ("fastsync.moe.replay", "RoutingReplay"),
     # plugins

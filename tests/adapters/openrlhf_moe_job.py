@@ -1,6 +1,6 @@
 """One DeepSpeed ZeRO-3 rank for test_openrlhf_moe.py (spawned, gloo): the actor's HF MoE model is
 built partitioned under ``HfDeepSpeedConfig`` (as OpenRLHF's ``Actor`` does), swapped by
-``fastsync_openrlhf.moe.patch_actor_model``, then wrapped by ``deepspeed.initialize``; prints one
+``fastsync.patch_moe_partitioned`` (what ``--fastsync.moe`` runs in OpenRLHF's ``Actor``), then wrapped by ``deepspeed.initialize``; prints one
 JSON line with what the test checks."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def main(rank: int, world: int, port: int, model_dir: str) -> None:
     from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
     from fastsync.moe.block import FastSyncMoEBlock
-    from fastsync_openrlhf.moe import patch_actor_model
+    from fastsync import patch_moe_partitioned
 
     torch.set_num_threads(1)
     # DeepSpeed on CPU JIT-compiles its shared-memory all-reduce op here (45-300 s on 2 cores, again
@@ -42,7 +42,7 @@ def main(rank: int, world: int, port: int, model_dir: str) -> None:
     dschf = HfDeepSpeedConfig(config)  # noqa: F841 - kept alive: from_pretrained builds under zero.Init
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     partitioned_before = all(hasattr(p, "ds_id") for p in model.parameters())
-    swapped = patch_actor_model(model, backend="auto")
+    swapped = patch_moe_partitioned(model, backend="auto")
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
                                            config=config)
     blocks = sum(isinstance(m, FastSyncMoEBlock) for m in engine.module.modules())

@@ -15,14 +15,14 @@ from fastsync import (
     check_sync_options,
     deepspeed_layout,
     node_address,
-    patch_moe,
+    patch_moe_partitioned,
     ray_result,
     share_over_torch,
     weight_spans,
 )
 
 __all__ = ["ConfigError", "SyncError", "WeightSync", "RpcEngine", "node_address", "share_over_torch", "ray_result",
-           "deepspeed_layout", "patch_moe", "weight_spans", "FANOUTS", "MOE_BACKENDS", "Spelling",
+           "deepspeed_layout", "patch_moe_partitioned", "weight_spans", "FANOUTS", "MOE_BACKENDS", "Spelling",
            "check_sync_options", "worker_extension_class"]
 
 

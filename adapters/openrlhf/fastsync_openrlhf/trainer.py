@@ -23,7 +23,7 @@ from typing import Any
 import ray
 from openrlhf.trainer.ray import ppo_actor
 
-from fastsync_openrlhf._fastsync import ConfigError, ray_result
+from fastsync_openrlhf._fastsync import ConfigError, patch_moe_partitioned, ray_result
 from fastsync_openrlhf.config import FastSyncOptions, options_from_args
 from fastsync_openrlhf.zero3 import DeepSpeedWeightSync
 
@@ -103,14 +103,12 @@ class FastSyncActorPPOTrainer(_OriginalTrainer):  # type: ignore[misc, valid-typ
 
 
 def _actor_with_moe(backend: str) -> Any:
-    """OpenRLHF's ``Actor`` constructor followed by fastsync's MoE swap of its HF model (before
-    ``strategy.prepare`` wraps it in DeepSpeed; see ``fastsync_openrlhf.moe``)."""
+    """OpenRLHF's ``Actor`` constructor followed by fastsync's MoE swap of its HF model, built
+    partitioned under ZeRO-3 (before ``strategy.prepare`` wraps it: ``fastsync.moe.partitioned``)."""
 
     def build(*args: Any, **kwargs: Any) -> Any:
-        from fastsync_openrlhf.moe import patch_actor_model
-
         actor = _OriginalActor(*args, **kwargs)
-        actor.fastsync_moe_swapped = patch_actor_model(actor.model, backend)
+        actor.fastsync_moe_swapped = patch_moe_partitioned(actor.model, backend)
         return actor
 
     build._fastsync_moe = backend  # type: ignore[attr-defined]

@@ -1,13 +1,12 @@
-"""``--fastsync.moe BACKEND``: swap the OpenRLHF actor's HF MoE blocks for fastsync's
-(``fastsync.patch_moe``).
+"""Swap the HF MoE blocks of a model DeepSpeed ZeRO-3 built partitioned (``HfDeepSpeedConfig`` ->
+``zero.Init``: every parameter an empty ``ds_tensor`` holder; OpenRLHF's ``Actor`` builds so).
 
-OpenRLHF builds the actor's HF model inside ``Actor.__init__``; under ZeRO-3 it is built already
-partitioned (``HfDeepSpeedConfig`` -> ``zero.Init``: every parameter is an empty ``ds_tensor``
-holder). :func:`patch_actor_model` therefore swaps one MoE block at a time with that block's
-parameters gathered (``GatheredParameters``, read-only), so only one block is ever whole; the new
-block's parameters are ordinary tensors, which ``deepspeed.initialize`` (OpenRLHF's
-``strategy.prepare``) partitions like any other. Parameter names stay the HF ones, so the weight
-sync plans them as before. Dense models pass through unchanged.
+:func:`patch_partitioned` swaps one MoE block at a time with that block's parameters gathered
+(``deepspeed.zero.GatheredParameters``, read-only), so only one block is ever whole; the new
+block's parameters are ordinary tensors, which ``deepspeed.initialize`` then partitions like any
+other. Parameter names stay the HF ones, so the weight sync plans them as before. Dense models and
+unpartitioned ones (no ``ds_id``: DeepSpeed is then not imported) pass through ``fastsync.moe.patch``
+block by block.
 """
 
 from __future__ import annotations
@@ -18,9 +17,11 @@ from typing import Any
 
 import torch.nn as nn
 
-__all__ = ["patch_actor_model"]
+from fastsync.moe.patch import patch
 
-log = logging.getLogger(__name__)
+__all__ = ["patch_partitioned"]
+
+log = logging.getLogger("fastsync.moe")
 
 
 class _Holder(nn.Module):
@@ -33,10 +34,8 @@ class _Holder(nn.Module):
         self.block = block
 
 
-def patch_actor_model(model: nn.Module, backend: str = "auto") -> dict[str, str]:
+def patch_partitioned(model: nn.Module, backend: str = "auto") -> dict[str, str]:
     """Swap every MoE block of ``model`` in place (see module doc); returns {block name: HF class}."""
-    from fastsync_openrlhf._fastsync import patch_moe
-
     config = getattr(model, "config", None)
     candidates = [(n, m) for n, m in model.named_modules() if n and isinstance(getattr(m, "experts", None), nn.Module)]
     swapped: dict[str, str] = {}
@@ -50,7 +49,7 @@ def patch_actor_model(model: nn.Module, backend: str = "auto") -> dict[str, str]
             ctx = nullcontext()
         holder = _Holder(config, block)
         with ctx:
-            got = patch_moe(holder, ep_group=None, backend=backend)
+            got = patch(holder, ep_group=None, backend=backend)
             if got:  # copy out of the gathered storage before DeepSpeed re-partitions it
                 for p in holder.block.parameters():
                     if not hasattr(p, "ds_id"):
@@ -59,5 +58,5 @@ def patch_actor_model(model: nn.Module, backend: str = "auto") -> dict[str, str]
             parent, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, leaf, holder.block)
             swapped[name] = got["block"]
-    log.info("fastsync: swapped %d MoE block(s) of the actor (%s backend)", len(swapped), backend)
+    log.info("fastsync: swapped %d MoE block(s) of the ZeRO-3 model (%s backend)", len(swapped), backend)
     return swapped
