@@ -37,8 +37,8 @@ def test_install_rejects_unknown_backend_and_uninstall_restores() -> None:
         with pytest.raises(ConfigError, match="backend must be one of"):
             moe.install("cutlass")
         moe.uninstall()
-        assert not getattr(FSDPEngine._build_module, "_fastsync_moe", False) and moe.installed_backend() is None
+        assert not getattr(FSDPEngine._build_module, "fastsync_wrapped", False) and moe.installed_backend() is None
         moe.install("torch")
-        assert FSDPEngine._build_module._fastsync_moe and moe.installed_backend() == "torch"
+        assert FSDPEngine._build_module.fastsync_wrapped and moe.installed_backend() == "torch"
     finally:
         moe.uninstall()

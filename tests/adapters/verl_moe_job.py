@@ -46,7 +46,7 @@ def main(path: str) -> None:
 
     sd_a, sd_b = plain.state_dict(), swapped.state_dict()
     print(json.dumps({
-        "wrapped": FSDPEngineWithLMHead._build_module.__dict__.get("_fastsync_moe", False),
+        "wrapped": FSDPEngineWithLMHead._build_module.__dict__.get("fastsync_wrapped", False),
         "plain_blocks": [type(m).__name__ for m in plain.modules() if isinstance(m, FastSyncMoEBlock)],
         "swapped_blocks": [n for n, m in swapped.named_modules() if isinstance(m, FastSyncMoEBlock)],
         "max_abs_diff": (a - b).abs().max().item(), "max_abs": a.abs().max().item(),

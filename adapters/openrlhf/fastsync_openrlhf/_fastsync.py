@@ -8,6 +8,7 @@ from fastsync import (
     FANOUTS,
     MOE_BACKENDS,
     ConfigError,
+    HookPointError,
     RpcEngine,
     Spelling,
     SyncError,
@@ -17,11 +18,12 @@ from fastsync import (
     node_address,
     patch_moe_partitioned,
     ray_result,
+    resolve_hook_point,
     share_over_torch,
     weight_spans,
 )
 
-__all__ = ["ConfigError", "SyncError", "WeightSync", "RpcEngine", "node_address", "share_over_torch", "ray_result",
+__all__ = ["ConfigError", "HookPointError", "resolve_hook_point", "SyncError", "WeightSync", "RpcEngine", "node_address", "share_over_torch", "ray_result",
            "deepspeed_layout", "patch_moe_partitioned", "weight_spans", "FANOUTS", "MOE_BACKENDS", "Spelling",
            "check_sync_options", "worker_extension_class"]
 

@@ -1,10 +1,10 @@
 """Where the adapter hooks into OpenRLHF, checked before anything starts.
 
 OpenRLHF has no plugin registry, so the adapter replaces names in OpenRLHF's modules. Each hook
-point is listed once here (:data:`HOOK_POINTS`); :func:`check_hook_points` resolves every one and
-raises :class:`HookPointError` naming the first missing attribute and the supported OpenRLHF
-versions, so a moved hook point stops the launch instead of silently falling back to OpenRLHF's
-own per-parameter broadcast.
+point is listed once here (:data:`HOOK_POINTS`); :func:`check_hook_points` resolves every one
+(``fastsync.resolve_hook_point``) and raises ``HookPointError`` naming the first missing attribute
+and the supported OpenRLHF versions, so a moved hook point stops the launch instead of silently
+falling back to OpenRLHF's own per-parameter broadcast.
 
 :func:`install` rebinds, in the driver process:
 
@@ -19,14 +19,12 @@ own per-parameter broadcast.
 
 from __future__ import annotations
 
-import importlib
-import importlib.metadata
 import importlib.util
 
 from fastsync_openrlhf import SUPPORTED_OPENRLHF
-from fastsync_openrlhf._fastsync import ConfigError
+from fastsync_openrlhf._fastsync import HookPointError, resolve_hook_point
 
-__all__ = ["HookPointError", "HOOK_POINTS", "ROLLOUT_HOOK_POINTS", "check_hook_points", "openrlhf_version", "install"]
+__all__ = ["HookPointError", "HOOK_POINTS", "ROLLOUT_HOOK_POINTS", "check_hook_points", "resolve", "install"]
 
 #: (module, dotted attribute) the trainer side (driver and trainer workers) relies on.
 HOOK_POINTS: tuple[tuple[str, str], ...] = (
@@ -51,38 +49,10 @@ ROLLOUT_HOOK_POINTS: tuple[tuple[str, str], ...] = (
 _CLI = "openrlhf.cli.train_ppo_ray"
 
 
-class HookPointError(ConfigError):
-    """The installed OpenRLHF does not have a name the adapter hooks into."""
-
-
-def openrlhf_version() -> str:
-    try:
-        return importlib.metadata.version("openrlhf")
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def _fail(what: str, why: str) -> HookPointError:
-    return HookPointError(
-        f"fastsync_openrlhf: {what} {why} in the installed OpenRLHF ({openrlhf_version()}); the adapter hooks "
-        f"into it and will not fall back to OpenRLHF's own broadcast. Supported OpenRLHF versions: "
-        f"{', '.join(SUPPORTED_OPENRLHF)}"
-    )
-
-
 def resolve(module: str, dotted: str) -> object:
-    """``module.dotted``, or HookPointError naming the missing attribute."""
-    try:
-        obj: object = importlib.import_module(module)
-    except ImportError as e:
-        raise _fail(f"module {module!r}", f"cannot be imported ({type(e).__name__}: {e})") from e
-    path = module
-    for part in dotted.split("."):
-        if not hasattr(obj, part):
-            raise _fail(f"attribute {path}.{part}", "is missing")
-        obj = getattr(obj, part)
-        path = f"{path}.{part}"
-    return obj
+    """``module.dotted``, or HookPointError naming the missing attribute and supported versions."""
+    return resolve_hook_point(module, dotted, adapter="fastsync_openrlhf", dist="OpenRLHF",
+                              supported=SUPPORTED_OPENRLHF)
 
 
 def check_hook_points(*, trainer: bool = True, rollout: bool = True) -> None:
@@ -90,8 +60,9 @@ def check_hook_points(*, trainer: bool = True, rollout: bool = True) -> None:
     points = (ROLLOUT_HOOK_POINTS if rollout else ()) + (HOOK_POINTS if trainer else ())
     for module, dotted in points:
         resolve(module, dotted)
-    if trainer and importlib.util.find_spec(_CLI) is None:
-        raise _fail(f"module {_CLI!r}", "is missing")
+    if trainer and importlib.util.find_spec(_CLI) is None:  # found, not imported: it is OpenRLHF's __main__
+        raise HookPointError(f"fastsync_openrlhf: module {_CLI!r} is missing in the installed OpenRLHF; supported "
+                             f"OpenRLHF versions: {', '.join(SUPPORTED_OPENRLHF)}")
 
 
 def install() -> None:

@@ -15,36 +15,30 @@ Use :func:`install` to pick another backend programmatically (e.g. in a custom e
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable
 
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
 
-from fastsync import MOE_BACKENDS, ConfigError
+from fastsync import MOE_BACKENDS, ConfigError, patch_moe, unwrap_hook_point, wrap_hook_point
 
 __all__ = ["install", "uninstall", "installed_backend"]
 
 log = logging.getLogger(__name__)
 
-_ORIGINAL: Callable = FSDPEngine._build_module
 _state: dict[str, str | None] = {"backend": None}
 
 
 def _wrap(original: Callable) -> Callable:
-    @functools.wraps(original)
     def _build_module(self: FSDPEngine):  # type: ignore[no-untyped-def]
         module = original(self)
         backend = _state["backend"]
         if backend is None or getattr(self.model_config, "model_type", None) != "language_model":
             return module
-        import fastsync
-
-        swapped = fastsync.patch_moe(module, ep_group=None, backend=backend)
+        swapped = patch_moe(module, ep_group=None, backend=backend)
         log.info("fastsync_verl.moe: swapped %d MoE block(s) (%s backend)", len(swapped), backend)
         return module
 
-    _build_module._fastsync_moe = True  # type: ignore[attr-defined]
     return _build_module
 
 
@@ -54,14 +48,13 @@ def install(backend: str = "auto") -> None:
     if backend not in MOE_BACKENDS:
         raise ConfigError(f"fastsync_verl.moe: backend must be one of {MOE_BACKENDS}, got {backend!r}")
     _state["backend"] = backend
-    if not getattr(FSDPEngine._build_module, "_fastsync_moe", False):
-        FSDPEngine._build_module = _wrap(_ORIGINAL)
+    wrap_hook_point(FSDPEngine, "_build_module", _wrap, who="fastsync_verl.moe")
 
 
 def uninstall() -> None:
     """Restore verl's own ``_build_module``."""
     _state["backend"] = None
-    FSDPEngine._build_module = _ORIGINAL
+    unwrap_hook_point(FSDPEngine, "_build_module")
 
 
 def installed_backend() -> str | None:

@@ -23,7 +23,8 @@ import logging
 import time
 from typing import Any
 
-from fastsync import PAUSE_MODES, ConfigError, check_pause_mode, one_version, ray_result, store_replies, store_request
+from fastsync import PAUSE_MODES, ConfigError, check_pause_mode, is_wrapped, one_version, ray_result, store_replies
+from fastsync import store_request, wrap_hook_point
 from fastsync_verl import stamps
 from fastsync_verl.asyncllm import after_flip, is_paused, label, pause
 
@@ -181,28 +182,7 @@ def capability(adapter: Any) -> tuple[bool, str, bool, int]:
 
 
 # ---- the ServerAdapter hook -----------------------------------------------------------------
-_ORIGINAL: dict[str, Any] = {}
-
-
-def installed() -> bool:
-    return "update_weights" in _ORIGINAL
-
-
-def install() -> bool:
-    """Wrap verl's vLLM ``ServerAdapter.update_weights`` (once per process) so fastsync's receive
-    object is served in place; returns False where verl's vLLM adapter is not imported (SGLang,
-    a stand-in adapter): then the receive object is consumed as verl's tensors (full-tensor path)."""
-    import sys
-
-    if installed():
-        return True
-    mod = sys.modules.get(SERVER_ADAPTER.rpartition(".")[0])
-    cls = getattr(mod, "ServerAdapter", None) if mod is not None else None
-    if cls is None:
-        return False
-    original = cls.update_weights
-    _ORIGINAL["update_weights"] = original
-
+def _serve_fastsync(original: Any) -> Any:
     async def update_weights(self: Any, weights: Any, global_steps: int | None = None,
                              wire_format: str = "named_tensors", **kwargs: Any) -> Any:
         run = getattr(weights, "fastsync_serve", None)
@@ -214,6 +194,27 @@ def install() -> bool:
 
         return await run(self, fallback)
 
-    update_weights.__wrapped__ = original  # type: ignore[attr-defined]
-    cls.update_weights = update_weights
+    return update_weights
+
+
+def _adapter_class() -> Any:
+    import sys
+
+    mod = sys.modules.get(SERVER_ADAPTER.rpartition(".")[0])
+    return getattr(mod, "ServerAdapter", None) if mod is not None else None
+
+
+def installed() -> bool:
+    cls = _adapter_class()
+    return cls is not None and is_wrapped(cls.update_weights)
+
+
+def install() -> bool:
+    """Wrap verl's vLLM ``ServerAdapter.update_weights`` (once per process) so fastsync's receive
+    object is served in place; returns False where verl's vLLM adapter is not imported (SGLang,
+    a stand-in adapter): then the receive object is consumed as verl's tensors (full-tensor path)."""
+    cls = _adapter_class()
+    if cls is None:
+        return False
+    wrap_hook_point(cls, "update_weights", _serve_fastsync, who="fastsync_verl.server")
     return True

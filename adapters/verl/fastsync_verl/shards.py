@@ -18,14 +18,13 @@ and the backend falls back to iterating the full tensors (logged), or raises if
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from fastsync import ConfigError
+from fastsync import ConfigError, resolve_hook_point, wrap_hook_point
 
 __all__ = ["ShardedWeights", "install", "SUPPORTED_VERL", "local_shard"]
 
@@ -35,7 +34,7 @@ log = logging.getLogger("fastsync_verl")
 #: over ``module.state_dict()``) this module was written against.
 SUPPORTED_VERL = ("0.9",)
 
-_MARK = "_fastsync_sharded"
+_FSDP = "verl.workers.engine.fsdp.transformer_impl"
 
 
 class ShardedWeights:
@@ -101,32 +100,24 @@ def _why_not(engine: Any, module: Any) -> str | None:
 
 
 def install() -> None:
-    """Wrap verl's ``FSDPEngine.get_per_tensor_param`` (idempotent). Raises ConfigError naming
-    the class and the supported verl versions when the hook point is not where it was."""
+    """Wrap verl's ``FSDPEngine.get_per_tensor_param`` (idempotent). Raises HookPointError naming
+    the attribute and the supported verl versions when the hook point is not where it was."""
     import verl
 
+    engine = resolve_hook_point(_FSDP, "FSDPEngine", adapter="fastsync_verl", dist="verl",
+                     supported=[v + ".x" for v in SUPPORTED_VERL])
     version = getattr(verl, "__version__", "?")
-    try:
-        from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
-    except ImportError as e:
-        raise ConfigError(f"fastsync_verl: verl {version} has no verl.workers.engine.fsdp.transformer_impl.FSDPEngine "
-                          f"(supported verl versions: {', '.join(v + '.x' for v in SUPPORTED_VERL)}): {e}") from e
-    orig = getattr(FSDPEngine, "get_per_tensor_param", None)
-    if orig is None:
-        raise ConfigError(f"fastsync_verl: verl {version}: FSDPEngine.get_per_tensor_param is gone "
-                          f"(supported verl versions: {', '.join(v + '.x' for v in SUPPORTED_VERL)})")
-    if getattr(orig, _MARK, False):
-        return
     if not any(str(version).startswith(v) for v in SUPPORTED_VERL):
         log.warning("fastsync_verl: verl %s is not a supported version (%s); trainer shards hook installed anyway",
                     version, ", ".join(SUPPORTED_VERL))
 
-    @functools.wraps(orig)
-    def get_per_tensor_param(self, *args: Any, **kwargs: Any):
-        full, peft = orig(self, *args, **kwargs)
-        if peft is not None or kwargs.get("layered_summon") or args:
-            return full, peft  # adapter paths: verl's own tensors, untouched
-        return ShardedWeights(full, self.module, refusal=_why_not(self, self.module)), peft
+    def make(orig: Any) -> Any:
+        def get_per_tensor_param(self, *args: Any, **kwargs: Any):
+            full, peft = orig(self, *args, **kwargs)
+            if peft is not None or kwargs.get("layered_summon") or args:
+                return full, peft  # adapter paths: verl's own tensors, untouched
+            return ShardedWeights(full, self.module, refusal=_why_not(self, self.module)), peft
 
-    setattr(get_per_tensor_param, _MARK, True)
-    FSDPEngine.get_per_tensor_param = get_per_tensor_param
+        return get_per_tensor_param
+
+    wrap_hook_point(engine, "get_per_tensor_param", make, who="fastsync_verl")

@@ -39,25 +39,18 @@ def _install_here(server: Any) -> bool:
     """Inside verl's server actor: wrap the module's ``extract_prompt_logprobs`` (idempotent)."""
     import sys
 
-    mod = sys.modules.get(SERVER_MODULE)
-    original = getattr(mod, "extract_prompt_logprobs", None)
-    if original is None:
-        from fastsync import ConfigError
+    from fastsync import wrap_hook_point
 
-        raise ConfigError(f"{SERVER_MODULE}.extract_prompt_logprobs not found in verl's server: the version "
-                          "stamps were built for verl 0.9.x")
-    if getattr(original, "fastsync_stamps", False):
-        return False
+    def make(original: Any) -> Any:
+        def extract_prompt_logprobs(output: Any, num_prompt_logprobs: Any, result_dict: dict) -> Any:
+            got = original(output=output, num_prompt_logprobs=num_prompt_logprobs, result_dict=result_dict)
+            stamp(output, result_dict)
+            return got
 
-    def extract_prompt_logprobs(output: Any, num_prompt_logprobs: Any, result_dict: dict) -> Any:
-        got = original(output=output, num_prompt_logprobs=num_prompt_logprobs, result_dict=result_dict)
-        stamp(output, result_dict)
-        return got
+        return extract_prompt_logprobs
 
-    extract_prompt_logprobs.fastsync_stamps = True  # type: ignore[attr-defined]
-    extract_prompt_logprobs.__wrapped__ = original  # type: ignore[attr-defined]
-    mod.extract_prompt_logprobs = extract_prompt_logprobs
-    return True
+    return wrap_hook_point(sys.modules.get(SERVER_MODULE), "extract_prompt_logprobs", make,
+                           who=f"fastsync_verl stamps ({SERVER_MODULE}, built for verl 0.9.x)")
 
 
 def install(server: Any, timeout_s: float = 60.0) -> bool:
