@@ -89,6 +89,8 @@ _LAZY: dict[str, tuple[str, str]] = {
     "FullCopySender": ("fastsync.host.fullcopy", "FullCopySender"),
     "FullCopyReceiver": ("fastsync.host.fullcopy", "FullCopyReceiver"),
     "shard_views": ("fastsync.host.fullcopy_plan", "shard_views"),
+    "renamed_shard_layout": ("fastsync.host.local_shards", "renamed_shard_layout"),
+    "copy_local_shards": ("fastsync.host.local_shards", "copy_local_shards"),
     "MasterState": ("fastsync.host.sessions", "MasterState"),
     "HookPointError": ("fastsync.host.patching", "HookPointError"),
     "resolve_hook_point": ("fastsync.host.patching", "resolve"),

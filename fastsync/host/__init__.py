@@ -12,6 +12,8 @@ so adapters stay glue. Framework-agnostic: nothing here imports verl, OpenRLHF o
   sync group before every sync and may change its members (``MasterState``, ``session_meta``, ``assign_session``).
 * ``path_choice``: in place or full copy, decided once per session by trainer rank 0
   (``publish_capability``, ``decide_path``, ``read_path``).
+* ``local_shards``: a trainer rank's FSDP2 shards under the host's names, copied into registered
+  views before every sync (``renamed_shard_layout``, ``copy_local_shards``).
 * ``patching``: a host's hook points found by name and wrapped once (``resolve``, ``wrap``,
   ``unwrap``, ``HookPointError`` naming the supported versions).
 * ``store_rpc``: calls whose replies come back through the control store, for a host RPC that
@@ -26,6 +28,7 @@ from __future__ import annotations
 from fastsync.host.control import control_address, join_control, node_address, open_control, share_over_torch
 from fastsync.host.fullcopy import FullCopyReceiver, FullCopySender
 from fastsync.host.fullcopy_plan import FullCopyPlan, build_full_copy_plan, flat_views
+from fastsync.host.local_shards import copy_local_shards, local_shard, renamed_shard_layout
 from fastsync.host.patching import HookPointError, is_wrapped, resolve, unwrap, wrap
 from fastsync.host.path_choice import MODE_KEY, PATH_POLICIES, decide_path, publish_capability, read_path
 from fastsync.host.replies import error_reply, one_version, raise_worker_errors
@@ -40,4 +43,5 @@ __all__ = ["node_address", "open_control", "control_address", "join_control", "s
            "build_full_copy_plan", "flat_views", "MODE_KEY", "PATH_POLICIES", "decide_path", "publish_capability",
            "read_path", "CONTROL_KEY", "ID_KEY", "JOINED_KEY", "MASTER_KEY", "Assignment", "MasterState", "assign_session",
            "new_member_id", "session_meta", "store_request", "store_replies", "answer_to_store",
-           "HookPointError", "resolve", "wrap", "unwrap", "is_wrapped"]
+           "HookPointError", "resolve", "wrap", "unwrap", "is_wrapped", "local_shard", "renamed_shard_layout",
+           "copy_local_shards"]

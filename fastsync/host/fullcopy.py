@@ -19,6 +19,9 @@ control plane; receivers plan from it, so both sides plan identically. Per sync:
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from typing import Any
 
 import torch
@@ -190,18 +193,17 @@ class FullCopyReceiver(_Channel):
             raise ConfigError(f"fastsync receiver rank {self.rank}: used before setup()")
         return self._receiver
 
-    def begin(self, version: int) -> None:
-        self._rx().begin(version)
-
-    def poll(self) -> bool:
-        return self._rx().poll()
-
-    def finish(self) -> None:
-        """SyncError naming the missing trainer ranks and tensors if some writes did not land."""
-        self._rx().finish()
-
-    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """``(name, tensor)`` in the host's order: this rank's buffers (copy before the next sync)."""
+    async def receive(self, version: int) -> list[tuple[str, torch.Tensor]]:
+        """Land every trainer rank's writes of ``version`` (the host's event loop keeps running),
+        flip when all arrived, and return ``(name, tensor)`` in the host's order: this rank's
+        buffers, which the host copies before the next sync. SyncError naming the missing
+        trainer ranks and tensors when some did not land by the deadline."""
+        rx = self._rx()
+        rx.begin(version)
+        deadline = time.monotonic() + self.timeout_s
+        while not rx.poll() and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)
+        rx.finish()
         assert self.plan is not None
         return [(name, self.tensors[name]) for name, _, _ in self.plan.inventory]
 

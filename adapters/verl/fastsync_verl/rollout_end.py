@@ -126,12 +126,7 @@ class RolloutEnd:
                 o.drop_session()
                 raise
             o.setups += 1
-        rx.begin(version)
-        deadline = time.monotonic() + o.timeout_s
-        while not rx.poll() and time.monotonic() < deadline:
-            await asyncio.sleep(0.001)
-        rx.finish()  # SyncError naming the missing trainer ranks and tensors if incomplete
-        for item in rx.named_tensors():
+        for item in await rx.receive(version):  # SyncError naming what did not land
             yield item
 
     def close(self) -> None:

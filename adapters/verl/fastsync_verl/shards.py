@@ -26,7 +26,7 @@ import torch
 
 from fastsync import ConfigError, resolve_hook_point, wrap_hook_point
 
-__all__ = ["ShardedWeights", "install", "SUPPORTED_VERL", "local_shard"]
+__all__ = ["ShardedWeights", "install", "SUPPORTED_VERL"]
 
 log = logging.getLogger("fastsync_verl")
 
@@ -71,14 +71,6 @@ class ShardedWeights:
         if len(renamed) != len(keys):
             raise ConfigError("verl's convert_weight_keys merged parameter names; fastsync cannot map shards")
         return dict(zip(keys, renamed))
-
-
-def local_shard(t: Any) -> torch.Tensor:
-    """This rank's bytes of ``t`` (a DTensor's local shard, a plain tensor as is), detached."""
-    from torch.distributed.tensor import DTensor
-
-    local = t.to_local() if isinstance(t, DTensor) else t
-    return local.detach()
 
 
 def _why_not(engine: Any, module: Any) -> str | None:

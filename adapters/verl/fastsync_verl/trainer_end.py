@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from verl.workers.rollout.utils import ensure_async_iterator
 
-from fastsync import ConfigError, ControlPlane, ParamSpec, TrainerLayout, trainer_layout_from_module
+from fastsync import ConfigError, ControlPlane, TrainerLayout, copy_local_shards, renamed_shard_layout
 from fastsync import FullCopySender, decide_path, read_path, shard_views
 from fastsync_verl.inplace import POLICY_KEY, InplaceTrainer
-from fastsync_verl.shards import ShardedWeights, local_shard
+from fastsync_verl.shards import ShardedWeights
 
 __all__ = ["TrainerEnd"]
 
@@ -131,32 +131,15 @@ class TrainerEnd:
         return self.sender
 
     def _layout(self, module: Any) -> TrainerLayout:
-        """The trainer layout from the DTensor placements (identical on every rank, HF names);
-        remembers which state_dict entry holds each HF name's local shard."""
-        names = ShardedWeights(None, module).hf_names()
-        layout = trainer_layout_from_module(module, self.rank, self.num_trainers)
-        params = {names[n]: ParamSpec(names[n], tuple(p.shape), p.dtype) for n, p in layout.params.items()}
-        trainer = TrainerLayout(self.num_trainers, params, {names[n]: tuple(layout.shards[n]) for n in layout.params},
-                                kind="fsdp", description="FSDP2 DTensor shards handed over by verl's actor ranks")
-        trainer.validate()
-        mine = trainer.shards_on(self.rank)
-        self._local_names = {hf: sd for sd, hf in names.items() if hf in mine}
-        return trainer
+        """The trainer layout from the DTensor placements under verl's HF names; remembers which
+        state_dict entry holds each local shard."""
+        layout, self._local_names = renamed_shard_layout(
+            module, self.rank, self.num_trainers, ShardedWeights(None, module).hf_names(),
+            description="FSDP2 DTensor shards handed over by verl's actor ranks")
+        return layout
 
     def _copy_shards(self, module: Any, sources: dict[str, torch.Tensor]) -> None:
-        """This rank's local shards into its registered buffer: a local copy of about 1/N of the
-        model (the shards' storage may move between syncs, e.g. with parameter offload)."""
-        state = module.state_dict(keep_vars=True)
-        for hf, sd in self._local_names.items():
-            t = state.get(sd)
-            if t is None:
-                raise ConfigError(f"fastsync trainer rank {self.rank}: parameter {sd!r} disappeared since the plan")
-            local = local_shard(t)
-            dst = sources[hf]
-            if tuple(local.shape) != tuple(dst.shape) or local.dtype != dst.dtype:
-                raise ConfigError(f"fastsync trainer rank {self.rank}: local shard of {sd!r} is {tuple(local.shape)} "
-                                  f"{local.dtype}, the plan expects {tuple(dst.shape)} {dst.dtype}; the model changed")
-            dst.copy_(local)
+        copy_local_shards(module, self._local_names, sources, self.rank)
 
     def close(self) -> None:
         for end in (self.sender, self.inplace):
