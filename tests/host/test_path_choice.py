@@ -9,15 +9,8 @@ import json
 
 import pytest
 
-from fastsync import ConfigError, TCPStoreControl
+from fastsync import ConfigError
 from fastsync.host import MODE_KEY, decide_path, publish_capability, read_path
-
-
-@pytest.fixture()
-def ctl():
-    c = TCPStoreControl.server(port=0, host="127.0.0.1")
-    yield c.with_prefix("t")
-    c.close()
 
 
 def test_rank0_decides_in_place_only_when_every_side_can(ctl) -> None:

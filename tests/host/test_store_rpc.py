@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from fastsync import ConfigError, SyncError, TCPStoreControl
+from fastsync import ConfigError, SyncError
 from fastsync.host import answer_to_store, store_replies, store_request
 
 
@@ -19,13 +19,6 @@ class _Worker:
 
     def fastsync_update(self, version: int) -> dict:
         raise SyncError(f"worker {self.rank}: version {version} incomplete")
-
-
-@pytest.fixture()
-def ctl():
-    c = TCPStoreControl.server(port=0, host="127.0.0.1")
-    yield c.with_prefix("job")
-    c.close()
 
 
 def test_every_worker_answers_in_rank_order_and_keys_are_unique(ctl) -> None:

@@ -44,15 +44,11 @@ def is_paused(server: Any, timeout_s: float = 60.0) -> bool:
 
 
 def pause(server: Any, mode: str = "abort", timeout_s: float = 60.0) -> None:
-    """Pause AsyncLLM's scheduler in ``mode`` and check it is paused: new requests queue and are
-    not scheduled until :func:`resume`; those in flight are aborted (``abort``), finish first
-    (``wait``, within ``timeout_s``) or stay in the engine (``keep``), their KV caches dropped
-    then (vLLM preempts them) so they go on recomputed on the new weights. This is what
-    ``AsyncLLM.pause_generation(mode=mode, clear_cache=mode == "keep")`` does, less the 20 ms
-    sleep it adds for the ordering of outputs, which would be stall; the other modes leave no
-    request in the engine and the caches of the old weights are dropped after the flip
-    (:func:`after_flip`). A pause that fails, runs out of time or does not hold resumes (never
-    left paused) and raises."""
+    """Pause AsyncLLM's scheduler in ``mode`` (what each mode does to the requests in flight:
+    ``fastsync.engines.vllm.pause``) and check it is paused. ``AsyncLLM.pause_generation``'s
+    call, less the 20 ms sleep it adds for the ordering of outputs (stall); caches cleared under
+    ``keep`` here, after the flip otherwise (:func:`after_flip`). A pause that fails, runs out
+    of time or does not hold resumes (never left paused) and raises."""
     async def run(e: Any, _: Any) -> None:
         await e.engine_core.pause_scheduler_async(mode=mode, clear_cache=mode == "keep")
         if not await e.is_paused():  # checked, never assumed: no write while AsyncLLM schedules

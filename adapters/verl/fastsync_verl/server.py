@@ -1,20 +1,8 @@
-"""Rollout side of the in-place path: verl's own vLLM server (``vLLMHttpServer``, AsyncLLM)
-running the composed worker extension is driven so the trainer ranks' writes land in the live
-engine tensors (the fence on vLLM 0.32 / verl 0.9.1, step by step: ``adapters/verl/README.md``).
-
-* :func:`install` wraps verl's vLLM ``ServerAdapter.update_weights``: given fastsync's receive
-  object, the backend decides the path (:func:`capability`) and, in place, the replica leader
-  (the rank verl gives the server handle) serves trainer rank 0's requests
-  (``fastsync.serve_engine``) with :class:`ServerEngine`; anything else goes to verl unchanged.
-* :class:`ServerEngine` answers describe / connect / update / version through
-  ``vLLMHttpServer.collective_rpc("fastsync_verl_call", ...)``; verl's ``collective_rpc`` drops
-  the workers' replies, so they come back through fastsync's control store.
-* ``update``, in order: (staged) receive while AsyncLLM generates; pause AsyncLLM in the job's
-  ``pause_mode`` unless verl paused it (verl 0.9.1's own ``abort_all_requests`` raises on vLLM
-  0.32); ONE ``collective_rpc``, which vLLM runs between two engine steps, to flip the staged
-  version or open, land, repack and flip it; then, in one call on the engine loop, clear the old
-  weights' caches, label and record the version, resume if this call paused. A failed sync
-  leaves every worker on its last complete version, and the engine is resumed all the same.
+"""Rollout side of the in-place path: verl's own vLLM server (``vLLMHttpServer``, AsyncLLM) running
+the composed worker extension is driven so the trainer ranks' writes land in the live engine
+tensors. :func:`install` hooks verl's ``ServerAdapter.update_weights`` so the replica leader
+serves trainer rank 0's requests with :class:`ServerEngine`; :func:`capability` says whether a
+rollout rank can. The fence, step by step (vLLM 0.32 / verl 0.9.1): ``adapters/verl/README.md``.
 """
 
 from __future__ import annotations
