@@ -4,19 +4,10 @@
 (``RolloutRayActor.__ray_actor_class__``): it starts the same ``vllm.AsyncLLMEngine`` with
 ``worker_extension_cls`` set to :data:`fastsync_openrlhf.rollout_worker.EXTENSION` (OpenRLHF's
 ``create_vllm_engines`` hard-codes its own ``WorkerWrap``; the subclass replaces that one value)
-and forwards fastsync's calls to every worker through ``collective_rpc``, as OpenRLHF forwards its
-own ``update_weight``. ``collective_rpc`` runs inside the engine-core loop, so no forward pass runs
-while a version is written and flipped (fastsync's fence).
-
-**Version stamps.** The engine's weights are labelled with fastsync's version at connect and at
-every flip (``AsyncLLM.update_weight_version``, inside a ``keep`` pause of the scheduler so the
-first token sampled on the new weights already carries the new label; skipped when OpenRLHF's
-async trainer paused first), and vLLM stamps each completion with the versions that sampled it
-(``CompletionOutput.weight_versions``). ``generate_responses`` (what OpenRLHF's samples generator
-calls) runs each sample as OpenRLHF does and adds to its response ``weight_versions`` (per
-``generate`` call of the sample: ``[[version, first token index], ...]``) and, in
-``extra_logs`` (which OpenRLHF turns into ``Experience.info``), ``weight_version_min`` /
-``weight_version_max``: the oldest and newest version that sampled a token of it.
+and forwards fastsync's calls to every worker through ``collective_rpc``, inside the engine-core
+loop (fastsync's fence). It labels the engine's weights with fastsync's version at connect and
+every flip, and stamps OpenRLHF's samples with the versions that generated them (``weight_versions``,
+``extra_logs`` ``weight_version_min/max``): ``adapters/openrlhf/README.md``.
 
 Imported by the driver (to rebind the name) and by the rollout Ray workers: nothing here imports
 DeepSpeed.

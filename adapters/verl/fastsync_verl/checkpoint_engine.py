@@ -17,9 +17,10 @@ Order of calls (verl's ``CheckpointEngineManager.update_weights``, every sync)::
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -266,6 +267,15 @@ class FastSyncCheckpointEngine(CheckpointEngine):
         """After a failed set-up or out-of-step requests: the next sync opens a fresh session in
         which every rank sets up again."""
         self._session = None
+
+    async def set_up(self, setup: Callable[[], Any]) -> None:
+        """A session end's set-up, off verl's event loop, counted; a failure drops the session."""
+        try:
+            await asyncio.to_thread(setup)
+        except BaseException:
+            self.drop_session()
+            raise
+        self.setups += 1
 
     def _planned(self) -> bool:
         end = self._end

@@ -120,12 +120,7 @@ class RolloutEnd:
                                              verify=o.verify)
         rx = self.receiver
         if not rx.ready:
-            try:
-                await asyncio.to_thread(rx.setup)
-            except BaseException:
-                o.drop_session()
-                raise
-            o.setups += 1
+            await o.set_up(rx.setup)
         for item in await rx.receive(version):  # SyncError naming what did not land
             yield item
 

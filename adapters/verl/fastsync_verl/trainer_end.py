@@ -69,12 +69,7 @@ class TrainerEnd:
                 tx.take(name, tensor)
             tx.end_of_tensors()
         if not tx.ready:
-            try:
-                await asyncio.to_thread(tx.setup)
-            except BaseException:
-                o.drop_session()
-                raise
-            o.setups += 1
+            await o.set_up(tx.setup)
         t1 = time.perf_counter()
         m = await asyncio.to_thread(tx.sync, version)
         return self._metrics(sum(m.bytes_per_link.values()), t0, t1, from_shards=module is not None)
