@@ -115,7 +115,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "engine_layout_from_spec": ("fastsync.layout.spec", "engine_layout_from_spec"),
     "trainer_layout_from_module": ("fastsync.layout.dtensor", "trainer_layout_from_module"),
     "replicated_layout": ("fastsync.layout.trainer", "replicated_layout"),
-    "deepspeed_layout": ("fastsync.layout.deepspeed", "deepspeed_layout"),
+    "local_sources": ("fastsync.sync.weight_sync", "local_sources"),
     "zero3_sources": ("fastsync.layout.deepspeed", "zero3_sources"),
     "get_name_map": ("fastsync.layout.namemap", "get_name_map"),
     "ParamSpec": ("fastsync.layout.types", "ParamSpec"),

@@ -1,24 +1,19 @@
-"""Trainer layouts read from a live DeepSpeed module's parameters, as ``dtensor`` reads FSDP2's.
-
-Under ZeRO-3 each rank holds ``param.ds_tensor``, the flat slice ``[r*ceil(n/N), (r+1)*ceil(n/N))``
-of every parameter (the last rank's padded), which is exactly the ``zero3:N`` layout; under
-ZeRO-0/1/2 every rank holds every parameter whole (``replicated:N``: the planner splits the bytes
-among the ranks). Only the parameters' ``ds_*`` attributes are read: nothing imports DeepSpeed.
+"""DeepSpeed ZeRO-3's local partitions, checked. Each rank holds ``param.ds_tensor``, the flat slice
+``[r*ceil(n/N), (r+1)*ceil(n/N))`` of every parameter (the last rank's padded), which is exactly
+the ``zero3:N`` layout: ``fastsync.layout.dtensor.trainer_layout_from_module`` (the builtin
+``fastsync_trainer_layout`` hook) describes such a module, ``WeightSync``'s ``local_sources`` sends
+from the partitions. Below stage 3 every rank holds every parameter whole (a plain module:
+``replicated:N``, the planner splits the bytes among the ranks). Only the parameters' ``ds_*``
+attributes are read: nothing imports DeepSpeed.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastsync.errors import ConfigError, LayoutError
-from fastsync.layout.trainer import replicated_layout, zero3_layout
-from fastsync.layout.types import ParamSpec, TrainerLayout
+from fastsync.errors import LayoutError
 
-__all__ = ["deepspeed_layout", "zero3_sources"]
-
-
-def _dtype(t: Any) -> str:
-    return str(t.dtype).removeprefix("torch.")
+__all__ = ["zero3_sources"]
 
 
 def zero3_sources(params: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
@@ -36,17 +31,3 @@ def zero3_sources(params: dict[str, Any], rank: int, world_size: int) -> dict[st
                               f"contiguous [{want}] (ceil({numel}/{world_size})): not DeepSpeed ZeRO-3's flat layout")
         out[name] = part.data
     return out
-
-
-def deepspeed_layout(module: Any, rank: int, world_size: int, zero_stage: int) -> tuple[TrainerLayout, dict[str, Any]]:
-    """``(layout, sources)`` of a DeepSpeed-wrapped ``module`` (``engine.module``) on ``rank``:
-    ``zero3:N`` over the ``ds_tensor`` partitions at stage 3, ``replicated:N`` over the whole
-    parameters below it. The sources are the live memory the optimizer updates, no copies."""
-    if zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"ZeRO stage must be 0-3, got {zero_stage}")
-    params = dict(module.named_parameters())
-    if zero_stage == 3:
-        specs = {n: ParamSpec(n, tuple(int(d) for d in p.ds_shape), _dtype(p)) for n, p in params.items()}
-        return zero3_layout(specs, world_size), zero3_sources(params, rank, world_size)
-    specs = {n: ParamSpec(n, tuple(p.shape), _dtype(p)) for n, p in params.items()}
-    return replicated_layout(specs, world_size), {n: p.data for n, p in params.items()}

@@ -1,4 +1,6 @@
-"""Trainer layouts read from a live module's DTensor placements (FSDP2 ``fully_shard``, HSDP, TP).
+"""Trainer layouts read from a live module's DTensor placements (FSDP2 ``fully_shard``, HSDP, TP)
+and DeepSpeed ZeRO-3's partitions (a parameter with ``ds_tensor``: ``zero3:N``'s flat slices of
+its ``ds_shape``; DeepSpeed is not imported).
 
 Every rank can describe every other rank's holding: a DTensor knows its global shape, its device
 mesh (the global rank at each mesh coordinate) and its placements, and ``Shard(d)`` splits with
@@ -19,6 +21,7 @@ from typing import Any
 
 from fastsync.errors import LayoutError
 from fastsync.layout.box import Box, chunk_bounds, full_box
+from fastsync.layout.trainer import zero3_layout
 from fastsync.layout.types import DTYPE_BYTES, ParamSpec, Shard, TrainerLayout
 
 __all__ = ["trainer_layout_from_module", "dtensor_shards"]
@@ -74,6 +77,11 @@ def trainer_layout_from_module(module: Any, rank: int, world_size: int) -> Train
     shards: dict[str, tuple[Shard, ...]] = {}
     kinds: set[str] = set()
     for name, t in module.state_dict(keep_vars=True).items():
+        if hasattr(t, "ds_tensor"):  # DeepSpeed ZeRO-3: each rank a flat slice of the full ds_shape
+            kinds.add("zero3")
+            params[name] = ParamSpec(name, tuple(int(n) for n in t.ds_shape), _dtype_name(t))
+            shards[name] = zero3_layout({name: params[name]}, world_size).shards[name]
+            continue
         kinds.add(("hsdp" if t.device_mesh.ndim > 1 else "fsdp") if isinstance(t, DTensor) else "plain")
         shape = tuple(int(n) for n in t.shape)
         params[name] = ParamSpec(name, shape, _dtype_name(t))

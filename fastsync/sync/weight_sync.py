@@ -61,10 +61,14 @@ class SyncResult:
     engines: list[list[dict]] = field(default_factory=list)
 
 
-def local_sources(module: torch.nn.Module, names: Sequence[str]) -> dict[str, torch.Tensor]:
+def local_sources(module: torch.nn.Module, names: Sequence[str], *, rank: int = 0,
+                  world_size: int = 1) -> dict[str, torch.Tensor]:
     """This rank's local tensor of each parameter: the DTensor's local shard (FSDP2: the memory
-    the optimizer updates in place) or the plain tensor itself. No copies."""
+    the optimizer updates in place), a ZeRO-3 parameter's partition (``ds_tensor``, checked
+    against ``zero3:world_size``) or the plain tensor itself. No copies."""
     from torch.distributed.tensor import DTensor
+
+    from fastsync.layout.deepspeed import zero3_sources
 
     state = module.state_dict(keep_vars=True)
     out: dict[str, torch.Tensor] = {}
@@ -72,6 +76,9 @@ def local_sources(module: torch.nn.Module, names: Sequence[str]) -> dict[str, to
         if n not in state:
             raise LayoutError(f"trainer model has no parameter {n!r}")
         t = state[n]
+        if hasattr(t, "ds_tensor"):
+            out.update(zero3_sources({n: t}, rank, world_size))
+            continue
         local = t.to_local() if isinstance(t, DTensor) else t
         local = local.data if isinstance(local, torch.nn.Parameter) else local.detach()
         if not local.is_contiguous():
@@ -231,7 +238,7 @@ class WeightSync:
         if layout is None:
             raise LayoutError(f"no plugin describes a trainer model of type {type(self.model).__name__}")
         names = [n for n, shards in layout.shards.items() if any(s.rank == self.rank for s in shards)]
-        return layout, local_sources(self.model, names)
+        return layout, local_sources(self.model, names, rank=self.rank, world_size=self.world_size)
 
     def _describe_engines(self) -> tuple[EngineLayout, dict[str, str]]:
         from fastsync.layout.namemap import DEFAULT_ENGINE

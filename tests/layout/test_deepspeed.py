@@ -1,7 +1,7 @@
-"""DeepSpeed layouts read from a live module's ``ds_*`` attributes (``fastsync.deepspeed_layout``):
-ZeRO-3's flat partitions, whole parameters below stage 3, refusals naming parameter and rank. The
-module is a real torch module whose parameters carry the attributes ZeRO-3 gives them (a stand-in
-for DeepSpeed, which does not partition on CPU here)."""
+"""A DeepSpeed module describes itself (``fastsync_trainer_layout``, ``local_sources``): ZeRO-3's flat
+partitions of each ``ds_shape``, whole parameters below stage 3, refusals naming parameter and rank.
+The module is a real torch module whose parameters carry the attributes ZeRO-3 gives them (a
+stand-in for DeepSpeed's ``zero.Init``; real DeepSpeed runs in tests/adapters and tests/matrix)."""
 
 from __future__ import annotations
 
@@ -10,35 +10,42 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fastsync import ConfigError, LayoutError, deepspeed_layout, zero3_sources
+from fastsync import LayoutError, local_sources, zero3_sources
+from fastsync.plugins import hook
 
 
 def _zero3(module: torch.nn.Module, rank: int, world: int) -> None:
-    """Give every parameter ZeRO-3's attributes: its flat slice of ceil(n/world), zero-padded."""
+    """Give every parameter ZeRO-3's attributes: its flat slice of ceil(n/world), zero-padded, and
+    an empty placeholder where the whole tensor was (as zero.Init leaves it)."""
     for p in module.parameters():
         n, per = p.numel(), -(-p.numel() // world)
         flat = torch.zeros(per * world, dtype=p.dtype)
         flat[:n] = p.detach().reshape(-1)
         p.ds_shape, p.ds_numel, p.ds_tensor = p.shape, n, flat[rank * per:(rank + 1) * per].clone()
+        p.data = torch.empty(0, dtype=p.dtype)
 
 
-def test_zero3_layout_and_sources_are_the_flat_partitions() -> None:
+def test_zero3_module_describes_its_flat_partitions_and_sends_from_them() -> None:
+    torch.manual_seed(0)
     m = torch.nn.Linear(7, 5)  # 35 + 5 elements: neither divides by 3
+    full = m.weight.detach().reshape(-1).clone()
     _zero3(m, rank=2, world=3)
-    layout, sources = deepspeed_layout(m, 2, 3, zero_stage=3)
-    assert layout.world_size == 3 and set(layout.params) == {"weight", "bias"}
-    assert layout.params["weight"].shape == (5, 7)
-    assert sources["weight"].numel() == 12 and sources["weight"].data_ptr() == m.weight.ds_tensor.data_ptr()
-    assert torch.equal(sources["weight"][:11], m.weight.detach().reshape(-1)[24:])  # the last rank's, padded
+    layout = hook().fastsync_trainer_layout(model=m, rank=2, world_size=3)
+    assert layout.kind == "zero3" and layout.world_size == 3
+    assert layout.params["weight"].shape == (5, 7) and set(layout.params) == {"weight", "bias"}
+    mine = layout.shards_on(2)
+    src = local_sources(m, list(mine), rank=2, world_size=3)
+    assert src["weight"].data_ptr() == m.weight.ds_tensor.data_ptr()  # the partition itself, no copy
+    held = sum((b[0][1] - b[0][0]) * (b[1][1] - b[1][0]) for b in (sh.box for sh in mine["weight"]))
+    assert held == 11 and [sh.local_offset for sh in mine["weight"]] == [0, 4]  # rows 3 (elements 3-6) and 4, flat
+    assert torch.equal(src["weight"][:11], full[24:])  # the last rank's 11 elements, then padding
 
 
 def test_below_stage_3_every_rank_holds_the_whole_parameters() -> None:
     m = torch.nn.Linear(7, 5)
-    layout, sources = deepspeed_layout(m, 1, 2, zero_stage=2)
-    assert layout.world_size == 2 and sources["bias"].data_ptr() == m.bias.data_ptr()
-    assert {s.rank for s in layout.shards["weight"]} == {0, 1}
-    with pytest.raises(ConfigError, match="ZeRO stage must be 0-3, got 4"):
-        deepspeed_layout(m, 0, 2, zero_stage=4)
+    layout = hook().fastsync_trainer_layout(model=m, rank=1, world_size=2)
+    assert layout.kind == "plain" and {s.rank for s in layout.shards["weight"]} == {0, 1}
+    assert local_sources(m, ["bias"], rank=1, world_size=2)["bias"].data_ptr() == m.bias.data_ptr()
 
 
 def test_partition_that_is_not_zero3_flat_layout_is_refused_by_name() -> None:

@@ -9,12 +9,12 @@ from fastsync import (
     MOE_BACKENDS,
     ConfigError,
     HookPointError,
+    LayoutError,
     RpcEngine,
     Spelling,
     SyncError,
     WeightSync,
     check_sync_options,
-    deepspeed_layout,
     node_address,
     patch_moe_partitioned,
     ray_result,
@@ -23,9 +23,9 @@ from fastsync import (
     weight_spans,
 )
 
-__all__ = ["ConfigError", "HookPointError", "resolve_hook_point", "SyncError", "WeightSync", "RpcEngine", "node_address", "share_over_torch", "ray_result",
-           "deepspeed_layout", "patch_moe_partitioned", "weight_spans", "FANOUTS", "MOE_BACKENDS", "Spelling",
-           "check_sync_options", "worker_extension_class"]
+__all__ = ["ConfigError", "HookPointError", "LayoutError", "SyncError", "WeightSync", "RpcEngine", "node_address",
+           "share_over_torch", "ray_result", "resolve_hook_point", "patch_moe_partitioned", "weight_spans", "FANOUTS",
+           "MOE_BACKENDS", "Spelling", "check_sync_options", "worker_extension_class"]
 
 
 def worker_extension_class() -> type:

@@ -2,8 +2,8 @@
 
 OpenRLHF gathers every parameter whole on every rank (``GatheredParameters``) and rank 0 alone
 broadcasts it, one ``ray.get`` per parameter. Here the plan is built once from DeepSpeed's own
-partitioning (``fastsync.deepspeed_layout``: ZeRO-3's ``ds_tensor`` slices, or whole parameters
-below stage 3) and every rank WRITEs its own bytes straight into the engines' live weights (NIXL);
+partitioning (the module describes itself to ``WeightSync``: ZeRO-3's ``ds_tensor`` slices, or
+whole parameters below stage 3) and every rank WRITEs its own bytes straight into the engines' live weights (NIXL);
 nothing is gathered. On every DeepSpeed rank, after ``optimizer.step()``::
 
     sync = DeepSpeedWeightSync(actor.model.module, engines=vllm_engines, zero_stage=3)
@@ -28,8 +28,8 @@ from fastsync_openrlhf._fastsync import (
     node_address,
     share_over_torch,
     ConfigError,
+    LayoutError,
     WeightSync,
-    deepspeed_layout,
 )
 
 __all__ = ["RayEngine", "DeepSpeedWeightSync"]
@@ -79,8 +79,16 @@ class DeepSpeedWeightSync:
         self._setups = 0
         self.setup_s = 0.0
 
-    def _layout(self) -> tuple[Any, dict[str, torch.Tensor]]:
-        return deepspeed_layout(self.module, self.rank, self.world_size, self.zero_stage)
+    def _pointers(self) -> dict[str, int]:
+        """Where each parameter's local bytes live (under ZeRO-3 its partition, ``ds_tensor``);
+        LayoutError naming the first parameter that does not match ``zero_stage``."""
+        out = {}
+        for n, p in self.module.named_parameters():
+            if hasattr(p, "ds_tensor") != (self.zero_stage == 3):
+                raise LayoutError(f"trainer rank {self.rank}: parameter {n!r} is {'' if hasattr(p, 'ds_tensor') else 'not '}"
+                                  f"a ZeRO-3 partition under --ds.zero_stage {self.zero_stage}")
+            out[n] = getattr(p, "ds_tensor", p).data_ptr()
+        return out
 
     def _control(self) -> Any:
         """Trainer rank 0 serves fastsync's control store; its port and the job secret reach the
@@ -95,22 +103,22 @@ class DeepSpeedWeightSync:
         (before any write) when the trainer's parameters and the engines' disagree."""
         t0 = time.perf_counter()
         control = self._control()
-        layout, sources = self._layout()
+        self._ptrs = self._pointers()
         self._setups += 1
         name = f"{self.name}{self._setups}"
         handles = [RayEngine(a, index=i, control_host=self.control_host, timeout_s=self.timeout_s)
                    for i, a in enumerate(self.engines)] if self.rank == 0 else []
         old = self.ws
-        ws = WeightSync(rank=self.rank, world_size=self.world_size, control=control.with_prefix(name), engines=handles,
-                        transport=self.transport, timeout_s=self.timeout_s, layout=layout, sources=sources, name=name,
+        # the module describes itself (fastsync_trainer_layout): zero3:N partitions, or whole parameters
+        ws = WeightSync(self.module, rank=self.rank, world_size=self.world_size, control=control.with_prefix(name),
+                        engines=handles, transport=self.transport, timeout_s=self.timeout_s, name=name,
                         control_port=control.port, verify=self.verify, delta=self.delta, fanout=self.fanout)
         if old is not None:
             old.close()
         ws.setup()
         self.ws = ws
-        self._ptrs = {n: t.data_ptr() for n, t in sources.items()}
         self.setup_s = time.perf_counter() - t0
-        log.info("fastsync: trainer rank %d planned %s (%d transfers) in %.2f s", self.rank, layout.description,
+        log.info("fastsync: trainer rank %d planned ZeRO-%d (%d transfers) in %.2f s", self.rank, self.zero_stage,
                  len(ws.plan.transfers) if ws.plan else 0, self.setup_s)
 
     def _moved(self) -> bool:
@@ -118,11 +126,8 @@ class DeepSpeedWeightSync:
         agreed on by every rank (the registered memory would no longer be the weights)."""
         import torch.distributed as dist
 
-        _, sources = self._layout()
-        mine = any(self._ptrs.get(n) != t.data_ptr() for n, t in sources.items())
-        flag = [mine]
         got: list = [None] * self.world_size
-        dist.all_gather_object(got, flag[0])
+        dist.all_gather_object(got, self._pointers() != self._ptrs)
         return any(got)
 
     def sync(self, version: int | None = None) -> Any:
