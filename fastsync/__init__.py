@@ -92,6 +92,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "renamed_shard_layout": ("fastsync.host.local_shards", "renamed_shard_layout"),
     "copy_local_shards": ("fastsync.host.local_shards", "copy_local_shards"),
     "MasterState": ("fastsync.host.sessions", "MasterState"),
+    "DeepSpeedWeightSync": ("fastsync.host.deepspeed_sync", "DeepSpeedWeightSync"),
     "HookPointError": ("fastsync.host.patching", "HookPointError"),
     "resolve_hook_point": ("fastsync.host.patching", "resolve"),
     "wrap_hook_point": ("fastsync.host.patching", "wrap"),

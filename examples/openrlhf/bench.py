@@ -13,7 +13,7 @@ One vLLM CPU engine inside fastsync's ``RolloutRayActor`` subclass and 2 DeepSpe
   ``ray.get`` cannot run on CPU, and fastsync's ``rank0`` transport needs the default
   torch.distributed group to span trainers and engine workers (DeepSpeed and vLLM each own
   theirs), so rank 0's send uses NIXL: this favours the baseline (no per-parameter round trip).
-* ``fastsync``: the adapter's ``DeepSpeedWeightSync``: the plan comes from the ZeRO-3 partitions
+* ``fastsync``: ``fastsync.DeepSpeedWeightSync`` (what the adapter runs): the plan comes from the ZeRO-3 partitions
   (``zero3:2``), every rank WRITEs its own partitions, nothing is gathered.
 
 ``verified``: after the path's last sync (and a real training step before the path, so the
@@ -62,14 +62,22 @@ def _standin_path() -> str:
         return STANDINS
 
 
+def _handles(actors: list) -> list:
+    """The rollout actors as engine handles whose workers join the control plane on loopback."""
+    from fastsync import RpcEngine
+
+    return [RpcEngine.over_ray(a, name=f"vLLM engine {i}", timeout_s=120.0,
+                               connect_options={"control_host": "127.0.0.1"}) for i, a in enumerate(actors)]
+
+
 class BenchRank(TrainerRank):
     """A rig trainer rank that also runs the two timed paths without OpenRLHF's classes."""
 
     def fastsync_setup(self, engines: list, transport: str = "nixl") -> float:
-        from fastsync_openrlhf.zero3 import DeepSpeedWeightSync
+        from fastsync import DeepSpeedWeightSync
 
-        self.sync = DeepSpeedWeightSync(self.engine.module, engines=engines, zero_stage=3, transport=transport,
-                                        control_host="127.0.0.1", name="bench")
+        self.sync = DeepSpeedWeightSync(self.engine.module, engines=_handles(engines), zero_stage=3,
+                                        transport=transport, control_host="127.0.0.1", name="bench")
         self.sync.setup()
         return self.sync.setup_s
 
@@ -89,7 +97,6 @@ class BenchRank(TrainerRank):
         import torch
 
         from fastsync import ParamSpec, TCPStoreControl, WeightSync, replicated_layout
-        from fastsync_openrlhf.zero3 import RayEngine
 
         if self.rank != 0:
             return
@@ -100,8 +107,7 @@ class BenchRank(TrainerRank):
         specs = {n: ParamSpec(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in self.holder.items()}
         self.pattern_control = TCPStoreControl.server(port=0, host="127.0.0.1")
         self.pattern = WeightSync(rank=0, world_size=1, control=self.pattern_control.with_prefix("pattern"),
-                                  engines=[RayEngine(e, index=i, control_host="127.0.0.1", timeout_s=120.0)
-                                           for i, e in enumerate(engines)],
+                                  engines=_handles(engines),
                                   transport="nixl", timeout_s=120.0, layout=replicated_layout(specs, 1),
                                   sources=self.holder, name="pattern", control_port=self.pattern_control.port)
         self.pattern.setup()

@@ -12,6 +12,8 @@ so adapters stay glue. Framework-agnostic: nothing here imports verl, OpenRLHF o
   sync group before every sync and may change its members (``MasterState``, ``session_meta``, ``assign_session``).
 * ``path_choice``: in place or full copy, decided once per session by trainer rank 0
   (``publish_capability``, ``decide_path``, ``read_path``).
+* ``deepspeed_sync``: ``DeepSpeedWeightSync``, the trainer side for a DeepSpeed job (every rank writes
+  its ZeRO partitions; re-registered when DeepSpeed moved one).
 * ``local_shards``: a trainer rank's FSDP2 shards under the host's names, copied into registered
   views before every sync (``renamed_shard_layout``, ``copy_local_shards``).
 * ``patching``: a host's hook points found by name and wrapped once (``resolve``, ``wrap``,
@@ -26,6 +28,7 @@ so adapters stay glue. Framework-agnostic: nothing here imports verl, OpenRLHF o
 from __future__ import annotations
 
 from fastsync.host.control import control_address, join_control, node_address, open_control, share_over_torch
+from fastsync.host.deepspeed_sync import DeepSpeedWeightSync
 from fastsync.host.fullcopy import FullCopyReceiver, FullCopySender
 from fastsync.host.fullcopy_plan import FullCopyPlan, build_full_copy_plan, flat_views
 from fastsync.host.local_shards import copy_local_shards, local_shard, renamed_shard_layout
@@ -33,15 +36,14 @@ from fastsync.host.patching import HookPointError, is_wrapped, resolve, unwrap, 
 from fastsync.host.path_choice import MODE_KEY, PATH_POLICIES, decide_path, publish_capability, read_path
 from fastsync.host.replies import error_reply, one_version, raise_worker_errors
 from fastsync.host.rpc_engine import RpcEngine, ray_result
-from fastsync.host.sessions import CONTROL_KEY, ID_KEY, JOINED_KEY, MASTER_KEY, Assignment, MasterState, assign_session, new_member_id
-from fastsync.host.sessions import session_meta
+from fastsync.host.sessions import CONTROL_KEY, ID_KEY, JOINED_KEY, MASTER_KEY, Assignment, MasterState, assign_session
+from fastsync.host.sessions import new_member_id, session_meta
 from fastsync.host.store_rpc import answer_to_store, store_replies, store_request
 
 __all__ = ["node_address", "open_control", "control_address", "join_control", "share_over_torch", "RpcEngine",
-           "ray_result",
-           "error_reply", "raise_worker_errors", "one_version", "FullCopySender", "FullCopyReceiver", "FullCopyPlan",
-           "build_full_copy_plan", "flat_views", "MODE_KEY", "PATH_POLICIES", "decide_path", "publish_capability",
-           "read_path", "CONTROL_KEY", "ID_KEY", "JOINED_KEY", "MASTER_KEY", "Assignment", "MasterState", "assign_session",
-           "new_member_id", "session_meta", "store_request", "store_replies", "answer_to_store",
-           "HookPointError", "resolve", "wrap", "unwrap", "is_wrapped", "local_shard", "renamed_shard_layout",
-           "copy_local_shards"]
+           "ray_result", "error_reply", "raise_worker_errors", "one_version", "FullCopySender", "FullCopyReceiver",
+           "FullCopyPlan", "build_full_copy_plan", "flat_views", "MODE_KEY", "PATH_POLICIES", "decide_path",
+           "publish_capability", "read_path", "CONTROL_KEY", "ID_KEY", "JOINED_KEY", "MASTER_KEY", "Assignment",
+           "MasterState", "assign_session", "new_member_id", "session_meta", "store_request", "store_replies",
+           "answer_to_store", "HookPointError", "resolve", "wrap", "unwrap", "is_wrapped", "local_shard",
+           "renamed_shard_layout", "copy_local_shards", "DeepSpeedWeightSync"]

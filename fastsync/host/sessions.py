@@ -24,8 +24,8 @@ from typing import Any
 
 from fastsync.errors import ConfigError
 
-__all__ = ["CONTROL_KEY", "ID_KEY", "JOINED_KEY", "MASTER_KEY", "MasterState", "Assignment", "assign_session", "new_member_id",
-           "session_meta"]
+__all__ = ["CONTROL_KEY", "ID_KEY", "JOINED_KEY", "MASTER_KEY", "MasterState", "Assignment", "assign_session",
+           "new_member_id", "session_meta"]
 
 CONTROL_KEY = "fastsync_control"  # [host, port, job secret] of the control plane (master only)
 ID_KEY = "fastsync_id"  # the reporting rank's unique id (every rank)

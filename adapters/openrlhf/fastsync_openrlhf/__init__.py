@@ -5,8 +5,8 @@
   subclasses (``hooks.py``) and runs ``openrlhf.cli.train_ppo_ray`` as ``__main__``.
 * Rollout side (``rollout.py``, ``rollout_worker.py``): OpenRLHF's ``WorkerWrap`` and fastsync's
   vLLM worker extension in one ``worker_extension_cls``. No DeepSpeed import there.
-* Trainer side (``zero3.py``, ``trainer.py``): plans from DeepSpeed ZeRO-3's own partitions
-  (``zero3:N``) and every rank writes its partitions into the engines (NIXL).
+* Trainer side (``trainer.py``): ``fastsync.DeepSpeedWeightSync`` plans from DeepSpeed ZeRO-3's own
+  partitions (``zero3:N``) and every rank writes its partitions into the engines (NIXL).
 
 Importing this package imports nothing heavy.
 """

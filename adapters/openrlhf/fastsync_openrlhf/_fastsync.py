@@ -8,24 +8,21 @@ from fastsync import (
     FANOUTS,
     MOE_BACKENDS,
     ConfigError,
+    DeepSpeedWeightSync,
     HookPointError,
-    LayoutError,
     RpcEngine,
     Spelling,
-    SyncError,
-    WeightSync,
     check_sync_options,
     node_address,
     patch_moe_partitioned,
     ray_result,
     resolve_hook_point,
-    share_over_torch,
     weight_spans,
 )
 
-__all__ = ["ConfigError", "HookPointError", "LayoutError", "SyncError", "WeightSync", "RpcEngine", "node_address",
-           "share_over_torch", "ray_result", "resolve_hook_point", "patch_moe_partitioned", "weight_spans", "FANOUTS",
-           "MOE_BACKENDS", "Spelling", "check_sync_options", "worker_extension_class"]
+__all__ = ["ConfigError", "DeepSpeedWeightSync", "HookPointError", "RpcEngine", "node_address", "ray_result",
+           "resolve_hook_point", "patch_moe_partitioned", "weight_spans", "FANOUTS", "MOE_BACKENDS", "Spelling",
+           "check_sync_options", "worker_extension_class"]
 
 
 def worker_extension_class() -> type:

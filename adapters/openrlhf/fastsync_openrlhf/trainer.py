@@ -3,8 +3,9 @@ workers only: it imports DeepSpeed through OpenRLHF's ``ppo_actor``).
 
 * :class:`FastSyncActorPPOTrainer` replaces ``_init_vllm_sync_group`` (OpenRLHF's rank-0 NCCL
   group) and ``broadcast_to_vllm`` (per-parameter gather + rank-0 broadcast) with one
-  :class:`~fastsync_openrlhf.zero3.DeepSpeedWeightSync` per rank, set up at the first sync (all
-  ranks call ``broadcast_to_vllm``; OpenRLHF calls ``_init_vllm_sync_group`` on rank 0 only).
+  ``fastsync.DeepSpeedWeightSync`` per rank (each writes its ZeRO partitions into the engines), set
+  up at the first sync (all ranks call ``broadcast_to_vllm``; OpenRLHF calls
+  ``_init_vllm_sync_group`` on rank 0 only).
 * :class:`FastSyncPolicyModelActor` (``ray.remote`` over a subclass of OpenRLHF's
   ``PolicyModelActor`` class) rebinds ``ppo_actor.ActorPPOTrainer`` (and, with
   ``--fastsync.moe``, ``ppo_actor.Actor``) inside its own Ray worker before OpenRLHF builds them.
@@ -23,9 +24,9 @@ from typing import Any
 import ray
 from openrlhf.trainer.ray import ppo_actor
 
-from fastsync_openrlhf._fastsync import ConfigError, patch_moe_partitioned, ray_result
+from fastsync_openrlhf._fastsync import ConfigError, DeepSpeedWeightSync, RpcEngine, node_address, ray_result
+from fastsync_openrlhf._fastsync import patch_moe_partitioned
 from fastsync_openrlhf.config import FastSyncOptions, options_from_args
-from fastsync_openrlhf.zero3 import DeepSpeedWeightSync
 
 __all__ = ["FastSyncActorPPOTrainer", "FastSyncPolicyModel", "FastSyncPolicyModelActor", "install_trainer",
            "COLOCATE_MESSAGE"]
@@ -78,9 +79,12 @@ class FastSyncActorPPOTrainer(_OriginalTrainer):  # type: ignore[misc, valid-typ
         if getattr(self.actor, "is_vlm", False):
             raise ConfigError("fastsync_openrlhf: vision-language actors are not synced by fastsync yet; "
                               "run with --fastsync.disable")
-        return DeepSpeedWeightSync(self.actor.model.module, engines=self.vllm_engines,
+        host = opts.control_host or node_address()  # where rank 0 serves the control plane; the engines join it
+        engines = [RpcEngine.over_ray(e, name=f"vLLM engine {i}", timeout_s=opts.timeout_s,
+                                      connect_options={"control_host": host}) for i, e in enumerate(self.vllm_engines)]
+        return DeepSpeedWeightSync(self.actor.model.module, engines=engines,
                                    zero_stage=int(getattr(ds, "zero_stage", 3)), transport=opts.transport,
-                                   timeout_s=opts.timeout_s, control_host=opts.control_host, verify=opts.verify,
+                                   timeout_s=opts.timeout_s, control_host=host, verify=opts.verify, name="openrlhf",
                                    delta=opts.delta, fanout=opts.fanout)
 
     def broadcast_to_vllm(self) -> Any:

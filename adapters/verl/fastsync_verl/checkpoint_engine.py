@@ -27,7 +27,8 @@ import torch
 from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
 
 from fastsync import PAUSE_MODES, ConfigError, Spelling, SyncError, TCPStoreControl, check_pause_mode, check_sync_options
-from fastsync import MasterState, assign_session, control_address, join_control, new_member_id, open_control, session_meta
+from fastsync import MasterState, assign_session, control_address, join_control, new_member_id, open_control
+from fastsync import session_meta
 from fastsync_verl.inplace import INPLACE_MODES
 from fastsync_verl.rollout_end import Receive, RolloutEnd
 from fastsync_verl.server import install as install_server_hook
