@@ -76,11 +76,11 @@ def trainer_layout_from_module(module: Any, rank: int, world_size: int) -> Train
     params: dict[str, ParamSpec] = {}
     shards: dict[str, tuple[Shard, ...]] = {}
     kinds: set[str] = set()
+    zero3: dict[str, ParamSpec] = {}  # DeepSpeed ZeRO-3 parameters: each rank a flat slice of the full ds_shape
     for name, t in module.state_dict(keep_vars=True).items():
-        if hasattr(t, "ds_tensor"):  # DeepSpeed ZeRO-3: each rank a flat slice of the full ds_shape
+        if hasattr(t, "ds_tensor"):
             kinds.add("zero3")
-            params[name] = ParamSpec(name, tuple(int(n) for n in t.ds_shape), _dtype_name(t))
-            shards[name] = zero3_layout({name: params[name]}, world_size).shards[name]
+            params[name] = zero3[name] = ParamSpec(name, tuple(int(n) for n in t.ds_shape), _dtype_name(t))
             continue
         kinds.add(("hsdp" if t.device_mesh.ndim > 1 else "fsdp") if isinstance(t, DTensor) else "plain")
         shape = tuple(int(n) for n in t.shape)
@@ -93,6 +93,9 @@ def trainer_layout_from_module(module: Any, rank: int, world_size: int) -> Train
             shards[name] = tuple(got)
         else:
             shards[name] = tuple(Shard(r, full_box(shape)) for r in range(world_size))
+    if zero3:  # one zero3 layout for all of them (its boxes computed once per shape)
+        shards.update(zero3_layout(zero3, world_size).shards)
+        shards = {n: shards[n] for n in params}
     layout = TrainerLayout(world_size, params, shards, kind=kinds.pop() if len(kinds) == 1 else "dtensor",
                            description=f"from DTensor placements of {type(module).__name__}")
     layout.validate()
