@@ -35,7 +35,7 @@ def rollout_mode_key(rank: int) -> str:
 
 
 def publish_capability(ctl: Any, rank: int, inplace: bool, why: str, leader: bool, workers: int,
-                         held: int = 0) -> None:
+                       held: int = 0) -> None:
     ctl.set(rollout_mode_key(rank), json.dumps({"inplace": inplace, "why": why, "leader": leader, "workers": workers,
                                                 "held": held}))
 

@@ -11,12 +11,12 @@ import logging
 import time
 from typing import Any
 
-from fastsync import PAUSE_MODES, ConfigError, check_pause_mode, is_wrapped, one_version, ray_result, store_replies
+from fastsync import PAUSE_MODES, ConfigError, check_pause_mode, one_version, ray_result, store_replies
 from fastsync import store_request, wrap_hook_point
 from fastsync_verl import stamps
 from fastsync_verl.asyncllm import after_flip, is_paused, label, pause
 
-__all__ = ["ServerEngine", "capability", "install", "installed", "SERVER_ADAPTER"]
+__all__ = ["ServerEngine", "capability", "install", "SERVER_ADAPTER"]
 
 log = logging.getLogger("fastsync_verl")
 
@@ -185,23 +185,14 @@ def _serve_fastsync(original: Any) -> Any:
     return update_weights
 
 
-def _adapter_class() -> Any:
-    import sys
-
-    mod = sys.modules.get(SERVER_ADAPTER.rpartition(".")[0])
-    return getattr(mod, "ServerAdapter", None) if mod is not None else None
-
-
-def installed() -> bool:
-    cls = _adapter_class()
-    return cls is not None and is_wrapped(cls.update_weights)
-
-
 def install() -> bool:
     """Wrap verl's vLLM ``ServerAdapter.update_weights`` (once per process) so fastsync's receive
     object is served in place; returns False where verl's vLLM adapter is not imported (SGLang,
     a stand-in adapter): then the receive object is consumed as verl's tensors (full-tensor path)."""
-    cls = _adapter_class()
+    import sys
+
+    mod = sys.modules.get(SERVER_ADAPTER.rpartition(".")[0])
+    cls = getattr(mod, "ServerAdapter", None) if mod is not None else None
     if cls is None:
         return False
     wrap_hook_point(cls, "update_weights", _serve_fastsync, who="fastsync_verl.server")
