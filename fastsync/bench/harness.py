@@ -9,6 +9,7 @@ killed on the way out.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import statistics
 import sys
@@ -17,6 +18,7 @@ from collections import defaultdict
 from dataclasses import replace
 from typing import Any, Callable
 
+from fastsync.bench.faults import FAIL_SYNC_ENV, fail_version
 from fastsync.bench.model import BenchModel, build_bench_model
 from fastsync.bench.rows import collect_rows
 from fastsync.bench.trace_out import write_bench_trace
@@ -27,7 +29,7 @@ from fastsync.layout.box import box_numel
 from fastsync.layout.types import DTYPE_BYTES
 from fastsync.trace.progress import Steps
 
-__all__ = ["Cluster", "run_bench", "summarize", "make_schedule"]
+__all__ = ["Cluster", "run_bench", "summarize", "bench_ok", "make_schedule"]
 
 
 class Cluster:
@@ -173,9 +175,14 @@ def engine_stall_seconds(row: dict, mode: str) -> float:
 
 def summarize(rows: list[dict], schedule: list[tuple[str, int, bool]], warmup: int, model: BenchModel,
               num_procs: int, mode: str = "inplace") -> dict:
-    """Per transport: median seconds per sync (over the timed syncs), aggregate GB/s, stage
-    medians per role, the engines' stall (:func:`engine_stall_seconds`, the slowest engine rank
-    per sync) and whether the verified sync passed on every receiver."""
+    """Per transport: median seconds per sync over the timed syncs that succeeded, aggregate
+    GB/s, stage medians per role, the engines' stall (:func:`engine_stall_seconds`, the slowest
+    engine rank per sync), and the honesty figures: ``failed_syncs`` (timed syncs that failed or
+    did not report from every process: they stay in ``seconds_all`` as None), ``verified_syncs``
+    ("k/n": timed syncs every engine rank checked against the reference after the clock stopped,
+    :mod:`fastsync.bench.after_clock`), ``checksum_verified`` (the extra untimed sync verified by
+    the senders' checksums inside the protocol), and ``verified``: every timed sync verified
+    after the clock and the checksum sync passed."""
     by_v: dict[int, list[dict]] = defaultdict(list)
     for r in rows:
         if r.get("kind") == "sync":
@@ -187,19 +194,34 @@ def summarize(rows: list[dict], schedule: list[tuple[str, int, bool]], warmup: i
     nbytes = model.plan.bytes_total
     for name, vs in order.items():
         secs, stages_t, stages_r, errors, ratios, stalls = [], defaultdict(list), defaultdict(list), [], [], []
-        verified = None
+        checksum_verified = None
         exact: list[bool] = []
+        num_timed = num_failed = num_checked = num_failed_untimed = 0
         for i, (v, verify) in enumerate(vs):
             rs = by_v.get(v, [])
             exact += [bool(r["exact"]) for r in rs if "exact" in r]
             bad = [r for r in rs if not r.get("ok")]
             errors += [f"v{v} {r['role']} {r['rank']}: {r.get('error', '')}" for r in bad]
+            failed = bool(bad) or len(rs) != num_procs
+            if len(rs) != num_procs:
+                errors.append(f"v{v}: {len(rs)} of {num_procs} processes reported")
+            eng = [r for r in rs if r["role"] == "engine"]
             if verify:
-                eng = [r for r in rs if r["role"] == "engine"]
-                verified = bool(eng) and all(r.get("ok") for r in eng) and len(rs) == num_procs
+                checksum_verified = bool(eng) and not failed
                 continue
-            if i < warmup or bad or len(rs) != num_procs:
+            if i < warmup:
+                num_failed_untimed += failed
                 continue
+            num_timed += 1
+            if failed:
+                num_failed += 1
+                secs.append(None)
+                continue
+            if eng and all(r.get("check_ok") for r in eng):
+                num_checked += 1
+            else:
+                errors += [f"v{v} engine {r['rank']}: after the sync holds the wrong bytes in "
+                           f"{r.get('check_mismatch') or 'unchecked tensors'}" for r in eng if not r.get("check_ok")]
             secs.append(max(r["end"] for r in rs) - min(r["start"] for r in rs))
             stalls.append(max(engine_stall_seconds(r, mode) for r in rs if r["role"] == "engine"))
             sent = [r["payload"] for r in rs if r["role"] == "trainer" and r.get("payload", {}).get("mode") == "delta"]
@@ -211,7 +233,8 @@ def summarize(rows: list[dict], schedule: list[tuple[str, int, bool]], warmup: i
                 dst = stages_t if r["role"] == "trainer" else stages_r
                 for k, s in r.get("stages", {}).items():
                     dst[k].append(s)
-        med = statistics.median(secs) if secs else None
+        ok_secs = [x for x in secs if x is not None]
+        med = statistics.median(ok_secs) if ok_secs else None
         # bytes each trainer rank wrote, and engine ranks relayed, in the last complete sync (links as measured)
         last = next((by_v[v] for v, _ in reversed(vs) if len(by_v.get(v, [])) == num_procs), [])
         egress = [sum(r.get("bytes_per_link", {}).values()) for r in last if r["role"] == "trainer"]
@@ -223,17 +246,31 @@ def summarize(rows: list[dict], schedule: list[tuple[str, int, bool]], warmup: i
             "delta_bytes_ratio": statistics.median(ratios) if ratios else None,
             "relayed_bytes": relayed if last else None,
             "seconds_median": med,
-            "seconds_all": secs,
+            "seconds_all": secs,  # one per timed sync, in run order; None where it failed
+            "timed_syncs": num_timed,
+            "failed_syncs": num_failed,
+            "failed_untimed_syncs": num_failed_untimed,
             # the bench's engines do not generate: no requests are in flight during its syncs
             "engine_stall_seconds": statistics.median(stalls) if stalls else None,
             "gbps": (nbytes / med / 1e9) if med else None,
-            "verified": verified,
+            "verified_syncs": f"{num_checked}/{num_timed}",
+            "checksum_verified": checksum_verified,
+            "verified": num_timed > 0 and num_checked == num_timed and checksum_verified is True,
             "exact": all(exact) if exact else None,
             "stages_trainer": {k: statistics.median(v) for k, v in sorted(stages_t.items())},
             "stages_engine": {k: statistics.median(v) for k, v in sorted(stages_r.items())},
             "errors": errors[:10],
         }
     return out
+
+
+def bench_ok(result: dict) -> bool:
+    """The exit verdict of a ``fastsync bench`` result: no run error, and for every transport no
+    failed sync (timed or not), every timed sync verified, and no exact-check failure."""
+    return result.get("error") is None and all(
+        r["verified"] and r["seconds_median"] is not None and not r["failed_syncs"]
+        and not r.get("failed_untimed_syncs") and r.get("exact") is not False
+        for r in result["transports"].values())
 
 
 class _Progress:
@@ -279,6 +316,8 @@ def run_bench(cfg: WorkerConfig, transports: list[str], steps: int, warmup: int 
     """Run the benchmark end to end; returns the JSON-able result. With ``trace_file`` /
     ``plot_file`` (``cfg.trace`` on) also writes the measured trace / its timeline figure."""
     schedule = make_schedule(transports, steps, warmup)
+    fault = fail_version(schedule, warmup)  # the test-only fault hook: refuse a malformed one before any process starts
+    cfg = replace(cfg, warmup=warmup)
     num_procs = cfg.trainers + cfg.rollouts
     label = {v: name for name, v, _ in schedule}
     show = sys.stderr.isatty() if progress is None else progress
@@ -374,6 +413,9 @@ def run_bench(cfg: WorkerConfig, transports: list[str], steps: int, warmup: int 
         "warmup": warmup,
         "staging_bytes": cfg.staging_bytes,
         "transports": result,
+        # test-only (fastsync.bench.faults): the version the fault hook made fail, None in a real run
+        "fault_injected": None if fault is None else {"env": f"{FAIL_SYNC_ENV}={os.environ[FAIL_SYNC_ENV]}",
+                                                      "version": fault},
         "setup_seconds_max": {n: max(v) for n, v in setup.items()},
         "speedup_vs_rank0": speedup.get(default) if default != "rank0" else 1.0,
         "speedup_vs_rank0_all": speedup,

@@ -62,6 +62,12 @@ class WorkerConfig:
     # them), the nixl transport runs DeltaSender/DeltaReceiver: dense first, then deltas
     delta: bool = False
     delta_fraction: float = 0.01
+    # every engine rank checks what it serves against an independent reference after each sync,
+    # off the clock (fastsync.bench.after_clock): rows carry check_ok / check_mismatch / check_s
+    check_after: bool = True
+    # untimed syncs per transport at the start of ``schedule`` (which syncs the fault hook of
+    # fastsync.bench.faults counts as timed)
+    warmup: int = 1
 
 
 def _env(cfg: WorkerConfig) -> None:
@@ -158,6 +164,21 @@ def _barrier(cfg: WorkerConfig, control: Any, name: str, watch: Any, me: int) ->
     wait_key(control, f"barrier/{name}/go", deadline, what, watch if cfg.watch_peers else None)
 
 
+def _fail_on_finish(rx: Any, version: int, transport: str) -> None:
+    """The test-only fault hook (:data:`fastsync.bench.faults.FAIL_SYNC_ENV`): this sync's
+    ``finish`` refuses the version once its writes landed, rolling it back as a failed
+    verification would (the caller removes the override after the sync)."""
+    from fastsync.bench.faults import FAIL_SYNC_ENV
+    from fastsync.errors import SyncError
+
+    def finish() -> int:
+        why = f"{FAIL_SYNC_ENV} (test-only fault hook) failed {transport} version {version}"
+        rx.abort(why)
+        raise SyncError(f"engine rank {rx.rank}: version {version} refused, keeping version {rx.version}: {why}")
+
+    rx.finish = finish
+
+
 def trainer_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
     _env(cfg)
     from fastsync.bench.model import step_values, trainer_buffers
@@ -226,6 +247,8 @@ def receiver_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
     _env(cfg)
     import torch
 
+    from fastsync.bench.after_clock import AfterClockCheck
+    from fastsync.bench.faults import fail_version
     from fastsync.bench.model import reference_tensors
     from fastsync.control import TCPStoreControl
     from fastsync.sync.delta_receiver import DeltaReceiver
@@ -244,6 +267,9 @@ def receiver_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
         receivers: dict[str, WeightReceiver] = {}
         served_version = 0
         dense_ok = False  # --delta: a delta needs the last version complete here
+        checker = (AfterClockCheck(model, rank, cfg.delta_fraction if cfg.delta else None)
+                   if cfg.check_after else None)
+        fail_at = fail_version(cfg.schedule, cfg.warmup) if rank == 0 else None  # test-only fault hook
         for name, version, verify in cfg.schedule:
             if name not in receivers:
                 kw = dict(rank=rank, plan=model.plan, tensors=tensors, control=control.with_prefix(f"fs/{name}"),
@@ -271,6 +297,8 @@ def receiver_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
                 results.join_thread()  # rows already put (earlier versions) reach the parent first
                 os._exit(KILLED_ON_PURPOSE)
             try:
+                if version == fail_at:
+                    _fail_on_finish(rx, version, name)
                 if cfg.delta:  # dense while nothing complete is held (or after a failure), else a delta
                     rx.sync(version, dense=not dense_ok, timeout_s=cfg.sync_timeout_s)
                 else:
@@ -285,6 +313,8 @@ def receiver_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
                 row = {"kind": "sync", **(m.to_json() if m is not None and m.version == version else
                                           {"role": "engine", "rank": rank, "transport": name, "version": version}),
                        "ok": False, "error": f"{type(e).__name__}: {e}"}
+            finally:
+                rx.__dict__.pop("finish", None)  # the fault hook's, if it was set
             row["served_version"] = rx.version
             # between syncs, while trainers would train: refresh the in-place backup (off the sync's path)
             row["prepare_s"] = rx.prepare()
@@ -297,6 +327,9 @@ def receiver_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
                     bad = [n for n, t in tensors.items() if not torch.equal(as_bytes(t), as_bytes(want[n].contiguous()))]
                     row["exact"] = not bad
                     row["exact_mismatch"] = bad[:5]
+            if checker is not None:  # after the clock: the row's start/end are already taken
+                bad = checker.check(tensors, rx.version)
+                row.update(check_ok=not bad, check_mismatch=bad[:5], check_s=checker.last_s)
             results.put(row)
             # later transports continue from the version this one serves
             for other in receivers.values():
