@@ -7,8 +7,9 @@ training step (Adam on random tokens), and sync:
 
 * ``fastsync``: every trainer rank writes its own shards straight into the engine's memory
   (static plan, NIXL one-sided WRITEs);
-* ``rank0`` baseline (what verl/OpenRLHF do today): every rank gathers full tensors
-  (``DTensor.full_tensor()``), trainer rank 0 alone sends them to the engine.
+* ``rank0`` baseline (verl's ``NCCLCheckpointEngine.send_weights``, ``fastsync.demo.baseline``):
+  every rank gathers full tensors (``DTensor.full_tensor()``), trainer rank 0 copies them into its
+  bucket and alone sends it to the engine.
 
 Trainer rank 0 compares the engine's greedy tokens with the trainer model's own greedy tokens
 (HF forward on the gathered weights, cast to the engine's dtype) before and after each sync.
@@ -16,6 +17,7 @@ Trainer rank 0 compares the engine's greedy tokens with the trainer model's own 
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import statistics
@@ -31,12 +33,22 @@ DEFAULT_PROMPTS: list[list[int]] = [[5, 6, 7, 8], [100, 200, 300], [11, 42, 99, 
 
 def engine_kwargs(model_dir: str, tp: int = 1, dtype: str = "bfloat16") -> dict:
     """``vllm.LLM`` arguments that work on a CPU host (see shared notes): no tokenizer, eager,
-    small KV cache, the fastsync worker extension."""
+    small KV cache, the fastsync worker extension; for an MLA model on a CPU with AMX, the
+    CPU_MLA attention backend (``fastsync.engines.vllm.mla``: fastsync cannot write AMX_MLA's
+    packed copies)."""
     from fastsync.engines.vllm import EXTENSION
+    from fastsync.engines.vllm.mla import attention_config
 
-    return dict(model=str(model_dir), skip_tokenizer_init=True, dtype=dtype, enforce_eager=True,
-                max_model_len=256, kv_cache_memory_bytes=64 << 20, tensor_parallel_size=tp,
-                worker_extension_cls=EXTENSION, seed=0)
+    kw = dict(model=str(model_dir), skip_tokenizer_init=True, dtype=dtype, enforce_eager=True,
+              max_model_len=256, kv_cache_memory_bytes=64 << 20, tensor_parallel_size=tp,
+              worker_extension_cls=EXTENSION, seed=0)
+    cfg_path = os.path.join(str(model_dir), "config.json")
+    if os.path.exists(cfg_path):
+        with open(cfg_path) as f:
+            attn = attention_config(json.load(f), dtype)
+        if attn is not None:
+            kw["attention_config"] = attn
+    return kw
 
 
 def hf_greedy(model: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -111,8 +123,7 @@ def trainer_main(rank: int, world: int, port: int, model_dir: str, opts: dict, o
 
     from fastsync.control import TCPStoreControl
     from fastsync.engines.vllm.host import RemoteEngine
-    from fastsync.layout.types import ParamSpec, Shard, TrainerLayout
-    from fastsync.layout.box import full_box
+    from fastsync.demo.baseline import rank0_baseline
     from fastsync.sync import WeightSync
 
     torch.set_num_threads(1)
@@ -185,40 +196,12 @@ def trainer_main(rank: int, world: int, port: int, model_dir: str, opts: dict, o
 
         if opts.get("baseline", True):
             report["loss2"] = _train_step(model, opt, vocab, seed=2)
-            # rank-0 baseline: gather full tensors on every rank, rank 0 alone sends them.
-            names = list(full)
-            held = {n: torch.empty_like(full[n]) for n in names} if rank == 0 else {}
-            base = None
-            if rank == 0:  # only rank 0 sends: a one-rank "trainer world" holding full tensors
-                params = {n: ParamSpec(n, tuple(full[n].shape), str(full[n].dtype).removeprefix("torch."))
-                          for n in names}
-                layout = TrainerLayout(1, params, {n: (Shard(0, full_box(params[n].shape)),) for n in names},
-                                       kind="rank0", description="full tensors gathered on trainer rank 0")
-                base = WeightSync(rank=0, world_size=1, control=control.with_prefix("base"), engines=[engine],
-                                  transport=opts.get("transport", "nixl"), timeout_s=timeout, layout=layout,
-                                  sources=held, name="base", control_port=port)
-                base.setup()
-            btimes, gtimes = [], []
-            for _ in range(repeats):
-                dist.barrier()
-                version += 1
-                t0 = time.perf_counter()
-                full2 = _full_state(model)  # every rank gathers, as FSDP full_tensor() exports do
-                if rank == 0:
-                    for n in names:
-                        held[n].copy_(full2[n])
-                g = time.perf_counter() - t0
-                if base is not None:
-                    base.sync(version, timeout_s=timeout)
-                dist.barrier()  # the other ranks are done when rank 0's sync is
-                btimes.append(time.perf_counter() - t0)
-                gtimes.append(g)
-            if base is not None:
-                base.close()
+            btimes, gtimes, held, version = rank0_baseline(model, rank, control, engine, port, opts, version, timeout,
+                                                           repeats)
             report["baseline_s"], report["baseline_gather_s"] = btimes, gtimes
             if rank == 0:
                 report["after2_engine"] = engine.generate(prompts, max_tokens)
-                report["after2_trainer"] = _reference(model_dir, full2, prompts, max_tokens, opts["dtype"])
+                report["after2_trainer"] = _reference(model_dir, held, prompts, max_tokens, opts["dtype"])
                 report["version_after2"] = engine.version()
         dist.barrier()
         report["ok"] = True

@@ -44,11 +44,13 @@ def _without(d: dict, *keys: str) -> dict:
 
 HAND = {  # hand-mapped architectures recorded in a bf16 engine here (the others: test_vllm_padded)
     # MLA (q/kv low-rank, fused q_a/kv_a in vLLM), one dense layer then routed + shared experts; 6 heads
-    # so TP 2 and 3 both split (q_b_proj is a plain column linear: the head count is not in it)
+    # so TP 2 and 3 both split (q_b_proj is a plain column linear: the head count is not in it). The MLA
+    # sizes fit every vLLM-CPU MLA backend (fastsync.engines.vllm.mla.amx_mla_needs: latent 512 + 64 = 576,
+    # nope a multiple of 32, v of 16); hidden, heads, q_lora and the experts stay awkward
     "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
                     dict(_without(AWKWARD_MOE, "head_dim"), num_attention_heads=6, num_key_value_heads=6, intermediate_size=300,
                          moe_intermediate_size=100, n_routed_experts=5, n_shared_experts=1, first_k_dense_replace=1,
-                         q_lora_rank=72, kv_lora_rank=40, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32,
+                         q_lora_rank=72, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=48,
                          n_group=1, topk_group=1, num_experts_per_tok=2, topk_method="noaux_tc")),
 }
 
@@ -154,7 +156,7 @@ def _build(which: str, table: dict, root: Path) -> tuple[Path, str]:
 
 
 @pytest.mark.slow
-def test_recorded_layout_equals_the_hand_written_map_deepseek_v3(tmp_path):
+def test_recorded_layout_equals_the_hand_written_map_deepseek_v3(tmp_path, monkeypatch):
     """DeepSeek-V3 (MLA, a router bias fixed in float32) in a bf16 engine. The other hand-mapped
     architectures (Llama, Qwen3 tied, Qwen3-MoE, Mixtral) are checked on ``test_vllm_padded``'s
     live float32 engines, which record their layout before they sync."""
@@ -162,9 +164,15 @@ def test_recorded_layout_equals_the_hand_written_map_deepseek_v3(tmp_path):
     from vllm import LLM
 
     from fastsync.demo.run import engine_kwargs
+    from fastsync.engines.vllm.mla import ASSUME_AMX_ENV
 
     d, arch = _build("deepseek-v3", HAND, tmp_path)
-    llm = LLM(**engine_kwargs(str(d), 1, "bfloat16"))
+    # the engine as fastsync starts it on a CPU with AMX (CPU_MLA asked for by name), on every CPU: the
+    # sync test below takes vLLM's own choice on this one
+    monkeypatch.setenv(ASSUME_AMX_ENV, "1")
+    kw = engine_kwargs(str(d), 1, "bfloat16")
+    assert kw["attention_config"] == {"backend": "CPU_MLA"}
+    llm = LLM(**kw)
     try:
         got = llm.collective_rpc("fastsync_record_layout")[0]
     finally:
@@ -213,12 +221,13 @@ def test_new_architecture_syncs_on_its_recorded_layout(which, tmp_path):
     assert s["match"], (rep["after_engine"], rep["after_trainer"])
 
 
-#: DeepSeek-V3 as vLLM-CPU's MLA runs it: kv_lora_rank + qk_rope_head_dim must be 576 (the CPU
-#: decode kernel's only size); the other sizes awkward (hidden 224, 7 heads, q_lora 72, nope 40, v 36)
+#: DeepSeek-V3 as vLLM-CPU's MLA backends run it: kv_lora_rank + qk_rope_head_dim must be 576 (both
+#: decode kernels' only size), nope a multiple of 32 and v of 16 (AMX_MLA's packed W_UK/W_UV); the
+#: other sizes awkward (hidden 224, 7 heads, q_lora 72, v 48, 5 experts of 100)
 DEEPSEEK_E2E = ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
     _without(AWKWARD_MOE, "head_dim"), num_key_value_heads=7, intermediate_size=300, moe_intermediate_size=100,
     n_routed_experts=5, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=72, kv_lora_rank=512,
-    qk_rope_head_dim=64, qk_nope_head_dim=40, v_head_dim=36, n_group=1, topk_group=1, num_experts_per_tok=2,
+    qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=48, n_group=1, topk_group=1, num_experts_per_tok=2,
     topk_method="noaux_tc"))
 
 
