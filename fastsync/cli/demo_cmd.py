@@ -54,9 +54,11 @@ def run(args: argparse.Namespace) -> int:
                    progress=auto(json=args.json), staged=args.staged == "on", load=True,
                    pause_mode=args.pause_mode)
     s = summarize(rep)
+    # one verdict for both outputs: fastsync's result and (when run) the baseline's must match the trainer
+    ok = bool(s["match"] and s["changed"] and s.get("baseline_match", True))
     if args.json:
-        print(json.dumps({"summary": s, "report": rep}, default=str))
-        return 0 if s["match"] and s["changed"] else 1
+        print(json.dumps({"summary": {**s, "ok": ok}, "report": rep}, default=str))
+        return 0 if ok else 1
     print(f"engine start: {rep['engine_start_s']:.1f} s   fastsync set-up (layouts, plan, memory registration; "
           f"includes waiting for the engine): {rep['setup_s']:.1f} s")
     staged = rep.get("staged", {})
@@ -91,6 +93,5 @@ def run(args: argparse.Namespace) -> int:
         bs = rep["sync_s_max_over_ranks"]["baseline"]
         print(f"{'rank-0 baseline (gather + 1 sender)':34} {s['baseline_sync_s']:16.4f}  " + " ".join(f"{x:.4f}" for x in bs))
         print(f"speed-up: {s['speedup']:.2f}x   baseline result equals trainer: {str(s['baseline_match']).lower()}")
-    ok = s["match"] and s["changed"] and s.get("baseline_match", True)
     print(f"\nmatch: {str(ok).lower()}")
     return 0 if ok else 1
