@@ -269,6 +269,9 @@ def _summarise(cfg: DeltaBenchConfig, hf: dict, plan: Any, rows: list[dict]) -> 
                 estages.setdefault(r["version"], {})[k] = max(v, estages.get(r["version"], {}).get(k, 0.0))
             ends.setdefault(r["version"], []).append(r["end"])
             ok.setdefault(r["version"], []).append(r["verified"])
+    def verified(version: int) -> bool:  # every engine rank checked this version, and all matched
+        return len(ok.get(version, [])) == cfg.rollouts and all(ok[version])
+
     steps = []
     first = next(r for r in rows if r.get("kind") == "trainer" and r["step"] == 0)
     for r in sorted((r for r in rows if r.get("kind") == "trainer" and r["step"] > 0), key=lambda r: r["step"]):
@@ -284,7 +287,7 @@ def _summarise(cfg: DeltaBenchConfig, hf: dict, plan: Any, rows: list[dict]) -> 
             "seconds_dense": secs(dense), "seconds_delta": secs(delta),
             "stages_delta": {"trainer": delta["stages"], "engine_max": estages.get(delta["version"], {})},
             "stages_dense": {"trainer": dense["stages"], "engine_max": estages.get(dense["version"], {})},
-            "verified": all(ok[delta["version"]]) and all(ok[dense["version"]]) and len(ok[delta["version"]]) == cfg.rollouts,
+            "verified": verified(delta["version"]) and verified(dense["version"]),
         })
     bytes_ratio = sum(s["bytes_delta"] for s in steps) / max(sum(s["bytes_dense"] for s in steps), 1)
     seconds_ratio = (statistics.median(s["seconds_delta"] for s in steps)
@@ -293,9 +296,9 @@ def _summarise(cfg: DeltaBenchConfig, hf: dict, plan: Any, rows: list[dict]) -> 
         "model": cfg.model, "lr": cfg.lr, "rollouts": cfg.rollouts, "params": first["params"],
         "config": {k: hf.get(k) for k in ("num_hidden_layers", "hidden_size", "intermediate_size", "vocab_size",
                                           "num_attention_heads", "num_key_value_heads", "head_dim")},
-        "initial_sync_verified": all(ok.get(1, [False])),
+        "initial_sync_verified": verified(1),
         "steps": steps,
         "summary": {"bytes_ratio": bytes_ratio, "seconds_ratio": seconds_ratio,
                     "changed_fraction": statistics.mean(s["changed_fraction"] for s in steps),
-                    "verified": all(s["verified"] for s in steps) and all(ok.get(1, [False]))},
+                    "verified": len(steps) == cfg.steps and all(s["verified"] for s in steps) and verified(1)},
     }
