@@ -185,13 +185,13 @@ def _run_backend(backend: str, ckpt: str, hf: Any, repeats: int, seed0: int) -> 
 
     row: dict[str, Any] = {"runs": True, "engine_start_s": start_s}
     eng = None
+    checks: list[bool] = []
+    times: list[float] = []
     try:
         t0 = time.perf_counter()
         eng = WeightTransferTrainerFactory.trainer_init(_init_info(backend), client=LLMWeightSyncClient(llm),
                                                         source=ModuleSource(hf))
         row["trainer_init_s"] = time.perf_counter() - t0
-        checks = []
-        times = []
         engine_side: list[dict] = []
         for i in range(repeats + 1):  # round 0: warm-up, not timed
             with torch.no_grad():
@@ -211,8 +211,9 @@ def _run_backend(backend: str, ckpt: str, hf: Any, repeats: int, seed0: int) -> 
         if engine_side:  # medians of the worker's wait for the writes, repack, whole update call
             row["engine_median_s"] = {k: statistics.median(e[k] for e in engine_side)
                                       for k in ("wait_s", "postprocess_s", "update_s") if k in engine_side[0]}
-    except Exception as e:
-        row.update(runs=False, why=f"{type(e).__name__}: {e}", stage="engine")
+    except Exception as e:  # it started here and then failed: a failure, not "cannot run here"
+        row.update(runs=False, failed=True, why=f"{type(e).__name__}: {e}", stage="engine",
+                   rounds_verified=f"{sum(checks)}/{repeats + 1}")
     finally:
         if eng is not None:
             try:
@@ -276,7 +277,9 @@ def run_weight_transfer_bench(model: str = "small", *, backends: tuple[str, ...]
     base = rows.get("fastsync", {}).get("median_s")
     ratios = {b: r["median_s"] / base for b, r in rows.items() if base and r.get("median_s")}
     ran = [r for r in rows.values() if r.get("median_s")]
+    failed = sorted(b for b, r in rows.items() if r.get("failed"))
     return {"model": model, "checkpoint": ckpt, "params": sum(p.numel() for p in hf.parameters()),
             "bytes": nbytes, "dtype": "float32", "repeats": repeats, "engine": f"vLLM-CPU tp=1, {'in the bench process' if in_process else 'own processes'}",
             "backends": rows, "ratio_to_fastsync": ratios,
-            "verified": bool(ran) and all(r.get("verified") for r in ran)}
+            "failed": failed,  # backends that started and then failed an update: the run fails
+            "verified": bool(ran) and not failed and all(r.get("verified") for r in ran)}

@@ -60,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
           f"{'x fastsync':>12s}{'verified':>10s}")
     for name, row in r["backends"].items():
         if not row.get("median_s"):
-            print(f"{name:18s}{'no':>10s}  {row.get('why', '')[:110]}")
+            runs = "FAILED" if row.get("failed") else "no"
+            print(f"{name:18s}{runs:>10s}  {row.get('why', '')[:110]}")
             continue
         print(f"{name:18s}{'yes':>10s}{row['trainer_init_s']:9.2f}{row['median_s']:10.4f}{row['min_s']:9.4f}"
               f"{row['gbps']:8.2f}{r['ratio_to_fastsync'].get(name, float('nan')):12.2f}"

@@ -50,3 +50,25 @@ def test_serve_bench_refuses_bad_input_before_starting_a_server(capsys):
     assert "--max-tokens 450" in capsys.readouterr().err
     assert main(["weight-transfer-bench", "--serve", "--syncs", "0"]) == 2
     assert "--syncs must be an int >= 1" in capsys.readouterr().err
+
+
+def test_a_backend_that_fails_an_update_fails_the_bench(tmp_path, monkeypatch):
+    """A backend that started and then failed an update is a failure of the run (``failed``,
+    ``verified`` false, exit 1), not a row that "does not run here" left out of the verdict. The
+    backends themselves are stand-ins here (``_run_backend`` replaced): the verdict is the bench's."""
+    pytest.importorskip("vllm")
+    import fastsync.bench.weight_transfer as wt
+
+    def fake_run_backend(backend, ckpt, hf, repeats, seed0):  # stand-in: no engine starts
+        if backend == "fastsync":
+            return {"runs": False, "failed": True, "why": "SyncError: boom", "stage": "engine",
+                    "rounds_verified": "1/3"}
+        return {"runs": True, "send_s": [0.1, 0.1], "median_s": 0.1, "min_s": 0.1, "verified": True,
+                "rounds_verified": "3/3"}
+
+    monkeypatch.setattr(wt, "_run_backend", fake_run_backend)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # restored after the test
+    r = wt.run_weight_transfer_bench("tiny", backends=("fastsync", "ipc_shm_standin"), repeats=2,
+                                     workdir=str(tmp_path), in_process=True)
+    assert r["failed"] == ["fastsync"] and r["verified"] is False, r
+    assert r["backends"]["ipc_shm_standin"]["verified"] is True
