@@ -1,5 +1,6 @@
-"""The ``fastsync`` commands README.md shows, read from README.md itself (issue 21: every command
-the README shows is run by a test, in the shape it shows).
+"""The ``fastsync`` commands README.md and the docs site show, read from the pages themselves
+(issue 21: every command the README shows is run by a test, in the shape it shows; issue 41: the
+same for the pages under ``docs/`` and the adapters' READMEs the site includes).
 
 * every concrete ``fastsync ...`` line (fenced blocks and inline code; ``a|b|c`` alternatives
   expanded; synopses with ``[...]``/placeholders and lines starting ``...`` left out) parses with
@@ -10,7 +11,9 @@ the README shows is run by a test, in the shape it shows).
   parses to the same arguments but for those two.
 
 The other commands (demo, the other benches, examples, launchers) are run by the tests the
-report of issue 21 lists; this file checks that their README lines still parse.
+report of issue 21 lists; this file checks that their lines still parse, that every ``make``
+target shown exists in the Makefile, every ``python -m`` module shown can be found, and every
+``python examples/...`` (or ``scripts/``) file shown exists.
 """
 
 from __future__ import annotations
@@ -23,7 +26,11 @@ import pytest
 
 from fastsync.cli import build_parser, main
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+#: every page a user reads: the README, the docs site, and the adapters' READMEs it includes
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md")), ROOT / "adapters/verl/README.md",
+         ROOT / "adapters/openrlhf/README.md"]
 PLACEHOLDER = re.compile(r"^(?:[A-Z][A-Z_:]*|F\.\w+|\.\.\.)$")  # DIR, PRESET, T:E, F.json, ...
 
 
@@ -36,12 +43,19 @@ def _alternatives(cmd: str) -> list[str]:
     return [cmd]
 
 
-def readme_fastsync_commands() -> list[str]:
-    text = README.read_text()
+def code_lines(text: str) -> list[str]:
+    """Every line of every fenced block, and every inline code span outside them."""
     found: list[str] = []
     for block in re.findall(r"```[a-z]*\n(.*?)```", text, re.S):
         found += block.splitlines()
     found += re.findall(r"`([^`]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
+    return found
+
+
+def readme_fastsync_commands(pages: list[Path] | None = None) -> list[str]:
+    found: list[str] = []
+    for page in pages or PAGES:
+        found += code_lines(page.read_text())
     out: list[str] = []
     for raw in found:
         line = " ".join(raw.split("#", 1)[0].split())  # one line, comment dropped
@@ -62,9 +76,62 @@ def readme_fastsync_commands() -> list[str]:
 COMMANDS = readme_fastsync_commands()
 
 
-def test_readme_shows_commands_of_every_kind() -> None:
+def test_docs_show_commands_of_every_kind() -> None:
     kinds = {shlex.split(c)[1] for c in COMMANDS}
     assert {"plan", "bench", "demo", "moe-bench", "delta-bench", "reload-bench", "weight-transfer-bench"} <= kinds, kinds
+
+
+def test_readme_commands_are_among_those_checked() -> None:
+    readme = readme_fastsync_commands([README])
+    assert set(readme) <= set(COMMANDS)
+
+
+def _shell_words(pattern: str) -> set[tuple[str, str]]:
+    """(page, match) for ``pattern`` at the start of a code line (or after ``&&`` / ``;``)."""
+    out = set()
+    for page in PAGES:
+        for line in code_lines(page.read_text()):
+            for part in re.split(r"&&|;|\|", line):
+                m = re.match(pattern, " ".join(part.split()))
+                if m:
+                    out.add((page.relative_to(ROOT).as_posix(), m.group(1)))
+    return out
+
+
+def test_make_targets_shown_exist() -> None:
+    targets = set(re.findall(r"^([a-z][\w-]*):", (ROOT / "Makefile").read_text(), re.M))
+    shown = _shell_words(r"^make ([a-z][\w-]*)")
+    assert {t for _, t in shown} >= {"demo", "test", "test-fast"}
+    assert {(p, t) for p, t in shown if t not in targets} == set()
+
+
+def _module_exists(mod: str) -> bool:
+    """Whether ``mod`` can be imported, found without importing anything (a parent package's
+    ``__init__`` can take seconds: vLLM, verl)."""
+    import importlib.util
+
+    top, *rest = mod.split(".")
+    spec = importlib.util.find_spec(top)
+    if spec is None:
+        return False
+    if not rest:
+        return True
+    for base in spec.submodule_search_locations or []:
+        path = Path(base, *rest)
+        if path.with_suffix(".py").exists() or (path / "__init__.py").exists():
+            return True
+    return False
+
+
+def test_python_modules_shown_can_be_found() -> None:
+    shown = _shell_words(r"^(?:\S+=\S+ )*(?:\S*python\S*) -m ([\w.]+)")
+    assert {m for _, m in shown} >= {"fastsync_openrlhf.train_ppo_ray", "verl.trainer.main_ppo"}
+    assert {(p, m) for p, m in shown if not _module_exists(m)} == set()
+
+
+def test_files_shown_to_run_exist() -> None:
+    shown = _shell_words(r"^(?:\S+=\S+ )*(?:\S*python\S*|bash) ((?:examples|scripts|fastsync|tests)/[\w/.-]+)")
+    assert {(p, f) for p, f in shown if not (ROOT / f).exists()} == set()
 
 
 @pytest.mark.parametrize("cmd", COMMANDS)
