@@ -16,8 +16,9 @@ One vLLM CPU engine inside fastsync's ``RolloutRayActor`` subclass and 2 DeepSpe
 * ``fastsync``: ``fastsync.DeepSpeedWeightSync`` (what the adapter runs): the plan comes from the ZeRO-3 partitions
   (``zero3:2``), every rank WRITEs its own partitions, nothing is gathered.
 
-``verified``: after the path's last sync (and a real training step before the path, so the
-weights changed), the engine's greedy tokens equal the trainer model's own.
+``verified``: after each sync (off the clock) the engine serves that sync's version
+(``flipped_syncs``), and after the path's last sync (and a real training step before the path,
+so the weights changed) the engine's greedy tokens equal the trainer model's own.
 
 On GPU the real comparison is OpenRLHF's own NCCL path: ``examples/openrlhf/grpo_gpu.sh``. This
 is a CPU measurement on the test rig (``tests/support/fastsync_rigs``: its stand-ins are named
@@ -152,22 +153,23 @@ def run(model: str = "small", syncs: int = 5, num_trainers: int = 2) -> dict:
                 ray.get([t.pattern_setup.remote([rig.engine]) for t in rig.trainers], timeout=300)
                 fn = "pattern_sync"
             setup_s = time.perf_counter() - t0
-            times, gathers, repacks = [], [], []
+            times, gathers, repacks, flipped = [], [], [], []
             for _ in range(syncs):
                 version += 1
                 got = ray.get([getattr(t, fn).remote(version) for t in rig.trainers], timeout=300)
                 times.append(max(g[0] for g in got))
                 gathers.append(max(g[1] for g in got))
                 repacks.append(max(g[2] for g in got))
+                flipped.append(rig.engine_version() == [version])  # after the clock: every sync flipped
             want = rig.trainer_tokens()
             got = rig.engine_tokens()
-            verified = got == want and rig.engine_version() == [version]
+            verified = got == want and all(flipped)
             if not verified:
                 out.setdefault("mismatch", {})[path] = {"engine": got, "trainer": want,
                                                         "engine_version": rig.engine_version()}
             out["paths"][path] = {"seconds_median": round(statistics.median(times), 4),
                                   "seconds": [round(t, 4) for t in times], "setup_s": round(setup_s, 2),
-                                  "verified": verified}
+                                  "verified": verified, "flipped_syncs": f"{sum(flipped)}/{syncs}"}
             # of which: the per-parameter GatheredParameters loop (pattern only), and the engine's
             # post-load repack at the flip (vLLM CPU repacks linear weights; both paths pay it)
             out["paths"][path]["gather_s_median"] = round(statistics.median(gathers), 4)

@@ -66,7 +66,7 @@ def run_path(path: str, trainers: int, size_bytes: int, syncs: int, timeout_s: f
     senders = trainers if path != "rank0" else 1
     rollout = FastSyncCheckpointEngine(bucket_size=512 << 20, control_host="127.0.0.1", timeout_s=120)
     want = bench_model(size_bytes, 1)
-    seconds, stalls, full_calls, verified = [], [], [], True
+    seconds, stalls, full_calls, checks = [], [], [], []
     try:
         for k in range(1, syncs + 1):
             train_step(want, k)
@@ -87,7 +87,7 @@ def run_path(path: str, trainers: int, size_bytes: int, syncs: int, timeout_s: f
             ok, t0, t1 = asyncio.run(receive())
             rollout.finalize()
             reports = [_recv(pipes[r][0], f"trainer rank {r} (sync {k})", timeout_s) for r in range(trainers)]
-            verified = verified and ok
+            checks.append(ok)  # every sync's tensors compared with the trainer's, none left out
             seconds.append(max(r["seconds"] for r in reports))
             stalls.append(t1 - t0)
             full_calls.append(sum(r["full_tensor"] for r in reports))
@@ -99,7 +99,8 @@ def run_path(path: str, trainers: int, size_bytes: int, syncs: int, timeout_s: f
                 p.kill()
     steady = seconds[1:] or seconds
     return {"seconds_median": round(statistics.median(steady), 4), "seconds_first": round(seconds[0], 4),
-            "verified": verified, "trainer_full_tensor_calls": full_calls[-1],
+            "verified": len(checks) == syncs and all(checks), "verified_syncs": f"{sum(checks)}/{syncs}",
+            "trainer_full_tensor_calls": full_calls[-1],
             "engine_stall_seconds": round(statistics.median(stalls[1:] or stalls), 4)}
 
 
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             os.dup2(saved, 1)
             os.close(saved)
         print(json.dumps(res))
-        return 0
+        return 0 if _ok(res) else 1
     res = run(a.trainers, a.size_mb << 20, max(2, a.syncs), paths)
     print(f"verl backend 'fastsync': {a.trainers} FSDP2 trainer processes -> 1 rollout rank, "
           f"{res['model_bytes'] / 2**20:.0f} MiB fp32, {res['syncs']} syncs")
@@ -149,7 +150,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['trainer_full_tensor_calls']:>13}{str(r['verified']).lower():>10}")
     if "speedup_inplace_vs_fulltensor" in res:
         print(f"inplace vs fulltensor: {res['speedup_inplace_vs_fulltensor']}x")
-    return 0
+    return 0 if _ok(res) else 1
+
+
+def _ok(res: dict) -> bool:
+    """The exit verdict: every sync of every path delivered exactly the trainer's tensors."""
+    return all(r["verified"] for r in res["paths"].values())
 
 
 if __name__ == "__main__":

@@ -250,7 +250,8 @@ def test_bench_three_paths_verified_and_inplace_never_gathers() -> None:
 
     res = run(2, 2 << 20, 2)
     assert set(res["paths"]) == {"fulltensor", "inplace", "rank0"}
-    assert all(p["verified"] for p in res["paths"].values()), res
+    assert all(p["verified"] and p["verified_syncs"] == "2/2" for p in res["paths"].values()), res
+    assert bench._ok(res)  # the script's exit verdict
     assert res["inplace"]["trainer_full_tensor_calls"] == 0
     assert res["paths"]["fulltensor"]["trainer_full_tensor_calls"] > 0  # the counter does count
     assert res["inplace"]["engine_stall_seconds"] > 0

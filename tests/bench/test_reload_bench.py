@@ -35,6 +35,8 @@ def test_reload_bench_json_tiny(tmp_path, capsys):
     text = capsys.readouterr().out
     out = json.loads(text[text.index("{\n"):])  # a library that logged to stdout before the CLI redirected it
     assert rc == 0 and out["verified"] is True, out
+    detail = out["verified_detail"]  # every timed run counted, none left out
+    assert detail["peer_runs_verified"] == "1/1" and detail["checkpoint_runs_verified"] == "2/2", detail
     for k in ("weights_seconds", "ready_seconds"):
         assert out[k]["peer"] > 0 and out[k]["checkpoint"] > 0
     assert out["speedup_weights"] > 0 and out["speedup_ready"] > 0 and out["registration_seconds"] >= 0
