@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fastsync.bench.moe import compare
+
 __all__ = ["QWEN3_30B_A3B", "run_variant", "compare", "run_moe", "main"]
 
 #: Qwen3-30B-A3B's config.json, one layer (the block is all that is built)
@@ -114,27 +116,6 @@ def _step(block: nn.Module, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 def _grads(block: nn.Module) -> dict[str, torch.Tensor]:
     return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
             for n, p in block.named_parameters()}
-
-
-def compare(got: dict, ref: dict) -> dict[str, Any]:
-    """Max abs and max relative (per tensor, vs the reference's max magnitude) differences."""
-    pairs = [("out", got["out"], ref["out"]), ("x_grad", got["x_grad"], ref["x_grad"])]
-    missing = sorted(set(ref["grads"]) - set(got["grads"]))
-    pairs += [(f"grad:{n}", got["grads"][n], g) for n, g in ref["grads"].items() if n in got["grads"]]
-    worst_abs, worst_rel, worst = 0.0, 0.0, None
-    for name, a, b in pairs:
-        if a.shape != b.shape:
-            return {"max_abs_err": None, "max_rel_err": None, "error": f"{name}: shape {tuple(a.shape)} vs {tuple(b.shape)}"}
-        d = (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
-        scale = b.float().abs().max().item() if b.numel() else 0.0
-        rel = d / scale if scale > 0 else d
-        worst_abs = max(worst_abs, d)
-        if rel >= worst_rel:
-            worst_rel, worst = rel, name
-    out = {"max_abs_err": worst_abs, "max_rel_err": worst_rel, "worst_tensor": worst}
-    if missing:
-        out["error"] = f"gradients missing for {missing[:3]}"
-    return out
 
 
 def run_variant(variant: str, cfg: dict, *, tokens: int, reps: int, device: torch.device, dtype: torch.dtype,

@@ -1,6 +1,7 @@
 """``fastsync moe-bench`` end to end on a tiny preset (speed is a benchmark's business, not a
-test's: this checks the report's shape, that errors against HF eager are small, and that EP=2
-halves the expert parameters per rank)."""
+test's: this checks the report's shape, that every variant runs the same rounds and steps, that
+errors against HF eager are small and a forced mismatch fails the command, and that EP=2 halves
+the expert parameters per rank)."""
 
 from __future__ import annotations
 
@@ -8,23 +9,66 @@ import json
 
 import pytest
 
+from fastsync.bench.moe import REL_TOL, VARIANTS
 from fastsync.cli import main
 
 
-def test_moe_bench_json_ep2(capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["moe-bench", "--model", "tiny-qwen2-moe", "--tokens", "32", "--reps", "1", "--rounds", "1",
+def _variants(report: dict) -> dict[str, dict]:
+    return {**report["baselines"], "fastsync": report["fastsync"]}
+
+
+def test_moe_bench_json_ep2_same_rounds_for_every_variant(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["moe-bench", "--model", "tiny-qwen2-moe", "--tokens", "32", "--reps", "2", "--rounds", "2",
                "--ep", "2", "--json", "--timeout", "120"])
     assert rc == 0
     report = json.loads(capsys.readouterr().out)
-    assert set(report["baselines"]) == {"hf_eager", "hf_grouped_mm"}
-    for entry in [*report["baselines"].values(), report["fastsync"]]:
-        assert entry["tokens_per_s"] > 0
+    assert report["ok"] is True and report["mismatches"] == []
+    rows = _variants(report)
+    assert set(rows) == set(VARIANTS)
+    for name, entry in rows.items():
+        assert entry["rounds"] == 2, name  # HF eager too: no variant gets a best-of that others do not
+        assert entry["timed_steps"] == 4, name
+        assert len(entry["tokens_per_s_each_round"]) == 2 and len(entry["peak_mem_bytes_each_round"]) == 2
+        assert entry["step_s_min"] <= entry["step_s"] <= entry["step_s_max"]
+        assert entry["tokens_per_s"] == pytest.approx(32 / entry["step_s"])
         assert entry["peak_mem_bytes"] >= 0
-        assert entry["max_abs_err"] < 1e-5
-    assert report["baselines"]["hf_eager"]["max_abs_err"] == 0.0  # the reference itself
+        assert entry["max_rel_err"] < REL_TOL["float32"] and entry["rel_tol"] == REL_TOL["float32"]
+    assert report["baselines"]["hf_eager"]["max_abs_err"] == 0.0  # the reference, and deterministic over rounds
     full = report["baselines"]["hf_eager"]["expert_param_bytes_per_rank"]
     assert report["fastsync"]["expert_param_bytes_per_rank"] * 2 == full
     assert report["fastsync"]["ep"] == 2
+    # memory is put beside stock Transformers v5 and the GPU goal, with what a CPU figure means
+    assert report["peak_mem_stock"] == "hf_grouped_mm" and "30%" in report["peak_mem_goal"]
+    assert "GPU" in report["peak_mem_note"] and report["peak_mem_device"] == "cpu"
+
+
+def test_moe_bench_mismatch_exits_nonzero_naming_variant(capsys: pytest.CaptureFixture[str]) -> None:
+    """The test-only hook puts a relative error of 1e-2 (100x the fp32 tolerance) into fastsync's output."""
+    rc = main(["moe-bench", "--model", "tiny-qwen3-moe", "--tokens", "16", "--reps", "1", "--rounds", "1",
+               "--threads", "1", "--timeout", "120", "--test-perturb", "fastsync=1e-2"])
+    captured = capsys.readouterr()
+    assert rc == 1
+    assert "MISMATCH fastsync: max rel err 0.01 in out, 100x the tolerance" in captured.err
+    assert "tolerance 0.0001 for float32" in captured.err
+    assert "MISMATCH hf_" not in captured.err  # the others still match
+    assert "exit 1" in captured.out
+
+
+def test_moe_bench_json_mismatch(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["moe-bench", "--model", "tiny-qwen3-moe", "--tokens", "16", "--reps", "1", "--rounds", "1",
+               "--threads", "1", "--timeout", "120", "--json", "--test-perturb", "hf_grouped_mm=0.5"])
+    assert rc == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is False
+    (m,) = report["mismatches"]
+    assert m["variant"] == "hf_grouped_mm" and m["worst_tensor"] == "out"
+    assert m["max_rel_err"] == pytest.approx(0.5, rel=1e-3) and m["rel_tol"] == REL_TOL["float32"]
+
+
+def test_cli_states_the_bench_tolerances() -> None:
+    from fastsync.cli.moe_cmd import DTYPE_TOL
+
+    assert DTYPE_TOL == REL_TOL
 
 
 def test_moe_bench_bad_model(capsys: pytest.CaptureFixture[str]) -> None:
