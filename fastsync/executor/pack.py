@@ -16,7 +16,7 @@ from fastsync import plugins
 from fastsync.errors import ConfigError, PlanError
 from fastsync.executor.program import Chunk, SendItem, SendProgram, locate_source
 from fastsync.executor.staging import as_bytes, torch_dtype
-from fastsync.executor.verify import crc_update
+from fastsync.executor.verify import Digests
 from fastsync.layout.box import box_numel, box_shape, box_slices, to_local
 from fastsync.layout.types import Shard
 from fastsync.plan.types import Transfer
@@ -92,15 +92,14 @@ class Packer:
         base = self.base(it)
         return [(base[s: s + n], d) for s, d, n in it.segments()]
 
-    def _crc(self, it: SendItem, crc: int) -> int:
+    def _digest(self, it: SendItem, digests: Digests) -> None:
         base = self.base(it)
         for off, n in it.src_runs:
-            crc = crc_update(crc, base[off: off + n])
-        return crc
+            digests.feed(it.index, base[off: off + n])
 
-    def pack(self, chunk: Chunk, crcs: dict[int, int] | None = None) -> None:
-        """Transform every staged item of ``chunk`` into its slot; with ``crcs``, chain each item's
-        bytes into its transfer's checksum (items of one transfer come in order)."""
+    def pack(self, chunk: Chunk, crcs: Digests | None = None) -> None:
+        """Transform every staged item of ``chunk`` into its slot; with ``crcs``, feed each item's
+        bytes into its transfer's digest (items of one transfer come in order)."""
         for it in chunk.items:
             if not it.direct:
                 t = it.transfer
@@ -109,7 +108,7 @@ class Packer:
                 out = self.staging[it.stage_offset: it.stage_offset + t.nbytes]
                 transform_into(out, src, t.transform, dst_dtype)
             if crcs is not None:
-                crcs[it.index] = self._crc(it, crcs.get(it.index, 0))
+                self._digest(it, crcs)
 
 
 PackFn = Callable[[Chunk], None]

@@ -20,6 +20,7 @@ from typing import Any, ClassVar, TypeVar
 
 from fastsync.control import DEFAULT_HOST, TCPStoreControl
 from fastsync.errors import ConfigError
+from fastsync.executor.verify import verify_mode
 from fastsync.layout.limits import check_seconds
 from fastsync.sync.sync_options import check_sync_options
 
@@ -34,14 +35,14 @@ _KINDS: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "bo
 def _check(what: str, key: str, kind: str, value: Any) -> Any:
     """``value`` as the field's type (an int where a float is asked becomes a float), or a
     ConfigError naming the call and the key."""
-    optional = kind.endswith("| None")
-    base = kind.split("|")[0].strip()
-    if value is None and optional:
+    kinds = [k.strip() for k in kind.split("|")]
+    if value is None and "None" in kinds:
         return None
-    ok = isinstance(value, _KINDS[base]) and not (base in ("int", "float") and isinstance(value, bool))
-    if not ok:
-        raise ConfigError(f"{what}: option {key!r} must be {kind.replace('| None', 'or None')}, got {value!r}")
-    return float(value) if base == "float" else value
+    for base in (k for k in kinds if k != "None"):
+        if isinstance(value, _KINDS[base]) and not (base in ("int", "float") and isinstance(value, bool)):
+            return float(value) if base == "float" else value
+    raise ConfigError(f"{what}: option {key!r} must be {kind.replace('| None', 'or None').replace(' | ', ' or ')}, "
+                      f"got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,7 +115,7 @@ class ConnectOptions(StoreAddress):
     transport: str = "nixl"
     transport_options: dict | None = None
     timeout_s: float = 60.0
-    verify: bool = False
+    verify: bool | str = False
     trace: bool = False
     delta: bool = False
     staged: bool = False
@@ -123,6 +124,7 @@ class ConnectOptions(StoreAddress):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        verify_mode(self.verify, f"{self.call}: option 'verify'")
         try:  # the rules every entry point's options follow (a delta needs NIXL, not with staged)
             check_sync_options(transport=self.transport, timeout_s=self.timeout_s, delta=self.delta,
                                staged=self.staged)

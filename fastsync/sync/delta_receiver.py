@@ -167,7 +167,8 @@ class DeltaPayload:
             with m.stage("verify"):
                 assert rx.program is not None
                 rx.verify_against_senders(version, rx.transport.checksum_ranks(rx.program),
-                                          {n: as_bytes(t) for n, t in rx.landing.live.items()}, " after the delta")
+                                          {n: as_bytes(t) for n, t in rx.landing.live.items()}, " after the delta",
+                                          mode="full")
         on_apply = getattr(rx.landing, "on_apply", None)
         if on_apply is not None:  # the engine's post-processing (e.g. vLLM CPU repacks), before the flip
             with m.stage("postprocess"):

@@ -176,7 +176,8 @@ class DeltaSender:
             held = {d: int(mode.split(":", 1)[1]) for d, mode in modes.items()}
             # a stream relayed down a chain must fit every rank of it: else that chain's links go dense
             self._chain_ok = {d: all(below.get(c) == f"delta:{held[d]}" for c in self.chains.get(d, ())) for d in held}
-            crcs: dict[int, int] | None = {} if (verify or (verify is None and asked)) else None
+            # delta versions are digested in full, whatever an engine rank asked for (fastsync.executor.verify)
+            crcs: dict[int, int] | None = {} if inner.digests(version, asked, verify, full_only=True) else None
             if inner.gather is not None:
                 inner.gather.run(deadline, m)
             with m.stage("encode"):

@@ -8,7 +8,7 @@ Keys (under the control plane's prefix; transports keep their own ``nixl/``, ``t
   rank 0 publishes the plan, then "ok" once engines connected, or ``err:{Type}:{message}``).
 * ``recv/{engine_rank}/info``: plan hash, engine-layout hash and landing tensors of one engine rank.
 * ``recv/{engine_rank}/begun/{version}``: the engine rank is armed for ``version``: ``1`` or
-  ``verify`` (asks senders for checksums), then ``;endpoint=NAME`` when its transport names the
+  ``verify`` / ``verify-sample`` (asks senders for digests, ``fastsync.executor.verify``), then ``;endpoint=NAME`` when its transport names the
   endpoint it receives on (NIXL: its agent; a new one after a version that did not complete, so
   senders reconnect before writing). See :func:`begun_value` / :func:`parse_begun`. Or
   ``refused:{why}`` when the engine rank refused to begin ``version`` (e.g. it already holds a
@@ -28,6 +28,7 @@ before anything is armed or published.
 from __future__ import annotations
 
 from fastsync.errors import SyncError
+from fastsync.executor.verify import VERIFY_MODES, VerifyMode, verify_mode
 
 __all__ = [
     "Versions",
@@ -101,9 +102,11 @@ def delta_choice_key(version: int) -> str:
     return f"send/delta/{version}"
 
 
-def begun_value(verify: bool, endpoint: str = "") -> bytes:
-    """What an engine rank publishes under :func:`begun_key`."""
-    head = b"verify" if verify else b"1"
+def begun_value(verify: bool | str, endpoint: str = "") -> bytes:
+    """What an engine rank publishes under :func:`begun_key`: the digests it asks the senders for
+    (``verify``: ``"full"`` or True, ``"sample"``, ``"off"`` or False), then its endpoint."""
+    mode = verify_mode(verify)
+    head = b"1" if mode == "off" else (b"verify" if mode == "full" else b"verify-" + mode.encode())
     return head + (b";endpoint=" + endpoint.encode() if endpoint else b"")
 
 
@@ -115,11 +118,20 @@ def refused_value(why: str) -> bytes:
     return _REFUSED + why.encode()
 
 
-def parse_begun(raw: bytes, who: str, version: int) -> tuple[bool, str]:
-    """``(verify, endpoint)`` from a :func:`begun_value` (endpoint "" when none was named);
-    SyncError naming ``who`` with its reason when it was a :func:`refused_value`."""
+def parse_begun(raw: bytes, who: str, version: int) -> tuple[VerifyMode, str]:
+    """``(verify mode, endpoint)`` from a :func:`begun_value` (endpoint "" when none was named);
+    SyncError naming ``who`` with its reason when it was a :func:`refused_value` or asks for a
+    mode this side does not know."""
     if raw.startswith(_REFUSED):
         raise SyncError(f"{who} refused to begin version {version}: {raw[len(_REFUSED):].decode(errors='replace')}")
     head, _, rest = raw.partition(b";")
     endpoint = rest[len(b"endpoint="):].decode(errors="replace") if rest.startswith(b"endpoint=") else ""
-    return head == b"verify", endpoint
+    if head == b"1":
+        return VerifyMode("off"), endpoint
+    if head == b"verify":
+        return VerifyMode("full"), endpoint
+    mode = head[len(b"verify-"):].decode(errors="replace") if head.startswith(b"verify-") else ""
+    if mode not in VERIFY_MODES:
+        raise SyncError(f"{who} began version {version} asking for verification {head[:40]!r}, which this trainer "
+                        f"does not know (known: {list(VERIFY_MODES)})")
+    return VerifyMode(mode), endpoint

@@ -54,7 +54,7 @@ from fastsync.executor.program import RecvProgram, compile_recv
 from fastsync.sync.liveness import Heartbeat, PeerWatch
 from fastsync.sync.sender import make_transport
 from fastsync.executor.staging import Landing
-from fastsync.executor.verify import compare_checksums, receiver_checksums
+from fastsync.executor.verify import VerifyMode, compare_checksums, receiver_checksums, verify_mode
 from fastsync.plan.types import Plan
 from fastsync.transport.base import ReceiverContext, Transport, World
 
@@ -166,7 +166,7 @@ class WeightReceiver:
         transport_options: dict | None = None,
         mode: str = "shadow",
         backup: bool = False,
-        verify: bool = False,
+        verify: bool | str = False,
         engine_hash: str | None = None,
         timeout_s: float = 60.0,
         initial_version: int = 0,
@@ -186,7 +186,8 @@ class WeightReceiver:
         self.tensors = tensors
         self.control = control
         self.transport = make_transport(transport, transport_options)
-        self.verify = verify
+        self.verify = verify  # type: ignore[assignment]  # normalized by the property
+        self.last_verify: dict[str, Any] = {}
         self.engine_hash = engine_hash
         self.timeout_s = timeout_s
         self.version = initial_version
@@ -204,6 +205,16 @@ class WeightReceiver:
         self.last_metrics: SyncMetrics | None = None
         self.heartbeat: Heartbeat | None = None
         self.watch: PeerWatch | None = None
+
+    @property
+    def verify(self) -> VerifyMode:
+        """What this rank checks before each flip: ``"off"``, ``"sample"`` or ``"full"``
+        (``fastsync.executor.verify``); set with a mode or a bool (True: full)."""
+        return self._verify
+
+    @verify.setter
+    def verify(self, value: bool | str) -> None:
+        self._verify = verify_mode(value, f"engine rank {self.rank}: verify")
 
     def setup(self) -> None:
         """Compile what must arrive, publish plan hash and tensors, register with the transport."""
@@ -424,9 +435,10 @@ class WeightReceiver:
                 + (f" ({'; '.join(notes)})" if notes else ""))
 
     def verify_against_senders(self, version: int, ranks: Any, regions: dict[str, torch.Tensor],
-                               after: str = "") -> None:
-        """Compare the CRC of every planned destination box in ``regions`` with what trainer ranks
-        ``ranks`` published for ``version``; SyncError naming the boxes that differ."""
+                               after: str = "", mode: str | None = None) -> None:
+        """Compare the digest (``mode``, default this rank's ``verify``) of every planned destination
+        box in ``regions`` with what trainer ranks ``ranks`` published for ``version``; SyncError
+        naming the tensors, boxes and trainer ranks that differ (the caller rolls the version back)."""
         assert self.program is not None
         expected: dict[int, int] = {}
         deadline = time.monotonic() + self.timeout_s
@@ -434,7 +446,11 @@ class WeightReceiver:
             raw = self.control.get(sender_crc_key(s, version), max(0.0, deadline - time.monotonic()),
                                    what=f"trainer rank {s} (checksums of version {version})")
             expected.update({int(k): v for k, v in json.loads(raw).items()})
-        bad = compare_checksums(self.program, expected, receiver_checksums(self.program, regions))
+        mode = self.verify if mode is None else mode
+        t0 = time.perf_counter()
+        bad = compare_checksums(self.program, expected, receiver_checksums(self.program, regions, mode, version))
+        self.last_verify = {"mode": str(mode), "seconds": time.perf_counter() - t0, "ok": not bad}
         if bad:
-            raise SyncError(f"engine rank {self.rank}: version {version} failed verification{after}: "
-                            + "; ".join(bad[:5]) + (f" (+{len(bad) - 5} more)" if len(bad) > 5 else ""))
+            raise SyncError(f"engine rank {self.rank}: version {version} failed verification ({mode}){after}: "
+                            + "; ".join(bad[:5]) + (f" (+{len(bad) - 5} more)" if len(bad) > 5 else "")
+                            + f"; rolled back: engine rank {self.rank} keeps version {self.version}")

@@ -37,6 +37,7 @@ from fastsync.executor.metrics import SyncMetrics
 from fastsync.executor.pack import Packer
 from fastsync.executor.program import SendProgram, TensorInfo, compile_send
 from fastsync.executor.staging import alloc_touched, dtype_name
+from fastsync.executor.verify import Digests, verify_mode
 from fastsync.layout.limits import check_bytes, check_count, check_seconds
 from fastsync.layout.types import Shard, TrainerLayout
 from fastsync.plan.replicate import sender_copies
@@ -194,13 +195,13 @@ class WeightSender:
             with m.stage("wait_receivers"):
                 asked, endpoints = self.wait_begun(version, deadline, self._waits_for())
             self.transport.expect_endpoints(endpoints)  # an engine rank that renewed its endpoint: reconnect first
-            crcs: dict[int, int] | None = {} if (verify or (verify is None and asked)) else None
+            crcs = self.digests(version, asked, verify)
             if self.gather is not None and self.transport.uses_staging:  # rank0 assembles its own full tensors
                 self.gather.run(deadline, m)
             self.transport.send(version, deadline, m, crcs, self._watched(on_chunk, version))
             left = max(deadline - time.monotonic(), 1.0)  # the writes are done: telling the engines may take a moment
             if crcs is not None:
-                self.control.set(sender_crc_key(self.rank, version), json.dumps(crcs), timeout_s=left)
+                self.control.set(sender_crc_key(self.rank, version), json.dumps(crcs.crcs), timeout_s=left)
             self.control.set(sender_done_key(self.rank, version), b"ok", timeout_s=left)
             for d, n in self.program.bytes_per_dst().items():
                 m.bytes_per_link[f"t{self.rank}->r{d}"] = n
@@ -245,17 +246,34 @@ class WeightSender:
                 self.last_metrics = m
             hook.fastsync_after_sync(version=version, role="trainer", rank=self.rank, metrics=m.to_json(), ok=m.ok)
 
-    def wait_begun(self, version: int, deadline: float, ranks: list[int] | None = None) -> tuple[bool, dict[int, str]]:
+    def wait_begun(self, version: int, deadline: float, ranks: list[int] | None = None) -> tuple[dict[int, str], dict[int, str]]:
         """Wait (liveness watched, bounded by ``deadline``) for every receiver in ``ranks`` (default:
-        those this rank writes to) to begin ``version``: (whether any asked for checksums, the
+        those this rank writes to) to begin ``version``: (the verification each asked for, the
         endpoints they announced)."""
-        asked, endpoints = False, {}
+        asked: dict[int, str] = {}
+        endpoints: dict[int, str] = {}
         for d in (self.dsts if ranks is None else ranks):
-            verify_d, endpoints[d] = parse_begun(wait_key(
+            asked[d], endpoints[d] = parse_begun(wait_key(
                 self.control, begun_key(d, version), deadline, f"engine rank {d} (begin of version {version})",
                 self.watch), f"engine rank {d}", version)
-            asked = asked or verify_d
         return asked, endpoints
+
+    def digests(self, version: int, asked: dict[int, str], verify: bool | str | None,
+                full_only: bool = False) -> Digests | None:
+        """The digests this rank computes for ``version``: per transfer, what its engine rank asked
+        for (``asked``, from :meth:`wait_begun`); ``verify`` (True / ``"full"`` / ``"sample"``) adds
+        digests for ranks that asked for none, False sends none. ``full_only``: a sampled ask is
+        digested in full (delta versions). None when no transfer is digested."""
+        if verify is False:
+            return None
+        extra = "off" if verify is None else verify_mode(verify)
+        modes = {d: (a if a != "off" else extra) for d, a in asked.items()}
+        if full_only:
+            modes = {d: ("full" if m != "off" else m) for d, m in modes.items()}
+        if all(m == "off" for m in modes.values()):
+            return None
+        transfers = self.plan.transfers
+        return Digests(version, lambda i: modes.get(transfers[i].dst_rank, "off"))
 
     def wait_flips(self, version: int, deadline: float, m: SyncMetrics) -> None:
         """Wait (liveness watched, bounded) for every receiver this rank writes to to flip

@@ -24,6 +24,7 @@ import torch
 
 from fastsync.control import ControlPlane
 from fastsync.errors import ConfigError, LayoutError, SyncError, error_from_text, error_text
+from fastsync.executor.verify import verify_mode
 from fastsync.sync.connect_options import ConnectOptions, StoreAddress
 from fastsync.sync.pause_modes import PAUSE_MODES, check_pause_mode
 from fastsync.sync.sync_options import check_sync_options
@@ -149,6 +150,13 @@ class WeightSync:
     streams themselves (``transport/nixl_delta_relay.py``): every replica of a chain applies the
     stream the trainer ranks wrote into its root.
 
+    ``verify`` (``"off"`` by default; True means ``"full"``): after the writes land and before the
+    flip, each engine rank digests what it received and compares with the digests the trainer
+    ranks computed of what they sent: ``"full"`` every byte (CRC-32), ``"sample"`` a seeded sample
+    of 4 KiB blocks of every transfer (about 1 in 32), new for each version (``fastsync.executor.verify``). A
+    mismatch rolls the version back on every engine rank and raises SyncError naming the tensor,
+    the box, the engine rank and the trainer rank.
+
     ``trace_dir`` (an existing folder): each rank writes ``trainer{rank}.json`` there after every
     sync, a Chrome trace of its phases and, on rank 0, its engines' (``fastsync.sync.trace_dir``;
     merge with ``merge_trace_dir``, open in ui.perfetto.dev). Turns span recording on in the process.
@@ -168,7 +176,7 @@ class WeightSync:
         name: str = "ws",
         layout: TrainerLayout | None = None,
         sources: dict[str, torch.Tensor] | None = None,
-        verify: bool = False,
+        verify: bool | str = False,
         control_port: int | None = None,
         trace_dir: str | None = None,
         delta: bool = False,
@@ -204,7 +212,7 @@ class WeightSync:
         self.transport_options = transport_options
         self.timeout_s = timeout_s
         self.name = name
-        self.verify = verify
+        self.verify = verify_mode(verify, "WeightSync(verify=...)")
         self.delta = delta
         self.staged = staged
         self.fanout = fanout
@@ -349,7 +357,7 @@ class WeightSync:
             raise
         options = ConnectOptions(**StoreAddress.of(self.control, port=self.control_port), transport=self.transport,
                                  transport_options=self.transport_options, timeout_s=self.timeout_s,
-                                 verify=self.verify, delta=self.delta, staged=self.staged,
+                                 verify=str(self.verify), delta=self.delta, staged=self.staged,
                                  trace=self._trace is not None).wire()
         self.control.set(setup_plan_key(self.name, self._setups), plan_json)
         try:

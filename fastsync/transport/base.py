@@ -23,6 +23,7 @@ import torch
 from fastsync.control import ControlPlane
 from fastsync.errors import ConfigError, TransportError
 from fastsync.executor.metrics import SyncMetrics
+from fastsync.executor.verify import Digests
 from fastsync.executor.pack import Packer
 from fastsync.executor.program import RecvProgram, SendProgram
 from fastsync.executor.staging import Landing
@@ -107,12 +108,12 @@ class Transport(ABC):
         version: int,
         deadline: float,
         metrics: SyncMetrics,
-        crcs: dict[int, int] | None = None,
+        crcs: Digests | None = None,
         on_chunk: Callable[[int], None] | None = None,
     ) -> None:
         """Move this trainer rank's share of ``version``; returns once every write is complete
         on this side (receivers learn it through the transport's completion signal). With
-        ``crcs``, fill per-transfer checksums of what was sent."""
+        ``crcs``, feed every transfer's bytes to its digest (``fastsync.executor.verify.Digests``)."""
         if self.sender is None:
             raise TransportError(f"transport {self.name!r}: send() before setup_sender()")
         self._send(version, deadline, metrics, crcs, on_chunk)
@@ -187,7 +188,7 @@ class Transport(ABC):
     def _setup_sender(self, ctx: SenderContext) -> None: ...
 
     @abstractmethod
-    def _send(self, version: int, deadline: float, metrics: SyncMetrics, crcs: dict[int, int] | None,
+    def _send(self, version: int, deadline: float, metrics: SyncMetrics, crcs: Digests | None,
               on_chunk: Callable[[int], None] | None) -> None: ...
 
     @abstractmethod

@@ -39,6 +39,7 @@ import torch
 from fastsync.control import StoreUnreachable
 from fastsync.errors import ConfigError, SyncError, TransportError
 from fastsync.executor.metrics import SyncMetrics
+from fastsync.executor.verify import Digests
 from fastsync.executor.pipeline import run_pipelined
 from fastsync.executor.program import Chunk
 from fastsync.executor.staging import wait_device
@@ -444,7 +445,7 @@ class NixlTransport(Transport):
             except Exception:  # optional warm-up; the first transfer connects anyway
                 pass
 
-    def _send(self, version: int, deadline: float, metrics: SyncMetrics, crcs: dict[int, int] | None,
+    def _send(self, version: int, deadline: float, metrics: SyncMetrics, crcs: Digests | None,
               on_chunk: Callable[[int], None] | None) -> None:
         ctx = self.sender
         assert ctx is not None

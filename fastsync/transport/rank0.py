@@ -24,7 +24,7 @@ from fastsync.executor.metrics import SyncMetrics
 from fastsync.executor.pack import source_view
 from fastsync.executor.program import RecvItem
 from fastsync.executor.staging import alloc_touched, dtype_name, torch_dtype
-from fastsync.executor.verify import crc_update
+from fastsync.executor.verify import Digests
 from fastsync.layout.box import box_numel, box_shape, box_slices, contiguous_runs
 from fastsync.layout.types import DTYPE_BYTES
 from fastsync.transport._dist import ensure_world, subgroup, wait_work
@@ -123,7 +123,7 @@ class Rank0Transport(Transport):
             cur["nbytes"] += -(-n // 64) * 64
         return buckets
 
-    def _send(self, version: int, deadline: float, metrics: SyncMetrics, crcs: dict[int, int] | None,
+    def _send(self, version: int, deadline: float, metrics: SyncMetrics, crcs: Digests | None,
               on_chunk: Callable[[int], None] | None) -> None:
         import torch.distributed as dist
 
@@ -189,7 +189,7 @@ class Rank0Transport(Transport):
         return ctx.sources[param].reshape(-1)[loff: loff + n].view(box_shape(bx))
 
     def _checksums(self, ctx: SenderContext, b: dict, buf: torch.Tensor, by_param: dict[str, list[int]],
-                   crcs: dict[int, int]) -> None:
+                   crcs: Digests) -> None:
         from fastsync.executor.pack import transform_into
 
         infos = self._dst_dtypes(ctx)
@@ -199,7 +199,7 @@ class Rank0Transport(Transport):
                 t = ctx.plan.transfers[i]
                 out = torch.empty(t.nbytes, dtype=torch.uint8)
                 transform_into(out, full[box_slices(t.src_box)], t.transform, infos[(t.dst_rank, t.dst_tensor)])
-                crcs[i] = crc_update(0, out)
+                crcs.feed(i, out)
 
     def _dst_dtypes(self, ctx: SenderContext) -> dict[tuple[int, str], str]:
         return {(d, n): info.dtype for d, ts in ctx.program.dst_info.items() for n, info in ts.items()}

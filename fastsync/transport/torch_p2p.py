@@ -21,6 +21,7 @@ import torch
 
 from fastsync.errors import TransportError
 from fastsync.executor.metrics import SyncMetrics
+from fastsync.executor.verify import Digests
 from fastsync.executor.pipeline import run_pipelined
 from fastsync.executor.program import Chunk
 from fastsync.transport._dist import WorkWaiter, ensure_world, wait_work
@@ -60,7 +61,7 @@ class TorchP2PTransport(Transport):
             ctx.control.set(f"torch/send/{ctx.rank}/to/{d}", json.dumps(per_dst.get(d, [])))
         ensure_world(ctx.control, ctx.world.trainer(ctx.rank), ctx.world.size, ctx.timeout_s, self.backend)
 
-    def _send(self, version: int, deadline: float, metrics: SyncMetrics, crcs: dict[int, int] | None,
+    def _send(self, version: int, deadline: float, metrics: SyncMetrics, crcs: Digests | None,
               on_chunk: Callable[[int], None] | None) -> None:
         import torch.distributed as dist
 

@@ -276,3 +276,67 @@ def test_rank0_setup_failures_reach_the_other_ranks_and_a_retry_reads_its_own_ke
     assert "engine handles" in str(errors[1])
     with pytest.raises(ConfigError, match="control_port"):
         WeightSync(rank=0, world_size=1, control=ctl, layout=model.trainer, sources=srcs[0], control_port=0)
+
+
+@pytest.mark.parametrize("mode", ["full", "sample"])
+def test_verification_catches_one_flipped_byte_rolls_back_and_names_it(store, model, mode) -> None:
+    """The fault: one byte of one engine tensor flipped after the writes landed, before the flip
+    (first byte of a transfer: every sample covers it). Both modes refuse the version naming the
+    tensor, the engine rank and the trainer rank; the engine keeps the last version; the next
+    version, uncorrupted, passes. A sample digests a small share of the bytes a full check does."""
+    from fastsync.executor.verify import Digests, receiver_checksums
+
+    ctl = store.with_prefix(f"t{next(_ns)}")
+    tensors = _tensors(model)
+    rx = WeightReceiver(rank=0, plan=model.plan, tensors=tensors, control=ctl, transport="nixl", mode="inplace",
+                        backup=True, verify=mode, engine_hash=model.engine.fingerprint(), timeout_s=10)
+    rx.setup()
+    bufs = [trainer_buffers(model, r) for r in range(2)]
+    senders = [WeightSender(rank=r, plan=model.plan, sources=bufs[r][1], shards=bufs[r][2], control=ctl,
+                            transport="nixl", timeout_s=10) for r in range(2)]
+    for s in senders:
+        s.setup()
+    src, items = rx.program.by_origin()[-1]
+    victim = max(items, key=lambda it: it.transfer.nbytes)
+    name, off = victim.transfer.dst_tensor, victim.dst_runs[0][0]
+
+    def sync(version: int, corrupt: bool) -> SyncError | None:
+        for flat, _, _ in bufs:
+            if version % 2 != getattr(flat, "_v", 0) % 2:
+                flat.neg_()
+            flat._v = version
+        rx.begin(version)
+        threads, errors = _run_senders(senders, version, {})
+        try:
+            rx.wait(time.monotonic() + 10)
+            if corrupt:
+                rx.landing.regions[name][off: off + 1].bitwise_not_()
+            rx.finish()
+            return None
+        except SyncError as e:
+            return e
+        finally:
+            for t in threads:
+                t.join(10)
+
+    assert sync(1, corrupt=False) is None and rx.version == 1
+    v1 = reference_tensors(model, 0, 1)
+    err = sync(2, corrupt=True)
+    assert err is not None and rx.version == 1 and _equal(tensors, v1)
+    msg = str(err)
+    assert f"engine rank 0: version 2 failed verification ({mode})" in msg
+    assert repr(name) in msg and f"trainer rank {src}" in msg and "checksum mismatch" in msg, msg
+    assert "rolled back: engine rank 0 keeps version 1" in msg
+    assert sync(3, corrupt=False) is None and rx.version == 3 and _equal(tensors, reference_tensors(model, 0, 3))
+    assert rx.last_verify["mode"] == mode and rx.last_verify["ok"]
+    full = Digests(3, lambda _i: "full")
+    sample = Digests(3, lambda _i: "sample")
+    for it in items:
+        for o, n in it.dst_runs:
+            full.feed(it.index, rx.landing.regions[it.transfer.dst_tensor][o: o + n])
+            sample.feed(it.index, rx.landing.regions[it.transfer.dst_tensor][o: o + n])
+    assert sample.bytes_read() < full.bytes_read() / 4, (sample.bytes_read(), full.bytes_read())
+    assert receiver_checksums(rx.program, rx.landing.regions, mode, 3)  # what the check above compared
+    for s in senders:
+        s.close()
+    rx.close()
