@@ -1,6 +1,7 @@
-"""Run a job on N expert-parallel CPU processes (gloo on 127.0.0.1), with a deadline.
+"""Run a job on N expert-parallel processes (gloo on 127.0.0.1; NCCL on N GPUs), with a deadline.
 
-Used by ``fastsync moe-bench --ep N`` and the EP tests. Each process joins a gloo group through
+Used by ``fastsync moe-bench --ep N`` and the EP tests. Each process joins a gloo group (NCCL with
+``job["dist_backend"] = "nccl"``: rank r on GPU r, for the DeepEP test) through
 ``tcp://127.0.0.1:<free port>``, runs ``job["fn"]`` (a ``"module:function"`` taking
 ``(job, rank, world_size, group)`` and returning a picklable dict), and writes the result to
 ``<out_dir>/rank<r>.pt`` (or its traceback to ``rank<r>.err``). The parent waits at most
@@ -38,9 +39,14 @@ def _worker(rank: int, world: int, port: int, job: dict, out_dir: str, threads: 
         import torch.distributed as dist
 
         torch.set_num_threads(threads)
+        backend = job.get("dist_backend", "gloo")
+        extra: dict[str, Any] = {}
+        if backend == "nccl":  # one GPU per rank, as DeepEP's own tests set it up
+            torch.cuda.set_device(rank)
+            extra["device_id"] = torch.device("cuda", rank)
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-            timeout=timedelta(seconds=float(job.get("collective_timeout_s", 120))),
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+            timeout=timedelta(seconds=float(job.get("collective_timeout_s", 120))), **extra,
         )
         try:
             mod_name, fn_name = job["fn"].split(":")

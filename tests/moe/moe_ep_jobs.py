@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 import fastsync.moe as fm
+from fastsync.moe.block import FastExperts
 from fastsync.moe.presets import ARCH_TINY, build_model
 
 
@@ -17,8 +18,10 @@ def model_job(job: dict, rank: int, world: int, group) -> dict:
     and the gathered ``state_dict()``.
     """
     model = build_model({**ARCH_TINY[job["arch"]], **job.get("overrides", {})}, job["seed"])
+    device = job.get("device", "cpu")
+    model = model.to(device=device, dtype=getattr(torch, job.get("dtype", "float32")))
     fm.patch(model, ep_group=group, backend=job.get("backend", "auto"))
-    ids = job["ids"]
+    ids = job["ids"].to(device)
     per = ids.shape[0] // world
     mine = ids[rank * per : (rank + 1) * per]
     out = model(input_ids=mine, labels=mine, output_router_logits=True)
@@ -41,6 +44,7 @@ def model_job(job: dict, rank: int, world: int, group) -> dict:
         "loss": out.loss.detach(),
         "expert_param_bytes": fm.expert_param_bytes(model),
         "local_shapes": {n: tuple(p.shape) for n, p in model.named_parameters() if n in shards},
+        "dispatch": sorted({m.dispatch for m in model.modules() if isinstance(m, FastExperts)}),
     }
     if getattr(out, "aux_loss", None) is not None:
         res["aux_loss"] = out.aux_loss.detach()
@@ -60,4 +64,30 @@ def multi_job(job: dict, rank: int, world: int, group) -> dict:
         s = run_job["world"]
         if rank < s:
             out[i] = model_job(run_job, rank, s, groups[s])
+    return out
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    return obj
+
+
+def deepep_job(job: dict, rank: int, world: int, group) -> dict:
+    """On GPU ``rank`` of an NCCL group: ``model_job`` in bf16 (DeepEP's dispatch and combine take
+    bf16 only) twice over the same group, same weights and micro-batch: ``backend="deepep"``
+    (DeepEP's normal-mode dispatch/combine through a ``deep_ep.Buffer``), then ``backend="torch"``
+    (the all-to-all dispatcher the CPU EP tests hold to HF's model). Results on the CPU."""
+    import gc
+
+    out = {}
+    for key, backend in (("deepep", "deepep"), ("all_to_all", "torch")):
+        res = model_job({**job, "backend": backend, "device": f"cuda:{rank}", "dtype": "bfloat16"}, rank, world, group)
+        out[key] = _to_cpu(res)
+        del res
+        gc.collect()  # the DeepEP buffers go while the group still lives
+        torch.cuda.synchronize()
+        dist.barrier(group=group)
     return out
