@@ -4,8 +4,10 @@
 # Installs the wheels carried in gpu_wheels/ (`make gpu-wheels` on a machine with PyPI) into a
 # private folder (never into the machine's venv), then runs `python -m fastsync.gpu.check`,
 # which writes OUTDIR/gpu_check.json; everything is logged to OUTDIR/gpu_check.log.
-# Exit: 0 all parts ok, 1 a part failed or timed out, 2 the check could not run (no CUDA device),
-# 124 the outer deadline killed it.
+# Exit: 0 every part ran and passed and no GPU test skipped, 3 nothing failed but a part or a test
+# was skipped (a skip is not a pass: the summary counts passed / skipped / failed apart and names
+# what was skipped and why), 1 a part failed or timed out, 2 the check could not run (no CUDA
+# device), 124 the outer deadline killed it.
 #
 # Settings (environment):
 #   GPU_CHECK_DRY=1      install and check the device, run no part (on a CPU machine: exits 2,
@@ -82,7 +84,8 @@ if [[ ! -s $OUT/gpu_check.json ]]; then
   ((rc == 0)) && rc=2
 fi
 ((rc == 124 || rc == 137)) && log "the outer deadline ($DEADLINE s) stopped the driver; parts finished so far are in the JSON"
-if ((rc != 0 && rc != 2)); then
+((rc == 3)) && log "nothing failed, but not everything ran: the skipped parts/tests above were not checked (exit 3)"
+if ((rc != 0 && rc != 2 && rc != 3)); then
   echo "----- last lines of $LOG -----"
   tail -n 40 "$LOG"
 fi

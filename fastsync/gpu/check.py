@@ -4,8 +4,10 @@ Started by ``scripts/gpu_check.sh`` after it installed the carried wheels. Order
 device (none: write the JSON with that error and exit 2, which is all a dry run on a CPU
 machine can do), then each part in its own process group under a hard deadline (``PARTS``;
 together well inside the 8 minutes the check is allowed), the JSON rewritten after each part
-so a check killed from outside still leaves the parts it finished. Exit 0 when every part is
-``ok``, 1 when one failed or timed out, 2 when the check could not run at all.
+so a check killed from outside still leaves the parts it finished. Exit 0 when every part ran
+and passed with no test skipped, 3 when nothing failed but a part or a test was skipped (a skip
+is not a pass: the closing lines list what and why), 1 when something failed or timed out, 2 when
+the check could not run at all (a dry run exits 0 after saying that no part ran).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fastsync.gpu.report import assemble, cuda_info, installed_dists, run_part
+from fastsync.gpu.report import EXIT_CODES, assemble, cuda_info, installed_dists, run_part, summary_lines
 
 __all__ = ["PARTS", "QUICK", "gpu_test_files", "main"]
 
@@ -83,12 +85,17 @@ def _run_gpu_tests(out: Path, root: Path) -> int:
             msg = kids[outcome].get("message", "")[:300] if outcome in kids else ""
             res["cases"].append({"name": f"{case.get('classname')}::{case.get('name')}", "outcome": key,
                                  "seconds": float(case.get("time", 0)), "message": msg})
-    # skips are allowed (TransformerEngine, DeepEP and multi-GPU tests skip on one H200 without
-    # them) and counted; a failure, an error or nothing collected is not
+    # a skip (TransformerEngine, DeepEP and two-GPU tests on one GPU without them) fails nothing
+    # but is no pass either: counted apart, listed with its reason, and the check's verdict is
+    # "passed_with_skips"; a part whose every test skipped is itself "skipped". A failure, an
+    # error or nothing collected fails the part.
     res["ok"] = rc == 0 and not res["failed"] and not res["errors"]
     if not res["ok"]:
         res["error"] = (f"pytest exit {rc}: {res['failed']} failed, {res['errors']} errors, {res['passed']} passed"
                         if rc != 5 else "no gpu-marked test collected")
+    elif res["skipped"] and not res["passed"]:
+        res["status"] = "skipped"
+        res["reason"] = f"all {res['skipped']} gpu-marked tests skipped"
     out.write_text(json.dumps(res, indent=2))
     return 0 if res["ok"] else 1
 
@@ -163,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         write()
     rep = write()
     print("gpu-check: summary " + json.dumps(rep["summary"], default=str))
-    return 0 if rep["ok"] else 1
+    for line in summary_lines(rep):
+        print(f"gpu-check: {line}")
+    return EXIT_CODES[rep["verdict"]]
 
 
 if __name__ == "__main__":

@@ -20,8 +20,8 @@ from typing import Any
 from fastsync.errors import ConfigError
 
 __all__ = [
-    "SCHEMA", "PART_STATUSES", "run_part", "assemble", "read_wheel_list", "installed_dists",
-    "write_entry_points", "cuda_info",
+    "SCHEMA", "PART_STATUSES", "EXIT_CODES", "run_part", "assemble", "verdict", "summary_lines", "read_wheel_list",
+    "installed_dists", "write_entry_points", "cuda_info",
 ]
 
 SCHEMA = "fastsync-gpu-check/1"
@@ -53,8 +53,10 @@ def run_part(name: str, argv: Sequence[str], timeout_s: float, result_path: Path
 
     The part writes its JSON result to ``result_path`` (a dict with at least ``ok``); its output
     is appended to ``log_path``. Returns ``{status, seconds, exit_code, error, result}``: status
-    ``ok`` only when the process exited 0 and its result says ``ok``; ``timeout`` when the
-    deadline killed it (with whatever it had written by then); ``failed`` otherwise.
+    ``ok`` only when the process exited 0 and its result says ``ok``; ``skipped`` when it exited 0
+    and its result says ``"status": "skipped"`` (nothing of it ran here; ``error`` carries its
+    ``reason``); ``timeout`` when the deadline killed it (with whatever it had written by then);
+    ``failed`` otherwise.
     """
     if timeout_s <= 0:
         raise ConfigError(f"part {name!r}: timeout_s must be positive, got {timeout_s}")
@@ -90,6 +92,8 @@ def run_part(name: str, argv: Sequence[str], timeout_s: float, result_path: Path
         status, error = "failed", error or f"part {name!r} exited 0 without writing {result_path.name}"
     elif not result.get("ok"):
         status, error = "failed", result.get("error") or f"part {name!r} reported not ok"
+    elif result.get("status") == "skipped":
+        status, error = "skipped", result.get("reason") or f"part {name!r} skipped (it gave no reason)"
     else:
         status = "ok"
     return {"status": status, "seconds": round(seconds, 2), "exit_code": proc.returncode,
@@ -98,18 +102,23 @@ def run_part(name: str, argv: Sequence[str], timeout_s: float, result_path: Path
 
 def assemble(*, parts: dict[str, dict[str, Any]], env: dict[str, Any], wheels: list[dict[str, str]],
              dry_run: bool, started: str, wall_s: float, error: str | None = None) -> dict[str, Any]:
-    """The one JSON object of a check. ``ok`` is true when no error stopped the check and every
-    part that ran is ``ok`` (a part skipped with a reason does not fail it); ``error`` is the
-    check's own error, else the first failing part's."""
+    """The one JSON object of a check. ``ok`` is true when nothing failed: no error stopped the
+    check and no part failed or timed out. It is not a claim that everything was checked: a skip
+    is not a pass, so ``verdict`` says ``passed`` only when every part ran and passed and no GPU
+    test was skipped, ``passed_with_skips`` when nothing failed but something was skipped (listed
+    in ``summary``), ``failed``, or ``not_run`` (dry run, or the check could not start).
+    ``error`` is the check's own error, else the first failing part's."""
     for n, p in parts.items():
         if p.get("status") not in PART_STATUSES:
             raise ConfigError(f"part {n!r}: status {p.get('status')!r} not one of {PART_STATUSES}")
     bad = [n for n, p in parts.items() if p["status"] in ("failed", "timeout")]
     if error is None and bad:
         error = f"part {bad[0]!r} {parts[bad[0]]['status']}: {parts[bad[0]].get('error')}"
+    summary = _summary(parts)
     return {
         "schema": SCHEMA,
         "ok": error is None and not bad,
+        "verdict": verdict(summary, error=error, dry_run=dry_run),
         "error": error,
         "dry_run": dry_run,
         "started": started,
@@ -117,7 +126,7 @@ def assemble(*, parts: dict[str, dict[str, Any]], env: dict[str, Any], wheels: l
         "env": env,
         "wheels": wheels,
         "parts": parts,
-        "summary": _summary(parts),
+        "summary": summary,
     }
 
 
@@ -129,12 +138,70 @@ def _get(d: Any, *keys: str) -> Any:
     return d
 
 
+def verdict(summary: dict[str, Any], *, error: str | None, dry_run: bool) -> str:
+    """``passed`` | ``passed_with_skips`` | ``failed`` | ``not_run`` (see ``assemble``)."""
+    counts = summary["parts"]
+    tests = summary.get("gpu_tests") or {}
+    if counts["failed"] or tests.get("failed") or tests.get("errors"):
+        return "failed"
+    if dry_run or (error is not None and not any(counts.values())):
+        return "not_run"
+    if error is not None:
+        return "failed"
+    if not counts["passed"]:
+        return "not_run"
+    if counts["skipped"] or tests.get("skipped"):
+        return "passed_with_skips"
+    return "passed"
+
+
+#: exit status of ``python -m fastsync.gpu.check`` (and scripts/gpu_check.sh) per verdict
+EXIT_CODES = {"passed": 0, "failed": 1, "not_run": 2, "passed_with_skips": 3}
+
+
+def summary_lines(rep: dict[str, Any]) -> list[str]:
+    """The check's closing words, for a person: parts and tests passed / skipped / failed, each
+    count on its own, what was skipped and why, and the verdict (never "ok" for a skip)."""
+    s = rep["summary"]
+    c = s["parts"]
+    lines = [f"parts: {c['passed']} passed, {c['skipped']} skipped, {c['failed']} failed"
+             + "".join(f"; {n} {st}" for st in ("skipped", "failed") for n in s["part_names"][st])]
+    for n in s["part_names"]["skipped"]:
+        lines.append(f"  part {n} skipped: {rep['parts'][n].get('error')}")
+    t = s.get("gpu_tests")
+    if t is not None:
+        lines.append(f"gpu tests: {t['passed']} passed, {t['skipped']} skipped, {t['failed']} failed, "
+                     f"{t['errors']} errors")
+        for case in t.get("skipped_tests", []):
+            lines.append(f"  skipped {case['name']}: {case['reason']}")
+    v = rep["verdict"]
+    lines.append({
+        "passed": "verdict: passed (every part ran and passed, no test skipped)",
+        "passed_with_skips": "verdict: PASSED WITH SKIPS: nothing failed, but what was skipped above was not "
+                             "checked on this machine (exit 3)",
+        "failed": f"verdict: FAILED ({rep.get('error')})",
+        "not_run": f"verdict: not run ({rep.get('error') or 'dry run: no part ran'})",
+    }[v])
+    return lines
+
+
 def _summary(parts: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The headline figures, lifted from the parts' results (None where a part did not give them)."""
+    """Counts of parts passed / skipped / failed (a timeout is a failure) and the headline
+    figures, lifted from the parts' results (None where a part did not give them)."""
     sync = _get(parts, "sync", "result")
     moe = _get(parts, "moe", "result")
     tests = _get(parts, "gpu_tests", "result")
+    names = {"passed": [n for n, p in parts.items() if p["status"] == "ok"],
+             "skipped": [n for n, p in parts.items() if p["status"] == "skipped"],
+             "failed": [n for n, p in parts.items() if p["status"] in ("failed", "timeout")]}
+    gpu_tests = None
+    if isinstance(tests, dict):
+        gpu_tests = {k: int(tests.get(k) or 0) for k in ("passed", "skipped", "failed", "errors")}
+        gpu_tests["skipped_tests"] = [{"name": c.get("name"), "reason": c.get("message")}
+                                      for c in tests.get("cases", []) if c.get("outcome") == "skipped"]
     return {
+        "parts": {k: len(v) for k, v in names.items()},
+        "part_names": names,
         "nixl_gbps": _get(sync, "bf16", "nixl", "gbps"),
         "rank0_gbps": _get(sync, "bf16", "rank0", "gbps") or _get(sync, "bf16_rank0_only", "rank0", "gbps"),
         "nixl_vs_rank0": _get(sync, "bf16", "nixl_vs_rank0"),
@@ -144,7 +211,7 @@ def _summary(parts: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "moe_fastsync_vs_hf_grouped_mm": _get(moe, "speedup_vs_hf_grouped_mm"),
         "moe_fastsync_vs_hf_eager": _get(moe, "speedup_vs_hf_eager"),
         "moe_peak_mem_vs_hf_grouped_mm": _get(moe, "peak_mem_ratio_vs_hf_grouped_mm"),
-        "gpu_tests": None if tests is None else {k: tests.get(k) for k in ("passed", "failed", "skipped", "errors")},
+        "gpu_tests": gpu_tests,
     }
 
 

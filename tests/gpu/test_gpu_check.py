@@ -23,7 +23,9 @@ import torch
 
 from fastsync.errors import ConfigError
 from fastsync.gpu.check import gpu_test_files
-from fastsync.gpu.report import assemble, installed_dists, read_wheel_list, run_part, write_entry_points
+from fastsync.gpu.report import (
+    EXIT_CODES, assemble, installed_dists, read_wheel_list, run_part, summary_lines, write_entry_points,
+)
 from fastsync.gpu.wheels import trim_wheel
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -112,13 +114,96 @@ def test_assemble_reports_first_failure_and_lifts_figures() -> None:
     assert rep["wall_s"] == 3.14
     json.dumps(rep)  # one JSON object
 
+    assert rep["verdict"] == "failed" and rep["summary"]["parts"] == {"passed": 1, "skipped": 1, "failed": 1}
+
     parts["moe"]["status"] = "ok"
-    assert assemble(parts=parts, env={}, wheels=[], dry_run=False, started="t", wall_s=0)["ok"] is True
+    rep = assemble(parts=parts, env={}, wheels=[], dry_run=False, started="t", wall_s=0)
+    assert rep["ok"] is True  # nothing failed ...
+    assert rep["verdict"] == "passed_with_skips"  # ... but a skipped part is not a pass
+    assert rep["summary"]["part_names"]["skipped"] == ["gpu_tests"]
     rep = assemble(parts={}, env={}, wheels=[], dry_run=True, started="t", wall_s=0, error="no CUDA device: x")
-    assert rep["ok"] is False and rep["error"] == "no CUDA device: x"
+    assert rep["ok"] is False and rep["error"] == "no CUDA device: x" and rep["verdict"] == "not_run"
     parts["moe"]["status"] = "fine"
     with pytest.raises(ConfigError, match="part 'moe'"):
         assemble(parts=parts, env={}, wheels=[], dry_run=False, started="t", wall_s=0)
+
+
+def _tests_part(passed: int, skipped: int, failed: int = 0) -> dict:
+    cases = ([{"name": f"t::p{i}", "outcome": "passed", "message": ""} for i in range(passed)]
+             + [{"name": f"t::s{i}", "outcome": "skipped", "message": f"needs thing {i}"} for i in range(skipped)]
+             + [{"name": f"t::f{i}", "outcome": "failed", "message": "boom"} for i in range(failed)])
+    res = {"ok": not failed, "passed": passed, "skipped": skipped, "failed": failed, "errors": 0, "cases": cases}
+    status = "failed" if failed else ("skipped" if skipped and not passed else "ok")
+    return {"status": status, "seconds": 1.0, "exit_code": 1 if failed else 0,
+            "error": "pytest exit 1" if failed else None, "result": res}
+
+
+def _ok_part() -> dict:
+    return {"status": "ok", "seconds": 1.0, "exit_code": 0, "error": None, "result": {"ok": True}}
+
+
+def test_skips_are_counted_apart_and_never_called_a_pass() -> None:
+    """Summary and verdict of the GPU check: passed / skipped / failed each counted on their own, a
+    skipped test or part makes the verdict "passed_with_skips" (exit 3), never "passed"."""
+    def rep(**parts: dict) -> dict:
+        return assemble(parts=parts, env={}, wheels=[], dry_run=False, started="t", wall_s=0)
+
+    full = rep(sync=_ok_part(), gpu_tests=_tests_part(3, 0))
+    assert full["verdict"] == "passed" and EXIT_CODES[full["verdict"]] == 0
+    assert full["summary"]["gpu_tests"] == {"passed": 3, "skipped": 0, "failed": 0, "errors": 0, "skipped_tests": []}
+    assert summary_lines(full)[-1].startswith("verdict: passed (")
+
+    some = rep(sync=_ok_part(), gpu_tests=_tests_part(3, 2))
+    assert some["ok"] is True and some["verdict"] == "passed_with_skips" and EXIT_CODES["passed_with_skips"] == 3
+    t = some["summary"]["gpu_tests"]
+    assert (t["passed"], t["skipped"], t["failed"]) == (3, 2, 0)
+    assert t["skipped_tests"] == [{"name": "t::s0", "reason": "needs thing 0"}, {"name": "t::s1", "reason": "needs thing 1"}]
+    lines = summary_lines(some)
+    assert "parts: 2 passed, 0 skipped, 0 failed" in lines
+    assert "gpu tests: 3 passed, 2 skipped, 0 failed, 0 errors" in lines
+    assert "  skipped t::s1: needs thing 1" in lines
+    assert "PASSED WITH SKIPS" in lines[-1] and "not checked" in lines[-1]
+    assert not any(line.startswith("verdict: passed (") for line in lines)
+
+    none_ran = rep(sync=_ok_part(), gpu_tests=_tests_part(0, 4))
+    assert none_ran["summary"]["parts"] == {"passed": 1, "skipped": 1, "failed": 0}
+    assert none_ran["verdict"] == "passed_with_skips"
+    assert rep(gpu_tests=_tests_part(0, 4))["verdict"] == "not_run"  # nothing at all passed
+
+    bad = rep(sync=_ok_part(), gpu_tests=_tests_part(3, 2, failed=1))
+    assert bad["ok"] is False and bad["verdict"] == "failed" and EXIT_CODES["failed"] == 1
+    assert "gpu tests: 3 passed, 2 skipped, 1 failed, 0 errors" in summary_lines(bad)
+
+    dry = assemble(parts={"sync": {"status": "skipped", "seconds": 0.0, "exit_code": None, "error": "dry run",
+                                   "result": None}}, env={}, wheels=[], dry_run=True, started="t", wall_s=0)
+    assert dry["verdict"] == "not_run" and "dry run" in summary_lines(dry)[-1]
+
+
+def test_run_part_takes_a_part_that_says_skipped(tmp_path: Path) -> None:
+    res = tmp_path / "res.json"
+    script = _script(tmp_path, "skip", f"""
+        import json; json.dump({{"ok": True, "status": "skipped", "reason": "no second GPU"}}, open({str(res)!r}, "w"))""")
+    got = run_part("s", script, 30, res, tmp_path / "log.txt")
+    assert got["status"] == "skipped" and got["error"] == "no second GPU"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks how the gpu tests' skips are counted without CUDA")
+def test_gpu_tests_part_counts_its_skips(tmp_path: Path) -> None:
+    """The real gpu_tests part (pytest over the gpu-marked files, outcomes from JUnit XML) on this
+    CPU machine: every test skips, so the part is "skipped", each test counted and listed with its
+    reason, none counted as passed."""
+    res = tmp_path / "part_gpu_tests.json"
+    got = run_part("gpu_tests", [sys.executable, "-m", "fastsync.gpu.check", "--run-gpu-tests", "--out", str(res)],
+                   300, res, tmp_path / "log.txt", env=_env(), cwd=str(ROOT))
+    assert got["status"] == "skipped", (tmp_path / "log.txt").read_text()[-3000:]
+    r = got["result"]
+    assert r["passed"] == 0 and r["failed"] == 0 and r["errors"] == 0 and r["skipped"] >= 4
+    assert got["error"] == f"all {r['skipped']} gpu-marked tests skipped"
+    rep = assemble(parts={"gpu_tests": got}, env={}, wheels=[], dry_run=False, started="t", wall_s=0)
+    skipped = rep["summary"]["gpu_tests"]["skipped_tests"]
+    assert len(skipped) == r["skipped"] and all(c["reason"] for c in skipped)
+    assert any(c["name"].endswith("test_deepep_dispatch_matches_all_to_all") for c in skipped)
+    assert rep["verdict"] == "not_run"
 
 
 def test_wheel_list_is_pinned_and_matches_the_cpu_nixl(tmp_path: Path) -> None:
@@ -202,7 +287,7 @@ def test_dry_run_installs_reports_and_fails_for_want_of_cuda(tmp_path: Path) -> 
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     rep = json.loads((out / "gpu_check.json").read_text())
-    assert rep["ok"] is False and rep["dry_run"] is True
+    assert rep["ok"] is False and rep["dry_run"] is True and rep["verdict"] == "not_run"
     assert rep["error"].startswith("no CUDA device")
     assert {"name": "toy-pkg", "version": "0.1"} in rep["wheels"]
     assert any(w["name"] == "fastsync-rl" for w in rep["wheels"])  # the entry-point metadata went in
@@ -220,9 +305,11 @@ def test_cpu_rehearsal_runs_every_part(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "fastsync.gpu.check", str(out), "--cpu-rehearsal"], env=_env(),
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     rep = json.loads((out / "gpu_check.json").read_text())
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:] + (out / "gpu_check.log").read_text()[-3000:]
-    assert rep["ok"] and rep["env"]["cpu_rehearsal"] is True
-    assert {n: p["status"] for n, p in rep["parts"].items()} == {"sync": "ok", "moe": "ok", "gpu_tests": "ok"}
+    # every gpu test skips here: nothing failed (ok), but the check does not call that a pass (exit 3)
+    assert proc.returncode == 3, (proc.stdout + proc.stderr)[-3000:] + (out / "gpu_check.log").read_text()[-3000:]
+    assert rep["ok"] and rep["verdict"] == "passed_with_skips" and rep["env"]["cpu_rehearsal"] is True
+    assert {n: p["status"] for n, p in rep["parts"].items()} == {"sync": "ok", "moe": "ok", "gpu_tests": "skipped"}
+    assert "PASSED WITH SKIPS" in proc.stdout and "parts: 2 passed, 1 skipped, 0 failed" in proc.stdout
     sync = rep["parts"]["sync"]["result"]
     assert sync["bf16"]["nixl"]["verified"] is True and sync["bf16"]["rank0"]["verified"] is True
     assert sync["fp8"]["nixl"]["verified"] is True and sync["device_copy"]["verified"] is True
