@@ -80,7 +80,7 @@ timeout -k 15 "$DEADLINE" "$PY" -m fastsync.gpu.check "${args[@]}" 2>&1 | tee -a
 rc=${PIPESTATUS[0]}
 if [[ ! -s $OUT/gpu_check.json ]]; then
   log "the driver wrote no JSON (exit $rc); writing one that says so"
-  printf '{"schema": "fastsync-gpu-check/1", "ok": false, "error": "driver exited %s before writing a report; see gpu_check.log", "parts": {}}\n' "$rc" >"$OUT/gpu_check.json"
+  printf '{"schema": "fastsync-gpu-check/1", "ok": false, "verdict": "not_run", "error": "driver exited %s before writing a report; see gpu_check.log", "parts": {}}\n' "$rc" >"$OUT/gpu_check.json"
   ((rc == 0)) && rc=2
 fi
 ((rc == 124 || rc == 137)) && log "the outer deadline ($DEADLINE s) stopped the driver; parts finished so far are in the JSON"
