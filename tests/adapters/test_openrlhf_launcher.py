@@ -29,6 +29,7 @@ def standin(monkeypatch):
     monkeypatch.syspath_prepend(str(STANDIN))
 
 
+@pytest.mark.slow
 def test_help_lists_openrlhf_and_fastsync_options():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(STANDIN), str(REPO), str(REPO / "adapters" / "openrlhf"),
                                                        os.environ.get("PYTHONPATH", "")]))

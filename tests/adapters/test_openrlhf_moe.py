@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 from fastsync_rigs import STANDINS as STANDIN  # noqa: E402 - flash_attn STAND-IN (CPU host), tests/support
 
 
+@pytest.mark.slow
 def test_moe_swap_under_zero3_keeps_names_values_and_trains(tmp_path, run_workers, free_port):
     from fastsync.demo.checkpoints import build_tiny_checkpoint
 

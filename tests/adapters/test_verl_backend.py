@@ -219,6 +219,7 @@ def test_retry_after_a_failed_sync_is_bit_identical() -> None:
             e.close()
 
 
+@pytest.mark.slow
 def test_custom_backend_module_registers_in_a_fresh_process() -> None:
     """What verl's CheckpointEngineWorker and CheckpointEngineManager do with the config keys."""
     code = (

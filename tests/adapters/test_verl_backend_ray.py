@@ -278,6 +278,7 @@ def test_brand_new_replica_added_after_a_sync_gets_the_current_weights(ray_local
         job.close()
 
 
+@pytest.mark.slow
 def test_ray_calls_are_awaited_with_a_deadline_and_their_errors_named(ray_local) -> None:
     """The host kit's ``ray_result`` (both adapters' Ray calls): a fastsync error raised in the
     actor comes back as its own class, anything else as SyncError naming the call, and a call

@@ -17,6 +17,7 @@ pytest.importorskip("verl.workers.engine.fsdp.transformer_impl", reason="verl + 
 _JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "verl_moe_job.py")
 
 
+@pytest.mark.slow
 def test_external_lib_swaps_moe_blocks_in_verls_fsdp_engine(tmp_path) -> None:
     out = subprocess.run([sys.executable, _JOB, str(tmp_path)], capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]

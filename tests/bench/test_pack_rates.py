@@ -9,6 +9,7 @@ from fastsync.bench.cluster import pack_rates
 from fastsync.errors import ConfigError
 
 
+@pytest.mark.slow
 def test_pack_rates_per_packer_with_packers_at_once() -> None:
     one, two = pack_rates(1), pack_rates(2)
     assert {"fp8_block", "fp8_scale"} <= set(one) and set(one) == set(two)

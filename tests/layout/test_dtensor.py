@@ -17,6 +17,7 @@ WORLD = 2
 WORKER = os.path.join(os.path.dirname(__file__), "fsdp2_worker.py")
 
 
+@pytest.mark.slow
 def test_fsdp2_dtensor_layout_matches_fsdp_layout(tmp_path, free_port, run_workers):
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -17,6 +17,7 @@ def _variants(report: dict) -> dict[str, dict]:
     return {**report["baselines"], "fastsync": report["fastsync"]}
 
 
+@pytest.mark.slow
 def test_moe_bench_json_ep2_same_rounds_for_every_variant(capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["moe-bench", "--model", "tiny-qwen2-moe", "--tokens", "32", "--reps", "2", "--rounds", "2",
                "--ep", "2", "--json", "--timeout", "120"])
@@ -42,6 +43,7 @@ def test_moe_bench_json_ep2_same_rounds_for_every_variant(capsys: pytest.Capture
     assert "GPU" in report["peak_mem_note"] and report["peak_mem_device"] == "cpu"
 
 
+@pytest.mark.slow
 def test_moe_bench_mismatch_exits_nonzero_naming_variant(capsys: pytest.CaptureFixture[str]) -> None:
     """The test-only hook puts a relative error of 1e-2 (100x the fp32 tolerance) into fastsync's output."""
     rc = main(["moe-bench", "--model", "tiny-qwen3-moe", "--tokens", "16", "--reps", "1", "--rounds", "1",
@@ -54,6 +56,7 @@ def test_moe_bench_mismatch_exits_nonzero_naming_variant(capsys: pytest.CaptureF
     assert "exit 1" in captured.out
 
 
+@pytest.mark.slow
 def test_moe_bench_json_mismatch(capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["moe-bench", "--model", "tiny-qwen3-moe", "--tokens", "16", "--reps", "1", "--rounds", "1",
                "--threads", "1", "--timeout", "120", "--json", "--test-perturb", "hf_grouped_mm=0.5"])

@@ -10,6 +10,8 @@ import torch
 from fastsync.moe.ep_run import spawn_ep
 from moe_equiv import assert_close, run, tiny_model
 
+pytestmark = pytest.mark.slow  # spawns 4 processes (about 20 s here): make test runs it, make test-fast does not
+
 #: (arch, EP size, experts kernel)
 RUNS = [("qwen3_moe", 2, "torch"), ("qwen3_moe", 4, "auto"), ("deepseek_v3", 2, "auto"), ("gpt_oss", 4, "torch")]
 SEED = 3

@@ -29,6 +29,7 @@ def _rows(rows: list[dict], version: int, role: str) -> list[dict]:
     return [r for r in rows if r.get("kind") == "sync" and r["version"] == version and r["role"] == role]
 
 
+@pytest.mark.slow
 def test_chain_relays_each_trainer_shard_leaves_once_and_every_receiver_is_exact() -> None:
     schedule = [("nixl", 1, True), ("nixl", 2, False), ("nixl", 3, True)]
     with Cluster(_cfg()) as cluster:
@@ -51,6 +52,7 @@ def test_chain_relays_each_trainer_shard_leaves_once_and_every_receiver_is_exact
         assert set(relayed) == {"r0->r1", "r1->r2", "r2->r3"} and len(set(relayed.values())) == 1
 
 
+@pytest.mark.slow
 def test_killed_relay_fails_downstream_by_name_and_every_receiver_keeps_a_complete_version() -> None:
     schedule = [("nixl", 1, True), ("nixl", 2, False)]
     with Cluster(_cfg(kill_engine_open_at=(1, 2))) as cluster:

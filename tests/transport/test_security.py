@@ -116,6 +116,7 @@ def job():
         j.close()
 
 
+@pytest.mark.slow
 def test_foreign_process_knowing_the_port_cannot_read_write_or_flip(job: Job) -> None:
     job.start("receiver")
     _assert_loopback(json.loads(job.wait_key("t/recv/listeners")), "the NIXL receiver")
@@ -141,6 +142,7 @@ def test_foreign_process_knowing_the_port_cannot_read_write_or_flip(job: Job) ->
     assert r2 == {"version": 2, "error": None, "exact": True, "refused": {}}, r2
 
 
+@pytest.mark.slow
 def test_forged_and_replayed_notifications_are_refused_and_counted(job: Job) -> None:
     job.start("receiver")
     job.start("sender")
@@ -223,6 +225,7 @@ def test_store_binds_only_the_host_it_is_given() -> None:
         ctl.close()
 
 
+@pytest.mark.slow
 def test_kimi_k2_plan_over_8_mib_publishes_and_is_fetched() -> None:
     from fastsync.layout.spec import engine_layout_from_spec, trainer_layout_from_spec
     from fastsync.models import load_inventory
