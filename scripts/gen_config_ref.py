@@ -48,7 +48,9 @@ WEIGHT_SYNC = {
             "plane needs another name",
     "layout": "a `TrainerLayout` replacing the model's own description (give `sources=` with it)",
     "sources": "the local tensors `layout=` describes, by name (give `layout=` with it)",
-    "verify": "CRC-check every planned destination box on the engines before the flip",
+    "verify": "before the flip, engines compare digests of what landed with what the trainers sent: `\"full\"` "
+              "(or True) every byte, `\"sample\"` a seeded 1-in-32 sample of 4 KiB blocks, `\"off\"` (or False) "
+              "none; a mismatch rolls back and names the tensor",
     "control_port": "the control store's port the engine workers join (default: the control plane's own)",
     "trace_dir": "an existing folder: each rank writes `trainer{rank}.json`, a Chrome trace of its syncs",
     "delta": "after a dense first sync, send only the elements that changed (NIXL only)",
