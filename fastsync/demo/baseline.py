@@ -29,7 +29,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-__all__ = ["VERL_BUCKET_BYTES", "rank0_baseline"]
+__all__ = ["MIRRORS", "VERL_BUCKET_BYTES", "rank0_baseline"]
+
+#: What the baseline stands for, as the demo prints it.
+MIRRORS = ("verl NCCLCheckpointEngine.send_weights (verl/checkpoint_engine/nccl_checkpoint_engine.py): "
+           "full_tensor() per parameter on every rank, rank 0 fills its bucket and alone sends it")
 
 #: verl's default ``update_weights_bucket_megabytes`` (``CheckpointEngineConfig``): one bucket.
 VERL_BUCKET_BYTES = 2048 << 20

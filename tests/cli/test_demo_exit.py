@@ -32,5 +32,7 @@ def test_demo_exit_code_covers_the_baseline(monkeypatch: pytest.MonkeyPatch, cap
     if as_json:
         s = json.loads(out)["summary"]
         assert s["ok"] is (want_rc == 0) and s["baseline_match"] is (want_rc == 0)
+        assert "NCCLCheckpointEngine.send_weights" in s["baseline_mirrors"]  # the host function it stands for
     else:
         assert f"match: {str(want_rc == 0).lower()}" in out
+        assert "mirrors verl NCCLCheckpointEngine.send_weights" in out
