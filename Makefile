@@ -52,7 +52,7 @@ bench: $(STAMP)
 moe-bench: $(STAMP)
 	$(BIN)/fastsync moe-bench --model qwen3-30b-a3b
 
-# The GPU check (opt-in; README "GPU check"). gpu-wheels: on a machine with PyPI, the wheels the
+# The GPU check (opt-in; docs/gpu-check.md). gpu-wheels: on a machine with PyPI, the wheels the
 # GPU machine lacks, into gpu_wheels/ (ignored). gpu-check: install them privately and run every
 # GPU part; GPU_CHECK_DRY=1 only installs and checks for a device (fails, exit 2, without CUDA).
 GPU_WHEELS_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
