@@ -194,6 +194,9 @@ def summarize(rows: list[dict], schedule: list[tuple[str, int, bool]], warmup: i
     nbytes = model.plan.bytes_total
     for name, vs in order.items():
         secs, stages_t, stages_r, errors, ratios, stalls = [], defaultdict(list), defaultdict(list), [], [], []
+        verify_s: list[float] = []
+        modes: set[str] = set()
+        corrupted: list[dict] = []
         checksum_verified = None
         exact: list[bool] = []
         num_timed = num_failed = num_checked = num_failed_untimed = 0
@@ -213,6 +216,7 @@ def summarize(rows: list[dict], schedule: list[tuple[str, int, bool]], warmup: i
                 num_failed_untimed += failed
                 continue
             num_timed += 1
+            corrupted += [r["corrupted"] for r in rs if r.get("corrupted")]
             if failed:
                 num_failed += 1
                 secs.append(None)
@@ -224,6 +228,9 @@ def summarize(rows: list[dict], schedule: list[tuple[str, int, bool]], warmup: i
                            f"{r.get('check_mismatch') or 'unchecked tensors'}" for r in eng if not r.get("check_ok")]
             secs.append(max(r["end"] for r in rs) - min(r["start"] for r in rs))
             stalls.append(max(engine_stall_seconds(r, mode) for r in rs if r["role"] == "engine"))
+            modes.update(r["verify"]["mode"] for r in eng if (r.get("verify") or {}).get("mode"))
+            if any("verify" in r.get("stages", {}) for r in eng):  # the slowest engine rank's check of this sync
+                verify_s.append(max(r.get("stages", {}).get("verify", 0.0) for r in eng))
             sent = [r["payload"] for r in rs if r["role"] == "trainer" and r.get("payload", {}).get("mode") == "delta"]
             if sent:  # --delta: stream bytes against the dense bytes of the same version
                 ratios.append(sum(p["bytes_sent"] for p in sent) / max(1, sum(p["bytes_dense"] for p in sent)))
@@ -254,6 +261,10 @@ def summarize(rows: list[dict], schedule: list[tuple[str, int, bool]], warmup: i
             "engine_stall_seconds": statistics.median(stalls) if stalls else None,
             "gbps": (nbytes / med / 1e9) if med else None,
             "verified_syncs": f"{num_checked}/{num_timed}",
+            # fastsync bench --verify: the in-protocol check of every timed sync (inside its seconds)
+            "verify_mode": "/".join(sorted(modes)) if modes else "off",
+            "verify_seconds_median": statistics.median(verify_s) if verify_s else None,
+            "corrupted": corrupted,
             "checksum_verified": checksum_verified,
             "verified": num_timed > 0 and num_checked == num_timed and checksum_verified is True,
             "exact": all(exact) if exact else None,
@@ -317,6 +328,8 @@ def run_bench(cfg: WorkerConfig, transports: list[str], steps: int, warmup: int 
     ``plot_file`` (``cfg.trace`` on) also writes the measured trace / its timeline figure."""
     schedule = make_schedule(transports, steps, warmup)
     fault = fail_version(schedule, warmup)  # the test-only fault hook: refuse a malformed one before any process starts
+    if cfg.corrupt is not None and cfg.corrupt > steps:
+        raise ConfigError(f"--corrupt {cfg.corrupt}: only {steps} timed syncs per transport (--steps)")
     cfg = replace(cfg, warmup=warmup)
     num_procs = cfg.trainers + cfg.rollouts
     label = {v: name for name, v, _ in schedule}

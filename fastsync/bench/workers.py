@@ -68,6 +68,12 @@ class WorkerConfig:
     # untimed syncs per transport at the start of ``schedule`` (which syncs the fault hook of
     # fastsync.bench.faults counts as timed)
     warmup: int = 1
+    # fastsync bench --verify: what every engine rank checks before each flip, inside the timed
+    # sync (off | sample | full; fastsync.executor.verify); the extra checked sync is always full
+    verify_mode: str = "off"
+    # fastsync bench --corrupt K: engine rank 0 flips one byte of a tensor it received after the
+    # writes of each transport's K-th timed sync landed, before the check and the flip
+    corrupt: int | None = None
 
 
 def _env(cfg: WorkerConfig) -> None:
@@ -179,6 +185,22 @@ def _fail_on_finish(rx: Any, version: int, transport: str) -> None:
     rx.finish = finish
 
 
+def _sync_corrupting_one_byte(rx: Any, version: int, cfg: WorkerConfig, corrupted: dict) -> None:
+    """``fastsync bench --corrupt``: one sync in which one byte of the largest tensor this rank
+    received is flipped after the writes landed and before ``finish`` checks and flips; what was
+    flipped goes in ``corrupted`` (the verification, when on, must refuse the version naming it)."""
+    import time as _time
+
+    rx.begin(version)
+    rx.wait(_time.monotonic() + (cfg.sync_timeout_s or rx.timeout_s))
+    _, items = rx.program.by_origin()[0]
+    it = max(items, key=lambda i: i.transfer.nbytes)
+    off = it.dst_runs[0][0]
+    rx.landing.regions[it.transfer.dst_tensor][off: off + 1].bitwise_not_()
+    corrupted.update(tensor=it.transfer.dst_tensor, byte=off, engine_rank=rx.rank)
+    rx.finish()
+
+
 def trainer_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
     _env(cfg)
     from fastsync.bench.model import step_values, trainer_buffers
@@ -248,7 +270,7 @@ def receiver_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
     import torch
 
     from fastsync.bench.after_clock import AfterClockCheck
-    from fastsync.bench.faults import fail_version
+    from fastsync.bench.faults import fail_version, timed_versions
     from fastsync.bench.model import reference_tensors
     from fastsync.control import TCPStoreControl
     from fastsync.sync.delta_receiver import DeltaReceiver
@@ -270,6 +292,8 @@ def receiver_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
         checker = (AfterClockCheck(model, rank, cfg.delta_fraction if cfg.delta else None)
                    if cfg.check_after else None)
         fail_at = fail_version(cfg.schedule, cfg.warmup) if rank == 0 else None  # test-only fault hook
+        corrupt_at = ({vs[cfg.corrupt - 1] for vs in timed_versions(cfg.schedule, cfg.warmup).values()
+                       if len(vs) >= cfg.corrupt} if cfg.corrupt and rank == 0 else set())
         for name, version, verify in cfg.schedule:
             if name not in receivers:
                 kw = dict(rank=rank, plan=model.plan, tensors=tensors, control=control.with_prefix(f"fs/{name}"),
@@ -284,7 +308,7 @@ def receiver_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
                              "seconds": time.perf_counter() - t0})
                 receivers[name] = rx
             rx = receivers[name]
-            rx.verify = verify
+            rx.verify = "full" if verify else cfg.verify_mode
             _barrier(cfg, control, f"bench/{name}/{version}", watch, cfg.trainers + rank)
             if cfg.kill_engine_at == (rank, version):
                 results.put({"kind": "killed", "role": "engine", "rank": rank, "version": version, "time": time.time()})
@@ -299,12 +323,16 @@ def receiver_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
             try:
                 if version == fail_at:
                     _fail_on_finish(rx, version, name)
+                corrupted: dict = {}
                 if cfg.delta:  # dense while nothing complete is held (or after a failure), else a delta
                     rx.sync(version, dense=not dense_ok, timeout_s=cfg.sync_timeout_s)
+                elif version in corrupt_at:
+                    _sync_corrupting_one_byte(rx, version, cfg, corrupted)
                 else:
                     rx.sync(version, timeout_s=cfg.sync_timeout_s)
                 row = {"kind": "sync", **rx.last_metrics.to_json(), "verified": bool(verify),
-                       "payload": rx.last_stats}
+                       "payload": rx.last_stats, "verify": rx.last_verify}
+
                 served_version = version
                 dense_ok = True
             except Exception as e:
@@ -314,6 +342,8 @@ def receiver_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
                                           {"role": "engine", "rank": rank, "transport": name, "version": version}),
                        "ok": False, "error": f"{type(e).__name__}: {e}"}
             finally:
+                if corrupted:
+                    row["corrupted"] = corrupted
                 rx.__dict__.pop("finish", None)  # the fault hook's, if it was set
             row["served_version"] = rx.version
             # between syncs, while trainers would train: refresh the in-place backup (off the sync's path)

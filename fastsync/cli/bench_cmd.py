@@ -47,6 +47,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="with --delta: the fraction of each shard's elements that changes per version (default 0.01)")
     p.add_argument("--check-exact", action="store_true",
                    help="also compare every receiver's tensors with an independent reference (slow, small models)")
+    p.add_argument("--verify", choices=("off", "sample", "full"), default="off",
+                   help="every engine rank checks each timed sync before its flip, inside the timed sync "
+                        "(WeightSync(verify=...)): verify_seconds_median beside seconds_median")
+    p.add_argument("--corrupt", type=int_in(1, 100000), default=None, metavar="K",
+                   help="fault injection: engine rank 0 flips one byte it received after the writes of each "
+                        "transport's K-th timed sync landed (with --verify the version must be refused and rolled back)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
                    help="progress on stderr (auto: when stderr is a terminal and not --json)")
@@ -137,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
     check_arguments(args)
     if args.replicas > 1:
         transports = _fanout_transports(transports, args)
+    if args.corrupt is not None and args.delta:
+        raise ConfigError("--corrupt flips a byte of a dense sync's writes; it does not run with --delta")
     if args.delta and transports != ["nixl"]:
         raise ConfigError(f"--delta sends deltas over NIXL only; give --transport nixl (got {args.transport!r})")
     cfg = WorkerConfig(
@@ -144,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
         size_bytes=int(args.size_gb * (1 << 30)) if args.size_gb is not None else None, preset=args.model,
         staging_bytes=args.staging_mb << 20, timeout_s=args.timeout, mode=args.mode, check_exact=args.check_exact,
         fp8=args.fp8, trace=bool(args.trace or args.plot), replicas=args.replicas, fanout=args.fanout,
-        delta=args.delta, delta_fraction=args.delta_fraction,
+        delta=args.delta, delta_fraction=args.delta_fraction, verify_mode=args.verify, corrupt=args.corrupt,
     )
     progress = auto(json=args.json, force=None if args.progress == "auto" else args.progress == "on")
     if args.hosts is not None:
@@ -233,6 +241,14 @@ def print_table(result: dict, out=None) -> None:
         if r["failed_syncs"]:
             print(f"{'':10} FAILED: {r['failed_syncs']} of {r['timed_syncs']} timed syncs (the median is of the "
                   f"other {r['timed_syncs'] - r['failed_syncs']})", file=out)
+        if r.get("verify_mode", "off") != "off":
+            vs = r.get("verify_seconds_median")
+            share = f" ({vs / med:.1%} of the sync)" if vs is not None and med else ""
+            print(f"{'':10} verify={r['verify_mode']} before every flip: "
+                  f"{f'{vs:.4f} s median' if vs is not None else 'no check completed'}{share}", file=out)
+        for c in r.get("corrupted", []):
+            print(f"{'':10} --corrupt flipped byte {c['byte']} of {c['tensor']!r} on engine rank {c['engine_rank']}",
+                  file=out)
         for e in r["errors"][:3]:
             print(f"{'':10} error: {e}", file=out)
     print("(failed: timed syncs that failed; verified: timed syncs whose every engine rank held exactly the "

@@ -440,16 +440,18 @@ class WeightReceiver:
         box in ``regions`` with what trainer ranks ``ranks`` published for ``version``; SyncError
         naming the tensors, boxes and trainer ranks that differ (the caller rolls the version back)."""
         assert self.program is not None
+        mode = self.verify if mode is None else mode
+        t0 = time.perf_counter()
+        got = receiver_checksums(self.program, regions, mode, version)  # before the senders' digests: they may still be on the way
+        t1 = time.perf_counter()
         expected: dict[int, int] = {}
         deadline = time.monotonic() + self.timeout_s
         for s in ranks:
             raw = self.control.get(sender_crc_key(s, version), max(0.0, deadline - time.monotonic()),
                                    what=f"trainer rank {s} (checksums of version {version})")
             expected.update({int(k): v for k, v in json.loads(raw).items()})
-        mode = self.verify if mode is None else mode
-        t0 = time.perf_counter()
-        bad = compare_checksums(self.program, expected, receiver_checksums(self.program, regions, mode, version))
-        self.last_verify = {"mode": str(mode), "seconds": time.perf_counter() - t0, "ok": not bad}
+        bad = compare_checksums(self.program, expected, got)
+        self.last_verify = {"mode": str(mode), "digest_s": t1 - t0, "senders_s": time.perf_counter() - t1, "ok": not bad}
         if bad:
             raise SyncError(f"engine rank {self.rank}: version {version} failed verification ({mode}){after}: "
                             + "; ".join(bad[:5]) + (f" (+{len(bad) - 5} more)" if len(bad) > 5 else "")

@@ -85,3 +85,30 @@ def test_every_timed_sync_is_verified_after_the_clock(capsys: pytest.CaptureFixt
     for name in ("rank0", "nixl"):
         line = next(x for x in text.splitlines() if x.startswith(name))
         assert " 0/2 " in line and " 2/2 " in line, line  # failed 0/2, verified 2/2
+
+
+@pytest.mark.slow
+def test_verify_full_refuses_a_corrupted_sync_naming_tensor_and_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--verify full --corrupt 1``: engine rank 0 flips one byte after the first timed sync's
+    writes landed; the in-protocol check refuses the version (rolled back), the bench shows
+    which tensor and rank and exits non-zero; the other timed syncs pass and report their cost."""
+    rc = main(["bench", "--trainers", "2", "--rollouts", "2", "--size-gb", "0.002", "--transport", "nixl",
+               "--steps", "2", "--verify", "full", "--corrupt", "1", "--json", "--progress", "off", "--timeout", "60"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 1, out
+    r = out["transports"]["nixl"]
+    assert r["failed_syncs"] == 1 and r["seconds_all"][0] is None and r["seconds_all"][1] is not None, r
+    (c,) = r["corrupted"]
+    assert c["engine_rank"] == 0
+    err = next(e for e in r["errors"] if "failed verification (full)" in e)
+    assert f"{c['tensor']!r}" in err and "engine rank 0" in err and "rolled back" in err, err
+    assert r["verify_mode"] == "full" and r["verify_seconds_median"] > 0, r
+
+
+@pytest.mark.slow
+def test_verify_sample_reports_its_cost_beside_the_sync(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["bench", "--trainers", "2", "--rollouts", "1", "--size-gb", "0.002", "--transport", "nixl",
+               "--steps", "2", "--verify", "sample", "--progress", "off", "--timeout", "60"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "verify=sample before every flip:" in text and "of the sync)" in text, text
