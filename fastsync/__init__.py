@@ -77,6 +77,8 @@ _LAZY: dict[str, tuple[str, str]] = {
     "check_sync_options": ("fastsync.sync.sync_options", "check_sync_options"),
     "Spelling": ("fastsync.sync.sync_options", "Spelling"),
     "FANOUTS": ("fastsync.sync.sync_options", "FANOUTS"),
+    "VERIFY_MODES": ("fastsync.executor.verify_mode", "VERIFY_MODES"),
+    "verify_mode": ("fastsync.executor.verify_mode", "verify_mode"),
     "weight_spans": ("fastsync.engines.vllm.pause", "weight_spans"),
     # the host kit (fastsync.host)
     "open_control": ("fastsync.host.control", "open_control"),

@@ -23,36 +23,15 @@ from typing import Callable
 import torch
 
 from fastsync.executor.program import RecvProgram
+from fastsync.executor.verify_mode import VERIFY_MODES, VerifyMode, verify_mode
 
 __all__ = ["VERIFY_MODES", "VerifyMode", "verify_mode", "Digests", "sampled_blocks", "crc_update", "receiver_checksums",
            "compare_checksums"]
 
-VERIFY_MODES = ("off", "sample", "full")
 #: the sample's block size and rate: block 0 and about one block in SAMPLE_EVERY of each transfer
 SAMPLE_BLOCK = 4 << 10
 SAMPLE_EVERY = 32
 _MASK = (1 << 64) - 1
-
-
-class VerifyMode(str):
-    """``"off"``, ``"sample"`` or ``"full"``; false only when ``"off"`` (so ``if verify:`` reads right)."""
-
-    def __bool__(self) -> bool:
-        return self != "off"
-
-
-def verify_mode(value: object, what: str = "verify") -> VerifyMode:
-    """The mode ``value`` names: True -> full, False/None -> off, or one of :data:`VERIFY_MODES`;
-    ConfigError naming ``what`` otherwise."""
-    from fastsync.errors import ConfigError
-
-    if value is None or value is False:
-        return VerifyMode("off")
-    if value is True:
-        return VerifyMode("full")
-    if isinstance(value, str) and value in VERIFY_MODES:
-        return VerifyMode(value)
-    raise ConfigError(f"{what} must be one of {list(VERIFY_MODES)} (or True/False), got {value!r}")
 
 
 def _phase(version: int, index: int) -> int:

@@ -24,6 +24,7 @@ from typing import Any
 from fastsync.errors import ConfigError, LayoutError
 from fastsync.host.control import node_address, share_over_torch
 from fastsync.sync.weight_sync import EngineHandle, SyncResult, WeightSync
+from fastsync.executor.verify_mode import verify_mode
 
 __all__ = ["DeepSpeedWeightSync"]
 
@@ -37,7 +38,7 @@ class DeepSpeedWeightSync:
     127.0.0.1 without Ray); the handles' workers must reach it."""
 
     def __init__(self, module: Any, *, engines: Sequence[EngineHandle], zero_stage: int, transport: str = "nixl",
-                 timeout_s: float = 120.0, control_host: str | None = None, verify: bool = False,
+                 timeout_s: float = 120.0, control_host: str | None = None, verify: bool | str = False,
                  name: str = "deepspeed", delta: bool = False, fanout: str = "off") -> None:
         import torch.distributed as dist
 
@@ -48,7 +49,8 @@ class DeepSpeedWeightSync:
         if zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"DeepSpeedWeightSync: zero_stage must be 0-3, got {zero_stage}")
         self.module, self.engines, self.zero_stage = module, list(engines), zero_stage
-        self.transport, self.timeout_s, self.verify = transport, timeout_s, verify
+        self.transport, self.timeout_s = transport, timeout_s
+        self.verify = verify_mode(verify)
         self.delta, self.fanout, self.name = delta, fanout, name
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.control_host = control_host or node_address()

@@ -34,6 +34,7 @@ from fastsync.layout.box import box_shape, box_slices
 from fastsync.layout.types import Box, Shard, TrainerLayout
 from fastsync.sync.receiver import WeightReceiver
 from fastsync.sync.sender import WeightSender
+from fastsync.executor.verify_mode import verify_mode
 
 __all__ = ["FullCopySender", "FullCopyReceiver", "INVENTORY_KEY"]
 
@@ -43,9 +44,10 @@ INVENTORY_KEY = "inventory"
 class _Channel:
     def __init__(self, *, rank: int, num_trainers: int, num_receivers: int, control: ControlPlane,
                  transport: str = "nixl", timeout_s: float = 120.0, max_transfer_bytes: int | None = None,
-                 cap_bytes: int | None = None, verify: bool = False) -> None:
+                 cap_bytes: int | None = None, verify: bool | str = False) -> None:
         self.rank, self.num_trainers, self.num_receivers = rank, num_trainers, num_receivers
-        self.control, self.transport, self.timeout_s, self.verify = control, transport, timeout_s, verify
+        self.control, self.transport, self.timeout_s = control, transport, timeout_s
+        self.verify = verify_mode(verify)
         self.max_transfer_bytes, self.cap_bytes = max_transfer_bytes, cap_bytes
         self.plan: FullCopyPlan | None = None
         self._flats: list[torch.Tensor] = []

@@ -20,7 +20,7 @@ from typing import Any, ClassVar, TypeVar
 
 from fastsync.control import DEFAULT_HOST, TCPStoreControl
 from fastsync.errors import ConfigError
-from fastsync.executor.verify import verify_mode
+from fastsync.executor.verify_mode import verify_mode
 from fastsync.layout.limits import check_seconds
 from fastsync.sync.sync_options import check_sync_options
 

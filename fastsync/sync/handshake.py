@@ -28,7 +28,7 @@ before anything is armed or published.
 from __future__ import annotations
 
 from fastsync.errors import SyncError
-from fastsync.executor.verify import VERIFY_MODES, VerifyMode, verify_mode
+from fastsync.executor.verify_mode import VERIFY_MODES, VerifyMode, verify_mode
 
 __all__ = [
     "Versions",

@@ -24,7 +24,7 @@ import torch
 
 from fastsync.control import ControlPlane
 from fastsync.errors import ConfigError, LayoutError, SyncError, error_from_text, error_text
-from fastsync.executor.verify import verify_mode
+from fastsync.executor.verify_mode import verify_mode
 from fastsync.sync.connect_options import ConnectOptions, StoreAddress
 from fastsync.sync.pause_modes import PAUSE_MODES, check_pause_mode
 from fastsync.sync.sync_options import check_sync_options

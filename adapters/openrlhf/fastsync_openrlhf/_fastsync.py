@@ -11,18 +11,20 @@ from fastsync import (
     DeepSpeedWeightSync,
     HookPointError,
     RpcEngine,
+    VERIFY_MODES,
     Spelling,
     check_sync_options,
     node_address,
     patch_moe_partitioned,
     ray_result,
     resolve_hook_point,
+    verify_mode,
     weight_spans,
 )
 
 __all__ = ["ConfigError", "DeepSpeedWeightSync", "HookPointError", "RpcEngine", "node_address", "ray_result",
            "resolve_hook_point", "patch_moe_partitioned", "weight_spans", "FANOUTS", "MOE_BACKENDS", "Spelling",
-           "check_sync_options", "worker_extension_class"]
+           "check_sync_options", "VERIFY_MODES", "verify_mode", "worker_extension_class"]
 
 
 def worker_extension_class() -> type:

@@ -8,7 +8,15 @@ import argparse
 from dataclasses import dataclass, fields
 from typing import Any
 
-from fastsync_openrlhf._fastsync import FANOUTS, MOE_BACKENDS, ConfigError, Spelling, check_sync_options
+from fastsync_openrlhf._fastsync import (
+    FANOUTS,
+    MOE_BACKENDS,
+    VERIFY_MODES,
+    ConfigError,
+    Spelling,
+    check_sync_options,
+    verify_mode,
+)
 
 __all__ = ["FastSyncOptions", "add_arguments", "options_from_args"]
 
@@ -22,7 +30,7 @@ class FastSyncOptions:
     """``enable``: sync with fastsync (False: OpenRLHF's own broadcast, unchanged). ``transport``:
     ``nixl`` (one-sided WRITEs) or ``torch`` (gloo point-to-point; for debugging).
     ``timeout_s``: deadline of every set-up step and sync. ``control_host``: the address trainer
-    rank 0 serves the control plane on (default: Ray's node IP). ``verify``: per-transfer checksums.
+    rank 0 serves the control plane on (default: Ray's node IP). ``verify``: what engine ranks check before each flip (off, sample, full; ``WeightSync(verify=...)``).
     ``moe``: swap HF MoE blocks for fastsync's (``fastsync.patch_moe``) with this backend.
     ``delta``: after a dense first sync, send only what changed (NIXL). ``fanout``: several
     identical engines (``--vllm.num_engines``) planned once and fed through relays between their
@@ -32,7 +40,7 @@ class FastSyncOptions:
     transport: str = "nixl"
     timeout_s: float = 120.0
     control_host: str | None = None
-    verify: bool = False
+    verify: bool | str = "off"
     moe: str = "off"
     delta: bool = False
     fanout: str = "off"
@@ -44,6 +52,7 @@ class FastSyncOptions:
             raise ConfigError(f"--fastsync.moe must be one of {_MOE_BACKENDS}, got {self.moe!r}")
         check_sync_options(_SPELLING, transport=self.transport, timeout_s=self.timeout_s, delta=self.delta,
                            fanout=self.fanout)
+        object.__setattr__(self, "verify", verify_mode(self.verify, "--fastsync.verify"))
         return self
 
 
@@ -57,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--fastsync.timeout_s", type=float, default=120.0, help="deadline of each set-up step and sync")
     g.add_argument("--fastsync.control_host", default=None,
                    help="address trainer rank 0 serves fastsync's control plane on (default: Ray's node IP)")
-    g.add_argument("--fastsync.verify", action="store_true", default=False, help="per-transfer checksums")
+    g.add_argument("--fastsync.verify", nargs="?", const="full", default="off", choices=VERIFY_MODES,
+                   help="what every engine rank checks before each flip: off, sample, full (the bare flag: full)")
     g.add_argument("--fastsync.delta", action="store_true", default=False,
                    help="after a dense first sync, send only the elements that changed (NIXL)")
     g.add_argument("--fastsync.fanout", choices=FANOUTS, default="off",

@@ -28,7 +28,7 @@ from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
 
 from fastsync import PAUSE_MODES, ConfigError, Spelling, SyncError, TCPStoreControl, check_pause_mode, check_sync_options
 from fastsync import MasterState, assign_session, control_address, join_control, new_member_id, open_control
-from fastsync import session_meta
+from fastsync import session_meta, verify_mode
 from fastsync_verl.inplace import INPLACE_MODES
 from fastsync_verl.rollout_end import Receive, RolloutEnd
 from fastsync_verl.server import install as install_server_hook
@@ -67,7 +67,7 @@ class FastSyncCheckpointEngine(CheckpointEngine):
 
     def __init__(self, bucket_size: int, is_master: bool = False, *, transport: str = "nixl",
                  control_host: str | None = None, control_port: int = 0, timeout_s: float = 120.0,
-                 max_transfer_bytes: int | None = None, staging_bytes: int = 64 << 20, verify: bool = False,
+                 max_transfer_bytes: int | None = None, staging_bytes: int = 64 << 20, verify: bool | str = False,
                  keep_registered: bool = True, trainer_shards: str = "auto", inplace: str = "auto",
                  delta: bool = False, fanout: str = "off", pause_mode: str = "abort", staged: bool = False,
                  **unknown: Any) -> None:
@@ -96,7 +96,7 @@ class FastSyncCheckpointEngine(CheckpointEngine):
         self.timeout_s = timeout_s
         self.max_transfer_bytes = max_transfer_bytes
         self.staging_bytes = staging_bytes
-        self.verify = verify
+        self.verify = verify_mode(verify, "engine_kwargs.fastsync.verify")
         self.keep_registered = keep_registered
         self._server: TCPStoreControl | None = None  # trainer rank 0 only
         self._topology: tuple | None = None

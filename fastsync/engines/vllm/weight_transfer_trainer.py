@@ -48,6 +48,7 @@ from fastsync.engines.vllm.wt_keys import error_text, raise_error_text
 from fastsync.engines.vllm.wt_client import ClientEngine, LLMWeightSyncClient, describe_error
 from fastsync.engines.vllm.wt_pause import check_pauser
 from fastsync.errors import ConfigError
+from fastsync.executor.verify_mode import verify_mode
 from fastsync.sync.pause_modes import DEFAULT_PAUSE_MODE, PAUSE_MODES
 from fastsync.security import job_secret
 from fastsync.sync.weight_sync import SyncResult, WeightSync
@@ -72,8 +73,9 @@ class FastSyncTrainerInitInfo(TrainerInitInfo):
     starts the control store (port 0: a free one, shared with the other ranks over
     ``torch.distributed``) and where the vLLM workers reach it. ``secret``: the job secret, hex
     (default ``$FASTSYNC_JOB_SECRET``). ``transport``: ``nixl`` (one-sided writes) or ``torch``.
-    ``timeout_s``: the deadline of every wait of a set-up or an update. ``verify``: CRC-check
-    every version on the engine before the flip.
+    ``timeout_s``: the deadline of every wait of a set-up or an update. ``verify``: what the
+    engine ranks check of every version before the flip: ``"off"``, ``"sample"`` or ``"full"``
+    (True: full; ``WeightSync(verify=...)``).
 
     ``staged`` (default False): the engine keeps generating while the writes land (in staging
     and shadow memory, off the live model); ``start_weight_update`` opens the version and returns,
@@ -103,7 +105,7 @@ class FastSyncTrainerInitInfo(TrainerInitInfo):
     transport: str = "nixl"
     transport_options: dict | None = None
     timeout_s: float = 60.0
-    verify: bool = False
+    verify: bool | str = False
     staged: bool = False
     pause_mode: str | None = DEFAULT_PAUSE_MODE
 
@@ -125,8 +127,7 @@ class FastSyncTrainerInitInfo(TrainerInitInfo):
         if not isinstance(self.timeout_s, (int, float)) or isinstance(self.timeout_s, bool) \
                 or not 0 < self.timeout_s <= 86400:
             raise ConfigError(f"FastSyncTrainerInitInfo.timeout_s must be seconds in (0, 86400], got {self.timeout_s!r}")
-        if not isinstance(self.verify, bool):
-            raise ConfigError(f"FastSyncTrainerInitInfo.verify must be True or False, got {self.verify!r}")
+        self.verify = verify_mode(self.verify, "FastSyncTrainerInitInfo.verify")
         if not isinstance(self.staged, bool):
             raise ConfigError(f"FastSyncTrainerInitInfo.staged must be True or False, got {self.staged!r}")
         if self.pause_mode is not None and self.pause_mode not in PAUSE_MODES:
