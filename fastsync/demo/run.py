@@ -17,6 +17,7 @@ Trainer rank 0 compares the engine's greedy tokens with the trainer model's own 
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import statistics
@@ -32,12 +33,22 @@ DEFAULT_PROMPTS: list[list[int]] = [[5, 6, 7, 8], [100, 200, 300], [11, 42, 99, 
 
 def engine_kwargs(model_dir: str, tp: int = 1, dtype: str = "bfloat16") -> dict:
     """``vllm.LLM`` arguments that work on a CPU host (see shared notes): no tokenizer, eager,
-    small KV cache, the fastsync worker extension."""
+    small KV cache, the fastsync worker extension; for an MLA model on a CPU with AMX, the
+    CPU_MLA attention backend (``fastsync.engines.vllm.mla``: fastsync cannot write AMX_MLA's
+    packed copies)."""
     from fastsync.engines.vllm import EXTENSION
+    from fastsync.engines.vllm.mla import attention_config
 
-    return dict(model=str(model_dir), skip_tokenizer_init=True, dtype=dtype, enforce_eager=True,
-                max_model_len=256, kv_cache_memory_bytes=64 << 20, tensor_parallel_size=tp,
-                worker_extension_cls=EXTENSION, seed=0)
+    kw = dict(model=str(model_dir), skip_tokenizer_init=True, dtype=dtype, enforce_eager=True,
+              max_model_len=256, kv_cache_memory_bytes=64 << 20, tensor_parallel_size=tp,
+              worker_extension_cls=EXTENSION, seed=0)
+    cfg_path = os.path.join(str(model_dir), "config.json")
+    if os.path.exists(cfg_path):
+        with open(cfg_path) as f:
+            attn = attention_config(json.load(f), dtype)
+        if attn is not None:
+            kw["attention_config"] = attn
+    return kw
 
 
 def hf_greedy(model: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
