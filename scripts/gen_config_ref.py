@@ -68,7 +68,8 @@ VERL = {
     "timeout_s": "deadline of every set-up step and sync",
     "max_transfer_bytes": "the planner splits larger tensors (default: 1/16 of a rank's share, at most verl's bucket)",
     "staging_bytes": "staging memory per rank",
-    "verify": "per-transfer checksums",
+    "verify": "what every engine rank checks before each flip: `off` (false), `sample` or `full` (true), as "
+              "`WeightSync(verify=)`",
     "keep_registered": "keep plan and registrations across syncs",
     "trainer_shards": "`auto`: FSDP2 ranks send their local shards; `on`: refuse instead of falling back; "
                       "`off`: verl's full tensors",
@@ -89,7 +90,8 @@ INIT_INFO = {
     "transport": "`nixl` (one-sided writes) or `torch`",
     "transport_options": "passed to the transport's factory as they are",
     "timeout_s": "the deadline of every wait of a set-up or an update",
-    "verify": "CRC-check every version on the engine before the flip",
+    "verify": "what the engine checks before each flip: `\"off\"` (False), `\"sample\"` or `\"full\"` (True), "
+              "as `WeightSync(verify=)`",
     "staged": "the engine keeps generating while the writes land; it pauses only for `update_weights` (the flip)",
     "pause_mode": "`wait`, `abort` or `keep` (vLLM's `/pause?mode=`), or `None`: the host pauses",
 }

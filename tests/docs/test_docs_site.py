@@ -56,3 +56,17 @@ def test_troubleshooting_has_every_error_class() -> None:
     classes = _error_classes()
     assert {"ConfigError", "SyncError", "HookPointError"} <= classes
     assert classes <= headings, f"docs/troubleshooting.md lacks: {sorted(classes - headings)}"
+
+
+def test_benchmark_data_say_how_they_were_made() -> None:
+    """Every ``--json`` output kept under docs/data names its command, date and CPU, and its
+    command is one the benchmarks page shows."""
+    import json
+
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    files = sorted((ROOT / "docs" / "data").rglob("*.json"))
+    assert files
+    for f in files:
+        rec = json.loads(f.read_text())
+        assert {"command", "date", "cpu", "output"} <= set(rec), f
+        assert rec["command"].removesuffix(" --json") in page, f
