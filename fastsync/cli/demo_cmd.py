@@ -37,6 +37,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pause-mode", choices=("wait", "abort", "keep"), default="wait",
                    help="what the engine does with requests in flight at each pause (vLLM's modes): wait (default) "
                         "lets them finish on the old version, abort aborts them, keep carries them across the flip")
+    p.add_argument("--verify", choices=("off", "sample", "full"), default="off",
+                   help="what the engine checks of each fastsync sync before its flip, inside the timed sync "
+                        "(WeightSync(verify=...)): off (default), a seeded sample of blocks, or every byte")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.set_defaults(func=run)
 
@@ -53,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
                    max_tokens=args.max_tokens, transport=args.transport, baseline=not args.no_baseline,
                    repeats=args.repeats, tp=args.tp, timeout_s=args.timeout, dtype=args.dtype, log=log,
                    progress=auto(json=args.json), staged=args.staged == "on", load=True,
-                   pause_mode=args.pause_mode)
+                   pause_mode=args.pause_mode, verify=args.verify)
     s = summarize(rep)
     # one verdict for both outputs: fastsync's result and (when run) the baseline's must match the trainer
     ok = bool(s["match"] and s["changed"] and s.get("baseline_match", True))

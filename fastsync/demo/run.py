@@ -145,7 +145,7 @@ def trainer_main(rank: int, world: int, port: int, model_dir: str, opts: dict, o
 
         ws = WeightSync(model, rank=rank, world_size=world, control=control, engines=[engine] if engine else [],
                         transport=opts.get("transport", "nixl"), timeout_s=timeout, staged=bool(opts.get("staged")),
-                        pause_mode=opts.get("pause_mode", "wait"))
+                        pause_mode=opts.get("pause_mode", "wait"), verify=opts.get("verify", "off"))
         ws.setup()
         report["setup_s"] = ws.setup_s
         def generate() -> list[list[int]]:
@@ -224,13 +224,16 @@ def run_demo(*, model_dir: str | None = None, preset: str = "small-qwen3-moe", n
              transport: str = "nixl", baseline: bool = True, repeats: int = 3, tp: int = 1,
              fsdp: bool = True, timeout_s: float = 120.0, dtype: str = "float32", log: Any = print,
              progress: bool = False, staged: bool = False, load: bool = False, pause_mode: str = "wait",
+             verify: str = "off",
              reference: str = "hf") -> dict:
     """Run the whole demo; returns trainer rank 0's report plus engine start time. ``progress``:
     name the step under way on stderr (checkpoint, engine start, trainers). ``staged``: fastsync's
     syncs receive while the engine generates, pausing only for the flip. ``load``: a client keeps
     requests going to the engine throughout, so the report can say what each sync did to them.
     ``pause_mode``: what the engine does with the requests in flight at each pause (vLLM's
-    ``wait`` / ``abort`` / ``keep``, ``WeightSync(pause_mode=...)``). ``reference``: what the
+    ``wait`` / ``abort`` / ``keep``, ``WeightSync(pause_mode=...)``). ``verify``: what the engine
+    checks of each fastsync sync before its flip (``WeightSync(verify=...)``, inside the timed
+    sync). ``reference``: what the
     engine's tokens after the sync are checked against: ``"hf"``, the trainer's transformers
     model on the new weights; ``"vllm"``, a fresh vLLM engine that loads the new weights from a
     checkpoint with vLLM's own loaders (for models whose transformers and vLLM implementations
@@ -269,7 +272,7 @@ def run_demo(*, model_dir: str | None = None, preset: str = "small-qwen3-moe", n
     q = ctx.Queue()
     opts = {"prompts": prompts, "max_tokens": max_tokens, "transport": transport, "baseline": baseline,
             "repeats": repeats, "fsdp": fsdp, "timeout_s": timeout_s, "dtype": dtype, "staged": staged, "load": load,
-            "pause_mode": pause_mode}
+            "pause_mode": pause_mode, "verify": verify}
     if reference == "vllm":
         import tempfile
 
@@ -317,6 +320,7 @@ def run_demo(*, model_dir: str | None = None, preset: str = "small-qwen3-moe", n
         report["model_dir"] = model_dir
         report["num_trainers"] = num_trainers
         report["pause_mode"] = pause_mode
+        report["verify"] = verify
         report["updates"] = [{**h, "requests_finished_during": sum(h["start"] <= e <= h["end"] for _, e in calls),
                               "requests": eng.outcomes(h)} for h in eng.history]
         report["requests_total"] = len(calls)
@@ -363,6 +367,7 @@ def summarize(report: dict) -> dict:
     fs = statistics.median(report["sync_s_max_over_ranks"]["fastsync"])
     pairs = [(a, b) for ea, eb in zip(report["after_engine"], report["after_trainer"]) for a, b in zip(ea, eb)]
     out = {
+        "verify": report.get("verify", "off"),
         "changed": report["after_engine"] != report["before_engine"],
         "match": report["after_engine"] == report["after_trainer"],
         "tokens_equal": f"{sum(a == b for a, b in pairs)}/{len(pairs)}",
