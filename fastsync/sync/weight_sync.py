@@ -62,6 +62,11 @@ class SyncResult:
     engines: list[list[dict]] = field(default_factory=list)
 
 
+def _where(t: torch.Tensor) -> tuple[int, tuple[int, ...], torch.dtype]:
+    """Where a registered tensor's bytes are: address, shape, dtype."""
+    return t.data_ptr(), tuple(t.shape), t.dtype
+
+
 def local_sources(module: torch.nn.Module, names: Sequence[str], *, rank: int = 0,
                   world_size: int = 1) -> dict[str, torch.Tensor]:
     """This rank's local tensor of each parameter: the DTensor's local shard (FSDP2: the memory
@@ -221,6 +226,7 @@ class WeightSync:
         self.control_port = control_port if control_port is not None else getattr(control, "port", None)
         self._layout = layout
         self._sources = sources
+        self._registered: dict[str, tuple] | None = None  # set by setup(): what the sender registered
         self.plan: Plan | None = None
         self.sender: Any = None
         self.version = 0
@@ -316,6 +322,9 @@ class WeightSync:
             if got.startswith("err:"):
                 raise error_from_text(got, f"trainer rank {self.rank}: engines refused the plan")
         shards: dict[str, list[Shard]] = layout.shards_on(self.rank)
+        # what the sender registers: a sync refuses to send once the model's memory is elsewhere
+        self._registered = (None if self._layout is not None or self.model is None else
+                            {n: _where(t) for n, t in sources.items()})
         kw = dict(rank=self.rank, plan=plan, sources=sources, shards=shards, control=self.control,
                   transport=self.transport, transport_options=self.transport_options, timeout_s=self.timeout_s)
         if self.delta:
@@ -387,6 +396,7 @@ class WeightSync:
             raise SyncError(f"trainer rank {self.rank}: sync() before setup()")
         if version <= self.version:
             raise SyncError(f"trainer rank {self.rank}: version {version} is not newer than {self.version}")
+        self._check_registered()
         self.versions.spend(version)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         t0 = time.perf_counter()
@@ -415,6 +425,25 @@ class WeightSync:
         self._dense_next = False
         self.version = version
         return SyncResult(version, self.rank, time.perf_counter() - t0, metrics, results)
+
+    def _check_registered(self) -> None:
+        """SyncError, before any byte moves, when a parameter's local tensor is no longer the memory
+        set-up registered (the model replaced, a parameter re-allocated by a reload or an offload):
+        fastsync would send bytes that are no longer the model."""
+        if self._registered is None or self.model is None:
+            return
+        names = list(self._registered)
+        try:
+            now = local_sources(self.model, names, rank=self.rank, world_size=self.world_size)
+        except LayoutError as e:
+            raise SyncError(f"trainer rank {self.rank}: the model changed since set-up ({e}); call setup() again") from e
+        moved = [n for n in names if n not in now or _where(now[n]) != self._registered[n]]
+        if moved:
+            raise SyncError(
+                f"trainer rank {self.rank}: {len(moved)} parameter(s) of the model are no longer the memory set-up "
+                f"registered ({', '.join(repr(n) for n in moved[:3])}{', ...' if len(moved) > 3 else ''}): the model "
+                f"was replaced or its parameters re-allocated (a reload, an offload). Nothing was sent; call setup() "
+                f"again on every trainer rank to register the new memory (it re-plans if shapes changed)")
 
     def close(self) -> None:
         if self.sender is not None:

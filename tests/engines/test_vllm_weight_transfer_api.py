@@ -300,3 +300,36 @@ def test_shutdown_then_a_new_trainer_set_up(rig):
     perturb(rig.hf, seed=5)
     eng.send_weights(weight_version="after-shutdown")
     assert rig.tokens() == rig.hf_tokens() and rig.llm.get_weight_version() == "after-shutdown"
+
+
+def test_a_replaced_source_is_followed_and_moved_memory_is_refused(rig):
+    """Issue 39's stale-weights case through vLLM's trainer API: ``engine.source`` replaced by a
+    ModuleSource over a freshly built model between two ``send_weights`` (vLLM's full-resync
+    backends read ``self.source`` every round): the engine then serves the NEW model. A
+    parameter re-allocated under the same source (``p.data = ...``, as a reload or an offload
+    does) is refused by name before any byte moves; the engine keeps its version; after
+    ``setup()`` the new memory is synced."""
+    import copy
+
+    from vllm.distributed.weight_transfer import ModuleSource
+
+    from fastsync.errors import SyncError
+
+    eng = rig.connected()
+    fresh = copy.deepcopy(rig.hf)
+    perturb(fresh, seed=11, scale=0.5)
+    assert hf_greedy(fresh, PROMPTS, MAX_TOKENS) != rig.tokens(), "the new model must answer differently"
+    eng.source = ModuleSource(fresh)
+    eng.send_weights(weight_version="fresh-model")
+    rig.hf = fresh
+    assert rig.tokens() == rig.hf_tokens() and rig.llm.get_weight_version() == "fresh-model"
+    served = rig.served()
+    name, p = next((n, p) for n, p in fresh.named_parameters() if n.endswith("mlp.down_proj.weight"))
+    with torch.no_grad():
+        p.data = p.data.clone() * 1.5  # new memory under the same source
+    with pytest.raises(SyncError, match=rf"no longer the memory set-up registered \('{name}'\).*call setup\(\) again"):
+        eng.send_weights()
+    assert rig.served() == served and rig.llm.get_weight_version() == "fresh-model"
+    eng.ws.setup()
+    eng.send_weights(weight_version="re-registered")
+    assert rig.tokens() == rig.hf_tokens() and rig.llm.get_weight_version() == "re-registered"

@@ -259,8 +259,17 @@ class FastSyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[FastSyncTr
         (``weight_version``: the string vLLM reports at ``/weight_info`` and labels the new tokens
         with, set inside the pause; None keeps vLLM's). Returns when every engine serves the new
         version; SyncError on every rank when it did not (the engines keep serving their last
-        version). On rank 0, ``updates[-1]`` then has the update's ``transfer_s``, ``stall_s``,
+        version). A ``source`` replaced since ``trainer_init`` is registered afresh first (every
+        trainer rank must have replaced its own); a model whose parameters were re-allocated under
+        the same source is refused by name before any byte moves (``WeightSync.sync``). On rank 0, ``updates[-1]`` then has the update's ``transfer_s``, ``stall_s``,
         ``drain_s`` and ``paused_by``."""
+        module = _module_of(self.source)
+        if module is not self.ws.model:
+            # vLLM's full-resync backends read ``self.source`` every round: a source replaced since
+            # trainer_init is followed (re-registered and re-planned, on every trainer rank, which
+            # must all have replaced theirs), never answered with the old module's memory
+            self.ws.model = module
+            self.ws.setup()
         version = self.next_version
         self.next_version += 1  # spent even when it fails: a retry is a new version
         key = _finished_key(version)
