@@ -190,6 +190,7 @@ def trainer_main(rank: int, world: int, port: int, model_dir: str, opts: dict, o
         report["fastsync_s"] = times
         if rank == 0:
             report["engine_side"] = res.engines[0]  # per worker: wait_s, finish_s, postprocess_s (repack)
+            report["fallback"] = res.fallback  # through vLLM's load_weights instead of in place
         if rank == 0:
             report["after_engine"] = generate()
             report["version_after"] = engine.version()
@@ -368,6 +369,7 @@ def summarize(report: dict) -> dict:
     pairs = [(a, b) for ea, eb in zip(report["after_engine"], report["after_trainer"]) for a, b in zip(ea, eb)]
     out = {
         "verify": report.get("verify", "off"),
+        "fallback": report.get("fallback"),
         "changed": report["after_engine"] != report["before_engine"],
         "match": report["after_engine"] == report["after_trainer"],
         "tokens_equal": f"{sum(a == b for a, b in pairs)}/{len(pairs)}",

@@ -61,6 +61,14 @@ class SyncResult:
     metrics: dict
     engines: list[list[dict]] = field(default_factory=list)
 
+    @property
+    def fallback(self) -> dict:
+        """Tensors and bytes the engines took through their own loader (vLLM's ``load_weights``)
+        instead of in place, summed over the engine ranks that said (trainer rank 0 hears them)."""
+        ranks = [r.get("fallback") for e in self.engines for r in e if isinstance(r, dict) and r.get("fallback")]
+        return {"tensors": sum(f["tensors"] for f in ranks), "bytes": sum(f["bytes"] for f in ranks),
+                "names": sorted({n for f in ranks for n in f.get("names", [])})[:8], "engine_ranks": len(ranks)}
+
 
 def _where(t: torch.Tensor) -> tuple[int, tuple[int, ...], torch.dtype]:
     """Where a registered tensor's bytes are: address, shape, dtype."""

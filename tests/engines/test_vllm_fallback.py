@@ -188,6 +188,8 @@ def test_sync_through_the_fallback_serves_the_trainers_weights_bit_for_bit(rig, 
     print(f"gpt2 sync with 8 of 29 tensors through the fallback: {res.seconds:.3f} s; per engine rank "
           f"(flip total, vLLM's load_weights, repack) s: {[tuple(round(x, 3) for x in p) for p in phases]}")
     assert all(f > 0 for _, f, _ in phases)  # the loader ran on every rank
+    fb = res.fallback  # what every sync result says went the fallback way: 8 tensors on each of 2 ranks
+    assert fb["tensors"] == 16 and fb["bytes"] > 0 and fb["engine_ranks"] == 2, fb
     after = rig.engine.generate(PROMPTS, MAX_TOKENS)
     want = hf_greedy(rig.hf, PROMPTS, MAX_TOKENS)
     print(f"v0 engine {before}\nv0 hf     {v0}\nv1 engine {after}\nv1 hf     {want}")

@@ -219,6 +219,8 @@ def test_new_architecture_syncs_on_its_recorded_layout(which, tmp_path):
           f"tokens before {rep['before_engine'][0]}, after {rep['after_engine'][0]}")
     assert s["changed"], "the training step did not change the engine's greedy tokens"
     assert s["match"], (rep["after_engine"], rep["after_trainer"])
+    # every tensor straight into the live weights: none through vLLM's load_weights fallback
+    assert s["fallback"] == {"tensors": 0, "bytes": 0, "names": [], "engine_ranks": 1}, s["fallback"]
 
 
 #: DeepSeek-V3 as vLLM-CPU's MLA backends run it: kv_lora_rank + qk_rope_head_dim must be 576 (both

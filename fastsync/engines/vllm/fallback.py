@@ -30,6 +30,7 @@ tensor)])`` inside the same fence as the fast path. In order:
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -174,6 +175,12 @@ class Fallback:
         """For ``fastsync_describe``: each fallback tensor, the operation, the parameters it loads."""
         return {x: {"why": w, "loads": sorted(p for p, xs in self.loads.items() if x in xs),
                     "path": "vLLM's load_weights at each flip (falls back)"} for x, w in sorted(self.why.items())}
+
+    def volume(self) -> dict:
+        """How much goes the fallback way at each flip: tensors and bytes (every sync result carries it)."""
+        item = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return {"tensors": len(self.shapes), "bytes": sum(math.prod(s) for s in self.shapes.values()) * item,
+                "names": sorted(self.shapes)[:8]}
 
     def adopt(self, old: Fallback | None) -> None:
         """Keep the previous describe's buffers (a live receiver may still point at them)."""
