@@ -8,7 +8,8 @@ the trainer (one rank: vLLM's ``ModuleSource`` over a plain module), driven thro
 ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``. What upstream checks
 and is checked here too: the calls reach the engine in order, the weight version changes at
 finish and only there, a failed update leaves the model usable and its session closed, calls out
-of order get vLLM's own errors. Added: greedy tokens equal the trainer's after each update, a
+of order get vLLM's own errors. Added: every update verified byte for byte on the engine before
+its flip (``verify="full"``) and greedy tokens equal the trainer's after it, a
 trainer whose parameters do not match is refused at trainer_init naming the tensor, and the
 previous set-up keeps working after such a refusal.
 """
@@ -111,8 +112,8 @@ class Rig:
                                                          source=ModuleSource(self.hf if model is None else model))
 
     def connected(self):
-        if self.trainer is None:
-            self.trainer = self.trainer_init()
+        if self.trainer is None:  # every update checked byte for byte on the engine before its flip
+            self.trainer = self.trainer_init(verify="full")
         return self.trainer
 
     def served(self) -> list[int]:
@@ -178,6 +179,8 @@ def test_full_flow_in_order_version_set_at_finish(rig):
     assert rig.client.calls == [("init", "default"), ("start", "default"), ("update", "default"),
                                 ("finish", "step-1")]
     assert rig.llm.get_weight_version() == "step-1"
+    checked = [w.get("verify") for e in eng.last.engines for w in e]  # the bytes, then the tokens
+    assert checked and all(v["mode"] == "full" and v["ok"] for v in checked), checked
     assert rig.tokens() == rig.hf_tokens()
     assert rig.served() == [eng.version] and eng.version >= 1
     rig.llm.update_weight_version("manual-version")  # vLLM's own, untouched by fastsync

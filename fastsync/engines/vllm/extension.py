@@ -450,7 +450,9 @@ class FastSyncWorkerExtension(ReloadWorkerMixin):
                    "fallback_s": st.fallback_s, "total_s": total,
                    "landed_s": getattr(rx.transport, "landed_s", None),  # NIXL: own bytes in (relays may go on)
                    # what went through vLLM's load_weights instead of straight into the live weights
-                   "fallback": st.fallback.volume() if st.fallback is not None else {"tensors": 0, "bytes": 0}}
+                   "fallback": st.fallback.volume() if st.fallback is not None else {"tensors": 0, "bytes": 0},
+                   # this version's in-protocol check before the flip (WeightSync(verify=...)): mode, seconds, ok
+                   "verify": dict(rx.last_verify) if rx.verify else {"mode": "off"}}
         m = rx.last_metrics
         if m is not None and m.spans is not None:  # tracing: the phases, the repack inside "apply"
             apply_thread = next((s["thread"] for s in m.spans if s["name"] == "apply"), "repack")
