@@ -272,8 +272,17 @@ class WeightSender:
             modes = {d: ("full" if m != "off" else m) for d, m in modes.items()}
         if all(m == "off" for m in modes.values()):
             return None
-        transfers = self.plan.transfers
-        return Digests(version, lambda i: modes.get(transfers[i].dst_rank, "off"))
+        # a rank this one did not hear from (a relay's child) gets the mode every rank asked for, or full
+        asks = {m for m in modes.values() if m != "off"}
+        other = asks.pop() if len(asks) == 1 else "full"
+        n = len(self.plan.transfers)
+        size = self.plan.fanout.replica_size if self.plan.fanout is not None else 0
+
+        def mode_of(i: int) -> str:  # flat index: replica k's copy of transfer b is k * n + b
+            k, b = divmod(i, n)
+            return modes.get(k * size + self.plan.transfers[b].dst_rank, other)
+
+        return Digests(version, mode_of)
 
     def wait_flips(self, version: int, deadline: float, m: SyncMetrics) -> None:
         """Wait (liveness watched, bounded) for every receiver this rank writes to to flip
