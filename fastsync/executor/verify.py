@@ -25,7 +25,7 @@ import torch
 from fastsync.executor.program import RecvProgram
 from fastsync.executor.verify_mode import VERIFY_MODES, VerifyMode, verify_mode
 
-__all__ = ["VERIFY_MODES", "VerifyMode", "verify_mode", "Digests", "sampled_blocks", "crc_update", "receiver_checksums",
+__all__ = ["VERIFY_MODES", "VerifyMode", "verify_mode", "Digests", "sampled_blocks", "sampled_ranges", "crc_update", "receiver_checksums",
            "compare_checksums"]
 
 #: the sample's block size and rate: block 0 and about one block in SAMPLE_EVERY of each transfer
@@ -52,6 +52,15 @@ def sampled_blocks(version: int, index: int, first: int, last: int) -> list[int]
     return out
 
 
+def sampled_ranges(version: int, index: int, pos: int, n: int) -> list[tuple[int, int]]:
+    """The sampled byte ranges ``(lo, hi)`` of the ``n``-byte piece at stream offset ``pos`` of
+    transfer ``index`` in ``version``, relative to the piece (:func:`sampled_blocks` cut to it)."""
+    if not n:
+        return []
+    return [(max(pos, k * SAMPLE_BLOCK) - pos, min(pos + n, (k + 1) * SAMPLE_BLOCK) - pos)
+            for k in sampled_blocks(version, index, pos // SAMPLE_BLOCK, (pos + n - 1) // SAMPLE_BLOCK)]
+
+
 class Digests:
     """Per-transfer digests of one version, fed each transfer's bytes in stream order (pieces
     of any size). ``mode_of(index)``: the mode of that transfer (its engine rank asked for it)."""
@@ -71,18 +80,15 @@ class Digests:
         crc = self.crcs.get(index, 0)
         if mode == "full":
             crc = crc_update(crc, data_u8)
-        elif n:
-            blocks = sampled_blocks(self.version, index, pos // SAMPLE_BLOCK, (pos + n - 1) // SAMPLE_BLOCK)
-            if blocks:
-                if data_u8.device.type != "cpu":  # only the sampled blocks cross to the host
-                    for k in blocks:
-                        lo, hi = max(pos, k * SAMPLE_BLOCK) - pos, min(pos + n, (k + 1) * SAMPLE_BLOCK) - pos
-                        crc = crc_update(crc, data_u8[lo:hi])
-                else:
-                    arr = data_u8.numpy()  # one view for every block: slicing numpy is cheaper than torch
-                    for k in blocks:
-                        lo, hi = max(pos, k * SAMPLE_BLOCK) - pos, min(pos + n, (k + 1) * SAMPLE_BLOCK) - pos
-                        crc = zlib.crc32(arr[lo:hi], crc)
+        else:
+            ranges = sampled_ranges(self.version, index, pos, n)
+            if ranges and data_u8.device.type != "cpu":  # only the sampled blocks cross to the host
+                for lo, hi in ranges:
+                    crc = crc_update(crc, data_u8[lo:hi])
+            elif ranges:
+                arr = data_u8.numpy()  # one view for every block: slicing numpy is cheaper than torch
+                for lo, hi in ranges:
+                    crc = zlib.crc32(arr[lo:hi], crc)
         self.crcs[index] = crc
 
     def bytes_read(self) -> int:
@@ -92,8 +98,7 @@ class Digests:
             if self.mode_of(index) == "full":
                 total += n
             elif self.mode_of(index) == "sample":
-                total += sum(min(n, (k + 1) * SAMPLE_BLOCK) - k * SAMPLE_BLOCK
-                             for k in sampled_blocks(self.version, index, 0, (n - 1) // SAMPLE_BLOCK)) if n else 0
+                total += sum(hi - lo for lo, hi in sampled_ranges(self.version, index, 0, n))
         return total
 
 
@@ -127,11 +132,9 @@ def receiver_checksums(program: RecvProgram, regions: dict[str, torch.Tensor], m
             if arr is None:
                 arr = arrays[name] = region.numpy()
             pos = 0
-            for off, n in it.dst_runs:  # the sample of Digests.feed, inline: one numpy view per tensor
-                if n:
-                    for k in sampled_blocks(version, it.index, pos // SAMPLE_BLOCK, (pos + n - 1) // SAMPLE_BLOCK):
-                        lo, hi = max(pos, k * SAMPLE_BLOCK) - pos, min(pos + n, (k + 1) * SAMPLE_BLOCK) - pos
-                        crc = zlib.crc32(arr[off + lo: off + hi], crc)
+            for off, n in it.dst_runs:  # Digests.feed's sample, on one numpy view per tensor
+                for lo, hi in sampled_ranges(version, it.index, pos, n):
+                    crc = zlib.crc32(arr[off + lo: off + hi], crc)
                 pos += n
             out[it.index] = crc
     return out
