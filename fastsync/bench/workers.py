@@ -189,10 +189,8 @@ def _sync_corrupting_one_byte(rx: Any, version: int, cfg: WorkerConfig, corrupte
     """``fastsync bench --corrupt``: one sync in which one byte of the largest tensor this rank
     received is flipped after the writes landed and before ``finish`` checks and flips; what was
     flipped goes in ``corrupted`` (the verification, when on, must refuse the version naming it)."""
-    import time as _time
-
     rx.begin(version)
-    rx.wait(_time.monotonic() + (cfg.sync_timeout_s or rx.timeout_s))
+    rx.wait(time.monotonic() + (cfg.sync_timeout_s or rx.timeout_s))
     _, items = rx.program.by_origin()[0]
     it = max(items, key=lambda i: i.transfer.nbytes)
     off = it.dst_runs[0][0]

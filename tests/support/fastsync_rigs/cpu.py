@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import os
 
+from fastsync.engines.vllm.mla import ASSUME_NO_AMX_ENV  # one name for the switch, product and tests
+
 __all__ = ["cpu_flags", "cpu_has_amx", "fp8_skip_reason"]
-
-ASSUME_NO_AMX_ENV = "FASTSYNC_ASSUME_NO_AMX"
-
 
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
     """The ``flags`` of the first processor in ``cpuinfo`` (empty when unreadable)."""
