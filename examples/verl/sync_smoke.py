@@ -2,7 +2,13 @@
 vLLM server (``vLLMHttpServer`` / AsyncLLM on the real vLLM CPU engine), driven by verl's
 ``CheckpointEngineManager.update_weights`` with ``checkpoint_engine.backend=fastsync``.
 
-    python examples/verl/sync_smoke.py [--preset tiny-qwen3] [--syncs 2] [--hosts 2] [--json]
+    python examples/verl/sync_smoke.py [--preset tiny-qwen3 | --model DIR] [--moe-swap] [--syncs 2]
+                                       [--verify full] [--hosts 2] [--json]
+
+``--model DIR``: your own Hugging Face checkpoint (config.json + safetensors; dense or MoE) instead
+of a preset, to see before a run whether fastsync syncs it in place (the JSON's ``inplace``,
+``fallback`` and ``bytes_equal``). ``--moe-swap``: the trainer swaps its MoE blocks for fastsync's
+(what ``actor_rollout_ref.model.external_lib=fastsync_verl.moe`` does in verl's FSDP engine).
 
 ``--hosts 2``: a real two-node Ray cluster on hosts made of network namespaces on this machine
 (``fastsync.bench.hosts``; root / CAP_NET_ADMIN): the trainer actors on one node, verl's vLLM
@@ -31,7 +37,12 @@ What is verl's here and what is a stand-in (honestly):
   ``send_weights`` runs and must stay 0. The trainer worker group is a stand-in dispatching
   what the manager calls (``execute_checkpoint_engine``, ``update_weights``).
 
-Prints ``match`` (after every sync the server's greedy tokens equal the trainer model's own),
+Prints ``bytes_equal`` (after every in-place sync, a SHA-256 of every engine tensor of every
+engine rank equals the same tensor built from the trainer's gathered weights by the plan's
+reference, the copies recorded from vLLM's own loader), ``verify`` (``engine_kwargs.fastsync.verify``:
+the engine ranks checked the trainers' digests before every flip), ``fallback`` (tensors and
+bytes vLLM's ``load_weights`` took instead), ``match`` (after every sync the server's greedy tokens
+equal the trainer model's own),
 ``inplace`` (the session took the in-place path: the writes landed in the live engine tensors),
 ``trainer_full_tensor_calls`` (0), the version verl's server records, and the generation stall.
 verl's CPU gaps are bridged by the test rig ``tests/support/fastsync_rigs/verl_cpu.py`` (dist-info
@@ -71,7 +82,7 @@ class Trainer:
     """One FSDP2 trainer rank with the fastsync backend, as verl's actor worker holds it."""
 
     def __init__(self, rank: int, world: int, gloo_port: int, model_dir: str, timeout_s: float,
-                 kwargs: dict, control_host: str = "127.0.0.1") -> None:
+                 kwargs: dict, control_host: str = "127.0.0.1", moe_swap: bool = False) -> None:
         import types
 
         import torch
@@ -101,6 +112,11 @@ class Trainer:
         self.rank, self.model_dir, self.FSDPEngine = rank, model_dir, FSDPEngine
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank, world_size=world)
         self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.swapped = 0
+        if moe_swap:  # what fastsync_verl.moe does after verl's _build_module: before FSDP wraps the module
+            from fastsync import patch_moe
+
+            self.swapped = len(patch_moe(self.model, ep_group=None, backend="auto"))
         mesh = init_device_mesh("cpu", (world,))
         for layer in self.model.model.layers:
             fully_shard(layer, mesh=mesh)
@@ -140,7 +156,32 @@ class Trainer:
 
     def counts(self) -> dict:
         return {"full_tensor_calls": self.full_tensor_calls, "iterated": self.iterated,
-                "engine": self.engine.describe()}
+                "engine": self.engine.describe(), "moe_blocks_swapped": self.swapped}
+
+    def reference_digests(self) -> dict | None:
+        """Trainer rank 0 (every rank calls it: a collective): per engine rank of the in-place
+        session, a SHA-256 (16 hex digits) of each engine tensor built from this step's gathered
+        weights by the plan's reference copies, and what vLLM's ``load_weights`` took instead."""
+        import hashlib
+
+        from fastsync.bench.local import reference_engine_tensors
+        from fastsync.demo.run import _full_state
+        from fastsync.executor.staging import as_bytes
+        from fastsync.layout.types import EngineLayout
+        from fastsync.layout.wire import engine_tensors_from_json
+
+        full = _full_state(self.model)
+        end = getattr(self.engine, "_end", None)
+        inplace = getattr(end, "inplace", None)
+        if self.rank != 0 or inplace is None:
+            return None
+        out = {}
+        for e in inplace.ws.engine_info:
+            for w in e:
+                want = reference_engine_tensors(full, EngineLayout(1, {0: engine_tensors_from_json(w["tensors"])}))[0]
+                out[int(w["rank"])] = {n: hashlib.sha256(as_bytes(t.contiguous()).numpy().tobytes()).hexdigest()[:16]
+                                       for n, t in want.items()}
+        return {"tensors": out, "version": inplace.ws.version, "fallback": inplace.last_fallback}
 
 
 class TrainerGroup:
@@ -234,6 +275,13 @@ def generate(server, prompts: list[list[int]], max_tokens: int, tag: str) -> lis
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="tiny-qwen3")
+    ap.add_argument("--model", default=None, metavar="DIR",
+                    help="a Hugging Face checkpoint directory (config.json + safetensors) to sync instead of --preset; "
+                         "read only (the smoke works on links to its files)")
+    ap.add_argument("--moe-swap", action="store_true",
+                    help="the trainer swaps its MoE blocks for fastsync's (fastsync_verl.moe) before FSDP2 wraps it")
+    ap.add_argument("--verify", choices=("off", "sample", "full"), default="full",
+                    help="engine_kwargs.fastsync.verify: the engine ranks check the trainers' digests before the flip")
     ap.add_argument("--syncs", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--timeout-s", type=float, default=120.0)
@@ -254,7 +302,11 @@ def main(argv: list[str] | None = None) -> int:
                          "pause is only the flip")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    a.kwargs = {**KWARGS, "pause_mode": a.pause_mode, "staged": a.staged}
+    a.kwargs = {**KWARGS, "pause_mode": a.pause_mode, "staged": a.staged, "verify": a.verify}
+    if a.model is not None and not os.path.isfile(os.path.join(a.model, "config.json")):
+        print(f"--model {a.model!r}: no config.json there (a Hugging Face checkpoint directory is needed)",
+              file=sys.stderr)
+        return 2
     trainers_n = 2
     why = _check_hosts(a.hosts, a.tp)
     if why is not None:  # before anything starts
@@ -306,8 +358,16 @@ def _main(a, trainers_n: int, rig) -> int:
     from fastsync.demo.run import DEFAULT_PROMPTS
     from fastsync_verl.extension import EXTENSION_PATH
 
-    model_dir = str(build_tiny_checkpoint(a.preset, os.path.join(work, a.preset), dtype="float32"))
-    write_word_tokenizer(model_dir, transformers.AutoConfig.from_pretrained(model_dir).vocab_size)
+    if a.model is None:
+        model_dir = str(build_tiny_checkpoint(a.preset, os.path.join(work, a.preset), dtype="float32"))
+    else:  # the user's checkpoint, read only: links to its files in a work folder
+        model_dir = os.path.join(work, "model")
+        os.makedirs(model_dir)
+        src = os.path.abspath(a.model)
+        for f in os.listdir(src):
+            os.symlink(os.path.join(src, f), os.path.join(model_dir, f))
+    if not any(os.path.exists(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        write_word_tokenizer(model_dir, transformers.AutoConfig.from_pretrained(model_dir).vocab_size)
     env = {"OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled", "VERL_PLATFORM": "cpu", "GLOO_SOCKET_IFNAME": "lo",
            "PYTHONPATH": os.environ.get("PYTHONPATH", ""), "TOKENIZERS_PARALLELISM": "false",
            "VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # vLLM's auto-binding asserts on a single-NUMA host
@@ -328,7 +388,9 @@ def _main(a, trainers_n: int, rig) -> int:
     a.nic = (lambda: [rig.nic_bytes(h) for h in range(a.hosts)]) if rig is not None else (lambda: [])
     nic = [rig.nic_bytes(h) for h in range(a.hosts)] if rig is not None else []
     try:
-        result = run(a, model_dir, DEFAULT_PROMPTS, EXTENSION_PATH, trainers_n)
+        vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
+        prompts = [[t % vocab for t in p] for p in DEFAULT_PROMPTS]  # a user's model may have a small vocabulary
+        result = run(a, model_dir, prompts, EXTENSION_PATH, trainers_n)
         if rig is not None:  # what left the trainer node through its NIC (the weights, and Ray's traffic)
             result["trainer_host_nic_tx_bytes"] = rig.nic_bytes(0)[0] - nic[0][0]
             # what reached each engine host (its share of the weights, and Ray's and vLLM's traffic)
@@ -343,7 +405,7 @@ def _main(a, trainers_n: int, rig) -> int:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     print(json.dumps(result) if a.json else "\n".join(f"{k}: {v}" for k, v in result.items()))
     readd = result.get("readd")
-    ok = result.get("match") and result.get("changed") and result.get("inplace") \
+    ok = result.get("match") and result.get("changed") and result.get("inplace") and result.get("bytes_equal") \
         and result.get("trainer_full_tensor_calls") == 0 \
         and (readd is None or (readd["match"] and readd["changed"] and readd["path"] == "inplace"))
     return 0 if ok else 1
@@ -385,7 +447,7 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
     launched = [s.launch_server.remote(*master) for s in servers]
     gloo = _free_port()
     trainer_cls = ray.remote(num_cpus=0)(Trainer).options(**a.place(0))
-    trainers = [trainer_cls.remote(r, trainers_n, gloo, model_dir, a.timeout_s, a.kwargs, a.control_host)
+    trainers = [trainer_cls.remote(r, trainers_n, gloo, model_dir, a.timeout_s, a.kwargs, a.control_host, a.moe_swap)
                 for r in range(trainers_n)]
     ray.get(launched, timeout=600)
     worker_cls = ray.remote(num_cpus=0)(rollout_worker_cls())
@@ -418,7 +480,9 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
         want = ray.get([t.reference.remote(prompts, a.max_tokens) for t in trainers], timeout=300)[0]
         state = ray.get(worker.state.remote(), timeout=60)
         steps = ray.get(server.__ray_call__.remote(lambda self: self.global_steps), timeout=60)
+        bytes_check = _bytes_check(server, trainers) if state["path"] == "inplace" else {}
         syncs.append({"step": step, "match": after == want, "changed": after != before, "sync_s": round(sync_s, 3),
+                      **bytes_check,
                       "path": state["path"], "stall_s": round(state["stall_s"], 4), "server_global_steps": steps,
                       "drain_s": round(state["drain_s"], 4), "stall_phases": state["phases"],
                       "rollout_setups": state["setups"], "paused_by_fastsync": state["paused_by_fastsync"],
@@ -461,7 +525,10 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
         except Exception:  # noqa: BLE001
             pass
     stall = round(statistics.median(s["stall_s"] for s in syncs[1:] or syncs), 4)
-    return {"match": all(s["match"] for s in syncs), "changed": all(s["changed"] for s in syncs),
+    return {"bytes_equal": all(s.get("bytes_equal") is True for s in syncs),
+            "verify": a.verify, "model": a.model or a.preset, "moe_blocks_swapped": counts[0]["moe_blocks_swapped"],
+            "fallback": syncs[-1].get("fallback"),
+            "match": all(s["match"] for s in syncs), "changed": all(s["changed"] for s in syncs),
             "inplace": all(s["path"] == "inplace" for s in syncs),
             "trainer_full_tensor_calls": sum(c["full_tensor_calls"] for c in counts),
             "verl_generator_iterated": any(c["iterated"] for c in counts),
@@ -479,6 +546,31 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
             "server": "verl.workers.rollout.vllm_rollout.vllm_async_server.vLLMHttpServer", "server_adapter": adapter,
             "extension": extension, "trainers": trainers_n, "tp": a.tp, "preset": a.preset, "start_s": round(start_s, 1),
             "hosts": a.hosts, "nodes": _nodes(trainers, servers, workers)}
+
+
+def _bytes_check(server, trainers: list) -> dict:
+    """Every engine tensor's bytes against the trainer's weights through the plan's reference
+    (see the module doc): ``bytes_equal``, the engine tensors compared, the first that differ."""
+    import ray
+
+    def digest(self):  # in verl's server actor: the workers' digests through AsyncLLM
+        import asyncio
+
+        loop = self.engine.output_handler.get_loop()
+        return asyncio.run_coroutine_threadsafe(self.engine.collective_rpc("fastsync_digest"), loop).result(120)
+
+    ref = ray.get([t.reference_digests.remote() for t in trainers], timeout=300)[0]
+    got = ray.get(server.__ray_call__.remote(digest), timeout=180)
+    bad, n = [], 0
+    for d in got:
+        want = ref["tensors"].get(int(d["rank"]), {})
+        n += len(want)
+        if d.get("version") != ref["version"] or set(d["tensors"]) != set(want):
+            bad.append(f"engine rank {d['rank']}: version {d.get('version')} / {ref['version']}, tensors "
+                       f"{sorted(set(d['tensors']) ^ set(want))[:4]} on one side only")
+        bad += [f"engine rank {d['rank']}: {k}" for k, h in sorted(want.items()) if d["tensors"].get(k) != h]
+    return {"bytes_equal": bool(n) and not bad, "engine_tensors_checked": n, "bytes_differ": bad[:8],
+            "fallback": ref["fallback"]}
 
 
 def _nodes(trainers: list, servers: list, workers: list) -> dict:

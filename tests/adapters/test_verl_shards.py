@@ -114,6 +114,28 @@ def test_off_uses_verls_full_tensors_and_still_delivers() -> None:
             assert torch.equal(t, sd[n]), n
 
 
+@pytest.mark.slow
+def test_moe_full_copy_path_sends_verls_unfused_names() -> None:
+    """A MoE model (packed experts [E, 2I, H] / [E, H, I], sharded 3 + 2 over the expert dimension)
+    on the full-copy path (the rollout takes named tensors for verl's loader): the rollout gets
+    exactly what verl's own export yields, its un-fused per-expert names
+    (``unfuse_moe_params``), from verl's full tensors; the in-place path plans the packed ones
+    (tests/adapters/test_verl_smoke.py)."""
+    from verl.workers.engine.fsdp.utils import unfuse_moe_params
+
+    reports, got = _run("auto+moe")
+    want = _model(7, moe=True)
+    for k, (step, received) in enumerate(zip(reports, got), start=1):
+        _step(want, k)
+        assert not [r for r in step if "error" in r], step
+        assert all(r["full_tensor"] > 0 for r in step)  # verl's full tensors feed this path for MoE
+        expected = list(unfuse_moe_params(want.state_dict().items(), "qwen3_moe"))
+        assert [n for n, _ in received] == [n for n, _ in expected]
+        assert "model.moe.mlp.experts.4.down_proj.weight" in dict(received)
+        for (n, t), (_, w) in zip(received, expected):
+            assert torch.equal(t, w), n
+
+
 def test_bad_trainer_shards_value_is_refused_naming_the_key() -> None:
     with pytest.raises(ConfigError, match="trainer_shards"):
         CheckpointEngineRegistry.new("fastsync", bucket_size=1 << 20, trainer_shards="yes")

@@ -10,7 +10,7 @@ import torch
 A = 2
 
 
-def _model(seed: int) -> torch.nn.Module:
+def _model(seed: int, moe: bool = False) -> torch.nn.Module:
     torch.manual_seed(seed)
     m = torch.nn.Module()
     m.model = torch.nn.Module()
@@ -18,6 +18,12 @@ def _model(seed: int) -> torch.nn.Module:
     m.model.layers = torch.nn.ModuleList([torch.nn.Linear(40, 75, bias=False), torch.nn.Linear(75, 40, bias=False)])
     m.model.norm = torch.nn.LayerNorm(40)
     m.lm_head = torch.nn.Linear(40, 203, bias=False)
+    if moe:  # transformers v5's packed experts: 5 experts, intermediate 7 ([E, 2I, H], [E, H, I])
+        m.model.moe = torch.nn.Module()
+        m.model.moe.mlp = torch.nn.Module()
+        m.model.moe.mlp.experts = torch.nn.Module()
+        m.model.moe.mlp.experts.gate_up_proj = torch.nn.Parameter(torch.randn(5, 14, 40))
+        m.model.moe.mlp.experts.down_proj = torch.nn.Parameter(torch.randn(5, 40, 7))
     return m
 
 
@@ -29,6 +35,9 @@ def _step(m: torch.nn.Module, k: int) -> None:
 
 def _trainer(rank: int, port: int, conn, mode: str) -> None:
     import os
+
+    moe = mode.endswith("+moe")  # a MoE model: packed experts, which verl un-fuses on export
+    mode = mode.removesuffix("+moe")
     import types
 
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -55,7 +64,7 @@ def _trainer(rank: int, port: int, conn, mode: str) -> None:
     DTensor.full_tensor = counted
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=A)
-        m = _model(7)
+        m = _model(7, moe)
         for layer in m.model.layers:
             fully_shard(layer)
         fully_shard(m)
@@ -63,7 +72,8 @@ def _trainer(rank: int, port: int, conn, mode: str) -> None:
                                               control_host="127.0.0.1", timeout_s=30, trainer_shards=mode)
         fake = types.SimpleNamespace(  # stand-in for FSDPEngine: what get_per_tensor_param reads
             module=m, _uses_fsdp2_cpu_offload_policy=False, _is_offload_param=False, _qat_enabled=False,
-            model_config=types.SimpleNamespace(lora={}, hf_config=types.SimpleNamespace(model_type="llama")))
+            model_config=types.SimpleNamespace(lora={}, hf_config=types.SimpleNamespace(
+                model_type="qwen3_moe", num_experts=5) if moe else types.SimpleNamespace(model_type="llama")))
         for k in (1, 2):
             _step(m, k)
             conn.send(engine.prepare())

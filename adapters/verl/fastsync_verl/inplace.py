@@ -50,6 +50,7 @@ class InplaceTrainer:
                              staged=staged)
         self.ready = False
         self.last_engines: list[list[dict]] = []
+        self.last_fallback: dict = {}  # trainer rank 0: what the engines took through vLLM's load_weights
 
     def sync(self, version: int) -> dict:
         """Set up on the first call (describe, plan, connect), then write ``version``. Trainer rank
@@ -61,6 +62,7 @@ class InplaceTrainer:
                 self.ready = True
             res = self.ws.sync(version)
             self.last_engines = res.engines
+            self.last_fallback = res.fallback if self.rank == 0 else {}
             return res.metrics
         finally:
             for e in self.engines:

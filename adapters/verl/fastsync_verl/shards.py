@@ -10,10 +10,19 @@ iterates exactly like verl's generator (any other backend sees no difference) an
 FSDP2 module. fastsync's backend then reads each parameter's DTensor placement and local shard and
 never iterates it: no ``full_tensor()`` on any rank.
 
-Where the shards cannot serve (FSDP1, LoRA adapters, packed MoE experts that verl un-fuses on
-export, QAT, a parameter that is not Shard(d)/Replicate), :meth:`ShardedWeights.refusal` says why
-and the backend falls back to iterating the full tensors (logged), or raises if
-``engine_kwargs.fastsync.trainer_shards`` is ``"on"``.
+Where the shards cannot serve (FSDP1, LoRA adapters, QAT, a parameter that is not
+Shard(d)/Replicate), :meth:`ShardedWeights.refusal` says why and the backend falls back to
+iterating the full tensors (logged), or raises if ``engine_kwargs.fastsync.trainer_shards`` is
+``"on"``.
+
+MoE models with transformers v5's packed experts (``mlp.experts.gate_up_proj`` [E, 2I, H],
+``mlp.experts.down_proj`` [E, H, I]) go in place from their shards: FSDP2 splits the expert
+dimension, and the engine's plan (recorded from vLLM's own loader, which is fed the packed
+tensor or its per-expert views) maps each trainer rank's experts straight into vLLM's fused-MoE
+weights (``w13_weight``, ``w2_weight``). The un-fusing verl does on export
+(``unfuse_moe_params``) is layout there, never materialised. Only the *full-copy* path, where
+verl's own loader takes named tensors on the rollout side, needs verl's un-fused names:
+:meth:`ShardedWeights.full_copy_refusal` says so and that path iterates verl's full tensors.
 """
 
 from __future__ import annotations
@@ -40,10 +49,12 @@ _FSDP = "verl.workers.engine.fsdp.transformer_impl"
 class ShardedWeights:
     """verl's lazy full-tensor generator plus the FSDP2 module it would gather from."""
 
-    def __init__(self, full: Any, module: Any, *, refusal: str | None = None) -> None:
+    def __init__(self, full: Any, module: Any, *, refusal: str | None = None,
+                 packed_experts: str | None = None) -> None:
         self._full = full
         self.module = module
         self._refusal = refusal
+        self._packed = packed_experts
         self.iterated = False  # True once anything asked for the full tensors
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -60,6 +71,11 @@ class ShardedWeights:
             if isinstance(t, DTensor) and not all(type(p) is Shard or isinstance(p, Replicate) for p in t.placements):
                 return f"parameter {name!r} has placements {t.placements} (only Shard(d)/Replicate are boxes)"
         return None
+
+    def full_copy_refusal(self) -> str | None:
+        """Why the shards cannot feed the full-copy path (verl's loader on the rollout side takes
+        its un-fused expert names), or None. The in-place path plans packed experts as they are."""
+        return self._packed
 
     def hf_names(self) -> dict[str, str]:
         """state_dict name -> the HF name verl would send (``convert_weight_keys``)."""
@@ -83,12 +99,22 @@ def _why_not(engine: Any, module: Any) -> str | None:
         return "LoRA adapters (verl merges or sends adapters, not the sharded base weights)"
     if getattr(engine, "_qat_enabled", False):
         return "QAT is enabled (verl quantises the full tensors on export)"
+    return None
+
+
+def _packed_experts(engine: Any, module: Any) -> str | None:
+    """Why verl's export renames this model's tensors (packed MoE experts it un-fuses), or None."""
     model_config = getattr(engine, "model_config", None)
     hf = getattr(model_config, "hf_config", None)
-    if hf is not None and any(getattr(hf, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
-        return (f"MoE model {getattr(hf, 'model_type', '?')!r}: verl un-fuses packed experts on export "
-                "(unfuse_moe_params), which the shard path does not replicate yet")
-    return None
+    if hf is None or not any(getattr(hf, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+        return None
+    packed = [n for n, t in module.state_dict(keep_vars=True).items()
+              if n.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")) and t.dim() == 3]
+    if not packed or getattr(hf, "model_type", None) == "gpt_oss":  # verl keeps GPT-OSS's packed tensors
+        return None
+    return (f"MoE model {getattr(hf, 'model_type', '?')!r}: verl un-fuses its {len(packed)} packed expert "
+            f"tensor(s) (e.g. {packed[0]!r}) on export for its loader (unfuse_moe_params); the in-place path "
+            "plans them as they are, the full-copy path takes verl's full tensors")
 
 
 def install() -> None:
@@ -108,7 +134,8 @@ def install() -> None:
             full, peft = orig(self, *args, **kwargs)
             if peft is not None or kwargs.get("layered_summon") or args:
                 return full, peft  # adapter paths: verl's own tensors, untouched
-            return ShardedWeights(full, self.module, refusal=_why_not(self, self.module)), peft
+            return ShardedWeights(full, self.module, refusal=_why_not(self, self.module),
+                                  packed_experts=_packed_experts(self, self.module)), peft
 
         return get_per_tensor_param
 

@@ -11,6 +11,7 @@ shards cannot serve; verl's own loader takes the copy on the rollout side).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -24,6 +25,8 @@ from fastsync_verl.inplace import POLICY_KEY, InplaceTrainer
 from fastsync_verl.shards import ShardedWeights
 
 __all__ = ["TrainerEnd"]
+
+log = logging.getLogger("fastsync_verl")
 
 
 class TrainerEnd:
@@ -54,6 +57,14 @@ class TrainerEnd:
                 raise ConfigError(f"fastsync trainer rank {rank}: trainer rank 0 chose the in-place path but this "
                                   f"rank cannot send from FSDP2 shards: {why}")
             return await self._send_inplace(module, version, t0)
+        packed = weights.full_copy_refusal() if isinstance(weights, ShardedWeights) and module is not None else None
+        if packed is not None:  # verl's loader takes the un-fused names: verl's own export feeds this path
+            if o.trainer_shards == "on":
+                raise ConfigError(f"fastsync trainer rank {rank}: engine_kwargs.fastsync.trainer_shards='on' but the "
+                                  f"session takes the full-copy path, which the local shards cannot feed: {packed}")
+            if self.sender is None:
+                log.warning("fastsync trainer rank %d: full-copy path from verl's full tensors: %s", rank, packed)
+            module = None
         tx = self._full_copy_sender()
         if module is not None:
             if tx.plan is None:
