@@ -8,7 +8,19 @@ ZeRO-3 weights through the plan's reference) and both engines' greedy tokens the
 Rig: ``fastsync_rigs.openrlhf_cpu`` (tests/support) (its named stand-ins: ``flash_attn``, OpenRLHF's CUDA-only
 set-up). The rig starts one engine; the second is started here with the same arguments, holding
 no logical GPU (the rig's Ray has one; vLLM on CPU does not use it). One rig and one pair of
-engines serve every cell (about a minute to start)."""
+engines serve every cell (about a minute to start).
+
+The MoE cells (``test_openrlhf_moe``): a Qwen3-MoE with awkward sizes
+(``matrix_support.AWKWARD_QWEN3_MOE``) built the way OpenRLHF's ``PolicyModelActor`` builds its
+actor: ``install_trainer`` (so ``--fastsync.moe`` rebinds ``ppo_actor.Actor``), then OpenRLHF's
+``Actor`` constructed partitioned under ZeRO-3 (``HfDeepSpeedConfig``), then ``deepspeed.initialize``.
+Without the swap the experts are HF's fused ``gate_up_proj`` / ``down_proj`` ZeRO-3 partitions;
+with ``--fastsync.moe auto`` each block is fastsync's. Either way every MoE engine tensor's bytes
+(vLLM's fused ``w13`` / ``w2`` experts included) must equal the gathered trainer weights through
+the plan's reference, and the engine's greedy tokens the trainer's. One more engine serves both
+MoE cells (its versions continue); it and the two MoE trainer ranks join the dense rig's Ray when
+that is up (holding no Ray CPU or GPU: the dense actors hold them all, idle by then), else they are
+a rig of their own (``-k moe``: about a minute)."""
 
 from __future__ import annotations
 
@@ -25,7 +37,16 @@ pytest.importorskip("nixl._api", reason="NIXL not installed")
 pytest.importorskip("ray")
 
 sys.path.insert(0, os.path.dirname(__file__))
-from matrix_support import FANOUT, assert_digest, cell_id, cell_params, first_version, reference_digest  # noqa: E402
+from matrix_support import (  # noqa: E402
+    FANOUT,
+    MOE_PROMPTS,
+    assert_digest,
+    build_moe_checkpoint,
+    cell_id,
+    cell_params,
+    first_version,
+    reference_digest,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -60,6 +81,10 @@ def _calls():
     return build, last_kind, full_weights, planned
 
 
+#: the dense rig while it is up (the MoE cells start their engine and ranks in its Ray)
+_LIVE: dict = {}
+
+
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory):
     from fastsync_rigs.openrlhf_cpu import CpuRig, build_checkpoint
@@ -77,8 +102,10 @@ def rig(tmp_path_factory):
         r.ray.get(second.get_num_unfinished_requests.remote(), timeout=300)
         r.engines = [r.engine, second]
         r.described = r.ray.get(r.engine.fastsync_describe.remote({}), timeout=120)[0]["tensors"]
+        _LIVE["rig"] = r
         yield r
     finally:
+        _LIVE.pop("rig", None)
         for e in getattr(r, "engines", [])[1:]:
             try:
                 r.ray.get(e.fastsync_close.remote(), timeout=30)
@@ -87,13 +114,14 @@ def rig(tmp_path_factory):
         r.close()
 
 
-def _tokens(rig, engine) -> list[list[int]]:
+def _tokens(rig, engine, prompts=None) -> list[list[int]]:
     from vllm import SamplingParams
 
     from fastsync_rigs.openrlhf_cpu import MAX_TOKENS, PROMPTS
 
     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    return [list(rig.ray.get(engine.generate.remote(p, sp), timeout=120).outputs[0].token_ids) for p in PROMPTS]
+    return [list(rig.ray.get(engine.generate.remote(p, sp), timeout=120).outputs[0].token_ids)
+            for p in (PROMPTS if prompts is None else prompts)]
 
 
 @pytest.mark.parametrize("cell", cell_params())
@@ -129,3 +157,149 @@ def test_openrlhf_matrix(rig, cell):
             assert digest["version"] == version + step, (i, digest.get("version"))
             assert_digest(digest["tensors"], want_bytes, f"{cell_id(cell)} step {step}, engine {i}")
             assert _tokens(rig, e) == want, f"{cell_id(cell)} step {step}, engine {i}: tokens differ from the trainer's"
+
+
+def _actor_build():
+    """The trainer-rank call that builds the policy as OpenRLHF's ``PolicyModelActor`` does, shipped
+    by value through ``__ray_call__`` (see :func:`_calls`)."""
+
+    def build_actor(self, model_dir: str, opts: dict) -> dict:
+        import deepspeed
+        import torch
+        import openrlhf.utils.utils as openrlhf_utils
+        from openrlhf.trainer.ray import ppo_actor
+
+        from fastsync_openrlhf.trainer import install_trainer
+        from fastsync_rigs.openrlhf_cpu import openrlhf_args
+
+        if self.trainer is not None and getattr(self.trainer, "_fastsync_sync", None) is not None:
+            self.trainer._fastsync_sync.close()  # the previous cell's session
+        self.trainer = self.engine = self.opt = None
+        install_trainer(openrlhf_args(fastsync=opts))  # FastSyncPolicyModel.init_model_from_pretrained
+        config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                  "zero_optimization": {"stage": 3, "stage3_allgather_sequential": True},  # see the rig
+                  "zero_allow_untested_optimizer": True}
+        # STAND-IN: OpenRLHF's Actor takes --ds.param_dtype bf16/fp16 only; the matrix compares fp32
+        # bytes and greedy tokens against an fp32 engine, as the dense cells do
+        to_dtype = openrlhf_utils.convert_to_torch_dtype
+        openrlhf_utils.convert_to_torch_dtype = lambda _dtype: torch.float32
+        try:  # ppo_actor.Actor: OpenRLHF's, or with --fastsync.moe the adapter's swap after it
+            actor = ppo_actor.Actor(model_dir, attn_implementation="sdpa", param_dtype="bf16", ds_config=config)
+        finally:
+            openrlhf_utils.convert_to_torch_dtype = to_dtype
+        partitioned = all(hasattr(p, "ds_id") for p in actor.model.parameters())
+        self.engine, self.opt, _, _ = deepspeed.initialize(
+            model=actor.model, optimizer=torch.optim.AdamW(actor.model.parameters(), lr=0.02), config=config)
+        self.model_dir = model_dir
+        from fastsync.moe.block import FastSyncMoEBlock
+
+        blocks = {n: "fastsync" if isinstance(m, FastSyncMoEBlock) else type(m).__name__
+                  for n, m in self.engine.module.named_modules() if n.endswith(".mlp")}
+        return {"swapped": sorted(getattr(actor, "fastsync_moe_swapped", None) or {}), "blocks": blocks,
+                "partitioned": partitioned}
+
+    return build_actor
+
+
+@pytest.fixture(scope="module")
+def moe_rig(tmp_path_factory):
+    """One vLLM CPU engine serving the MoE checkpoint and two ZeRO-3 trainer ranks: in the dense
+    rig's Ray when it is up (its one logical GPU and its CPUs are held by the dense actors: these
+    hold none), else a rig of their own."""
+    import socket
+    from types import SimpleNamespace
+
+    from fastsync_rigs.openrlhf_cpu import CpuRig, TrainerRank
+    from fastsync_openrlhf.rollout import OPENRLHF_EXTENSION, FastSyncRolloutRayActor
+
+    model_dir = build_moe_checkpoint(tmp_path_factory.mktemp("moe_ckpt"))
+    host = _LIVE.get("rig")
+    own = None
+    if host is None:
+        own = CpuRig(model_dir, str(tmp_path_factory.mktemp("ray_moe")), num_trainers=2,
+                     env={"PYTHONPATH": str(STANDIN)})
+        m = SimpleNamespace(ray=own.ray, engine=own.engine, trainers=own.trainers, control_host=own.control_host)
+    else:
+        ray = host.ray
+        engine = FastSyncRolloutRayActor.options(  # the rig's engine arguments, no CPU or GPU held
+            num_cpus=0, num_gpus=0, runtime_env={"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}}).remote(
+            model=model_dir, enforce_eager=True, worker_extension_cls=OPENRLHF_EXTENSION, tensor_parallel_size=1,
+            seed=0, distributed_executor_backend="uni", max_model_len=256, enable_prefix_caching=False,
+            dtype="float32", trust_remote_code=True, full_determinism=False, bundle_indices=None, num_gpus=1,
+            enable_sleep_mode=False, skip_tokenizer_init=True, kv_cache_memory_bytes=64 << 20)
+        with socket.socket() as sock:  # the MoE ranks' own torch.distributed world
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        trainers = [ray.remote(num_cpus=0)(TrainerRank).remote(r, 2, port, model_dir) for r in range(2)]
+        m = SimpleNamespace(ray=ray, engine=engine, trainers=trainers, control_host=host.control_host)
+    try:
+        m.model_dir = model_dir
+        m.ray.get(m.engine.get_num_unfinished_requests.remote(), timeout=300)
+        m.ray.get([t.__ray_ready__.remote() for t in m.trainers], timeout=300)
+        m.described = m.ray.get(m.engine.fastsync_describe.remote({}), timeout=120)[0]["tensors"]
+        yield m
+    finally:
+        if own is not None:
+            own.close()
+        else:
+            for t in m.trainers:
+                try:
+                    m.ray.get(t.close.remote(), timeout=60)
+                except Exception:  # noqa: BLE001 - shutting down regardless
+                    pass
+            try:
+                m.ray.get(m.engine.fastsync_close.remote(), timeout=30)
+            except Exception:  # noqa: BLE001
+                pass
+            for a in [*m.trainers, m.engine]:
+                m.ray.kill(a)
+
+
+MOE_CELLS = [pytest.param("off", id="moe-swap-off"), pytest.param("auto", id="moe-swap-on")]
+
+
+@pytest.mark.parametrize("moe", MOE_CELLS)
+def test_openrlhf_moe(moe_rig, moe):
+    """A ZeRO-3 MoE policy through the adapter's ``broadcast_to_vllm`` into the live engine, with
+    and without ``--fastsync.moe`` (see the module doc); two syncs, each after a real AdamW step."""
+    import argparse
+
+    from fastsync_openrlhf.config import FastSyncOptions, add_arguments
+    from fastsync_rigs.openrlhf_cpu import MAX_TOKENS
+
+    m = moe_rig
+    experts = sorted(n for n in m.described if ".mlp.experts." in n)  # vLLM's fused w13 / w2, padded
+    assert len(experts) == 4 and all(n.endswith(("w13_weight", "w2_weight")) for n in experts), experts
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    opts = {k.split(".", 1)[1]: v for k, v in vars(ap.parse_args(["--fastsync.moe", moe])).items()}
+    FastSyncOptions(**opts).validate()
+    opts["control_host"] = m.control_host
+    build, _, full_weights, planned = _calls()
+    ray, version = m.ray, 10 * (1 + [p.values[0] for p in MOE_CELLS].index(moe))
+    built = ray.get([t.__ray_call__.remote(_actor_build(), m.model_dir, opts) for t in m.trainers], timeout=300)
+    mlps = ["model.layers.0.mlp", "model.layers.1.mlp"]
+    for b in built:
+        assert b["partitioned"], "OpenRLHF's Actor was not built partitioned (zero.Init)"
+        assert sorted(b["blocks"]) == mlps, b["blocks"]
+        if moe == "off":
+            assert b["swapped"] == [] and set(b["blocks"].values()) == {"Qwen3MoeSparseMoeBlock"}, b
+        else:
+            assert b["swapped"] == mlps and set(b["blocks"].values()) == {"fastsync"}, b
+    ray.get([t.make_trainer.remote([m.engine], opts) for t in m.trainers], timeout=120)
+    ray.get([t.__ray_call__.remote(build, version - 1) for t in m.trainers], timeout=300)
+    assert ray.get(m.trainers[0].__ray_call__.remote(planned), timeout=60) == (1, False)  # one engine, direct
+    for step in range(2):
+        ray.get([t.train_step.remote(version + step) for t in m.trainers], timeout=300)  # every weight moves
+        want = ray.get([t.trainer_tokens.remote(MOE_PROMPTS, MAX_TOKENS) for t in m.trainers], timeout=300)[0]
+        full = ray.get([t.__ray_call__.remote(full_weights) for t in m.trainers], timeout=120)[0]
+        want_bytes = reference_digest(full, m.described)
+        if step:  # the check has teeth: the engine still holds the previous sync's bytes, every one stale
+            stale = ray.get(m.engine._rpc.remote("fastsync_digest"), timeout=60)[0]["tensors"]
+            assert all(stale[n] != want_bytes[n] for n in want_bytes), "a trained tensor's bytes did not move"
+        got = ray.get([t.broadcast_to_vllm.remote() for t in m.trainers], timeout=300)
+        assert [g["version"] for g in got] == [version + step] * 2
+        digest = ray.get(m.engine._rpc.remote("fastsync_digest"), timeout=60)[0]
+        assert digest["version"] == version + step, digest.get("version")
+        assert_digest(digest["tensors"], want_bytes, f"moe {moe} step {step}")
+        assert _tokens(m, m.engine, MOE_PROMPTS) == want, f"moe {moe} step {step}: tokens differ from the trainer's"
