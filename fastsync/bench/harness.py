@@ -195,6 +195,7 @@ def summarize(rows: list[dict], schedule: list[tuple[str, int, bool]], warmup: i
     for name, vs in order.items():
         secs, stages_t, stages_r, errors, ratios, stalls = [], defaultdict(list), defaultdict(list), [], [], []
         verify_s: list[float] = []
+        digest_s: list[float] = []  # of verify_s: the engine rank's own digest (the rest waits for the senders')
         modes: set[str] = set()
         corrupted: list[dict] = []
         checksum_verified = None
@@ -231,6 +232,7 @@ def summarize(rows: list[dict], schedule: list[tuple[str, int, bool]], warmup: i
             modes.update(r["verify"]["mode"] for r in eng if (r.get("verify") or {}).get("mode"))
             if any("verify" in r.get("stages", {}) for r in eng):  # the slowest engine rank's check of this sync
                 verify_s.append(max(r.get("stages", {}).get("verify", 0.0) for r in eng))
+                digest_s.append(max((r.get("verify") or {}).get("digest_s", 0.0) for r in eng))
             sent = [r["payload"] for r in rs if r["role"] == "trainer" and r.get("payload", {}).get("mode") == "delta"]
             if sent:  # --delta: stream bytes against the dense bytes of the same version
                 ratios.append(sum(p["bytes_sent"] for p in sent) / max(1, sum(p["bytes_dense"] for p in sent)))
@@ -264,6 +266,7 @@ def summarize(rows: list[dict], schedule: list[tuple[str, int, bool]], warmup: i
             # fastsync bench --verify: the in-protocol check of every timed sync (inside its seconds)
             "verify_mode": "/".join(sorted(modes)) if modes else "off",
             "verify_seconds_median": statistics.median(verify_s) if verify_s else None,
+            "verify_digest_seconds_median": statistics.median(digest_s) if digest_s else None,
             "corrupted": corrupted,
             "checksum_verified": checksum_verified,
             "verified": num_timed > 0 and num_checked == num_timed and checksum_verified is True,

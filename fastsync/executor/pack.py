@@ -93,9 +93,7 @@ class Packer:
         return [(base[s: s + n], d) for s, d, n in it.segments()]
 
     def _digest(self, it: SendItem, digests: Digests) -> None:
-        base = self.base(it)
-        for off, n in it.src_runs:
-            digests.feed(it.index, base[off: off + n])
+        digests.feed_runs(it.index, self.base(it), it.src_runs)
 
     def pack(self, chunk: Chunk, crcs: Digests | None = None) -> None:
         """Transform every staged item of ``chunk`` into its slot; with ``crcs``, feed each item's

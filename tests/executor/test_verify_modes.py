@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fastsync.errors import ConfigError
-from fastsync.executor.verify import SAMPLE_BLOCK, SAMPLE_EVERY, Digests, sampled_blocks, verify_mode
+from fastsync.executor.verify import SAMPLE_BLOCK, SAMPLE_EVERY, Digests, sampled_blocks, sampled_runs, verify_mode
 
 
 def _feed(mode: str, data: torch.Tensor, cuts: list[int], version: int = 7) -> Digests:
@@ -18,6 +18,27 @@ def _feed(mode: str, data: torch.Tensor, cuts: list[int], version: int = 7) -> D
         d.feed(3, data[prev:c])
         prev = c
     return d
+
+
+@pytest.mark.parametrize("mode", ["full", "sample"])
+def test_runs_of_a_strided_box_digest_as_their_bytes_laid_end_to_end(mode):
+    """``feed_runs`` (one call for thousands of short runs, split over two items of one transfer)
+    gives the digest of the runs' bytes laid end to end, as the other side computes it."""
+    g = torch.Generator().manual_seed(1)
+    base = torch.randint(0, 256, (300_000,), dtype=torch.uint8, generator=g)
+    runs = [(i * 1000 + (i % 7), 333 + (i % 5)) for i in range(290)]  # rows of a column slice, uneven
+    stream = torch.cat([base[o: o + n] for o, n in runs])
+    want = _feed(mode, stream, []).crcs[3]
+    d = Digests(7, lambda _i: mode)
+    d.feed_runs(3, base, runs[:100])
+    d.feed_runs(3, base, runs[100:])
+    assert d.crcs[3] == want
+    if mode == "sample":  # the sample's runs are exactly the sampled ranges of the stream
+        got = b"".join(base[o: o + n].numpy().tobytes() for o, n in sampled_runs(7, 3, runs))
+        want_bytes = b""
+        for k in sampled_blocks(7, 3, 0, (stream.numel() - 1) // SAMPLE_BLOCK):
+            want_bytes += stream[k * SAMPLE_BLOCK: (k + 1) * SAMPLE_BLOCK].numpy().tobytes()
+        assert got == want_bytes
 
 
 @pytest.mark.parametrize("mode", ["full", "sample"])
