@@ -55,6 +55,7 @@ from fastsync.errors import ConfigError, LayoutError, SyncError
 from fastsync.engines.vllm import ENGINE
 from fastsync.engines.vllm.fallback import Fallback
 from fastsync.engines.vllm.rpc_result import call_result as _result
+from fastsync.engines.vllm.lora import LoraWorkerMixin
 from fastsync.engines.vllm.reload import ReloadWorkerMixin, ensure_staging
 from fastsync.engines.vllm.worker_state import (
     EngineDeltaLanding,
@@ -137,7 +138,7 @@ def _config_dict(hf_config: Any) -> dict:
     return cfg
 
 
-class FastSyncWorkerExtension(ReloadWorkerMixin):
+class FastSyncWorkerExtension(ReloadWorkerMixin, LoraWorkerMixin):
     """Mixed into every vLLM worker by ``worker_extension_cls``; methods are ``collective_rpc``
     targets. All names start with ``fastsync_`` so they never clash with the worker's own."""
 
