@@ -10,7 +10,7 @@ calls its own ``set_lora`` once on *recording* tensors: every source element hol
 number (``1 + offset of its source + flat index``, exact in float64), the slot is float64 zeros,
 and what lands says which source element each slot element came from. This module turns such a
 recording into :class:`~fastsync.layout.types.Piece` boxes (one per source a destination reads),
-refusing anything that is not a box-to-box copy, and builds the static plan for trainer rank 0.
+refusing anything that is not a box-to-box copy (``fastsync.plan.lora`` plans from them).
 
 Source names are ``{module}.lora_A`` and ``{module}.lora_B`` under the engine's module names
 (``model.layers.0.self_attn.q_proj``); PEFT's ``base_model.model.{module}.lora_A.default.weight``
@@ -22,16 +22,16 @@ maps to them with :func:`peft_source_name`. B is sent already multiplied by the 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from fastsync.errors import LayoutError
-from fastsync.layout.types import EngineLayout, EngineTensor, ParamSpec, Piece
+from fastsync.layout.types import Piece
 
 __all__ = ["LoraSource", "encode_sources", "recording_inputs", "pieces_from_recording", "peft_source_name",
-           "engine_tensor_name", "lora_plan"]
+           "engine_tensor_name"]
 
 #: float64 holds integers exactly up to 2**53: far more source elements than any adapter has.
 MAX_RECORDED = 1 << 52
@@ -121,30 +121,3 @@ def pieces_from_recording(dst_name: str, recorded: torch.Tensor, sources: Sequen
             raise LayoutError(f"{dst_name}: {src.name}'s elements are not a box of it copied in order")
         pieces.append(Piece(((r0, r1), (c0, c1)), src.name, ((sr, sr + h), (sc, sc + w))))
     return (rows, cols), tuple(pieces)
-
-
-def lora_plan(params: Mapping[str, ParamSpec], engine: Mapping[int, Mapping[str, EngineTensor]]):
-    """The static plan for one adapter: trainer rank 0 holds every (gathered) LoRA matrix whole
-    and writes each engine rank's staging tensors. LayoutError naming a source the engine reads
-    that the trainer does not have, or whose shape differs."""
-    from fastsync.layout.trainer import replicated_layout
-    from fastsync.plan.planner import build_plan
-
-    for rank, tensors in engine.items():
-        for t in tensors.values():
-            for p in t.pieces:
-                spec = params.get(p.src)
-                if spec is None:
-                    raise LayoutError(f"engine rank {rank} reads LoRA matrix {p.src!r} (for {t.name}), which the "
-                                      f"trainer's adapter does not have: are the target modules the same?")
-                if any(b > n for (_, b), n in zip(p.src_box, spec.shape)):
-                    raise LayoutError(f"engine rank {rank}: {t.name} reads {p.src!r} box {p.src_box}, outside the "
-                                      f"trainer's shape {spec.shape}: trainer and engine are not the same model")
-    layout = EngineLayout(len(engine), {r: dict(t) for r, t in engine.items()}, {r: 0 for r in engine}, kind="vllm-lora",
-                          description="one LoRA slot's staging tensors")
-    read = {p.src for ts in engine.values() for t in ts.values() for p in t.pieces}
-    unread = sorted(set(params) - read)
-    if unread:
-        raise LayoutError(f"the trainer's adapter has {len(unread)} LoRA matrix(es) no engine LoRA layer reads, "
-                          f"e.g. {unread[0]!r}: the engine was started without that target module")
-    return build_plan(params, replicated_layout(dict(params), 1), layout)

@@ -116,7 +116,7 @@ class LoraSync:
         """Slot layouts from every engine rank, the plan, the engines' receivers and this
         rank's sender; LayoutError before any write when trainer and engines disagree."""
         from fastsync.layout.box import full_box
-        from fastsync.layout.lora import lora_plan
+        from fastsync.plan.lora import lora_plan
         from fastsync.layout.types import Shard
         from fastsync.layout.wire import engine_tensors_from_json
         from fastsync.sync.sender import WeightSender
