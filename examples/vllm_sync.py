@@ -1,6 +1,7 @@
 """Sync any local HF checkpoint into a live vLLM engine with fastsync and check the result.
 
     python examples/vllm_sync.py --model HF_DIR [--trainers T] [--tp N] [--dtype float32|bfloat16]
+                                 [--verify off|sample|full] [--json]
 
 Starts a vLLM engine (CPU build here) with the fastsync worker extension on HF_DIR, starts T
 trainer processes that load the same checkpoint, shard it with FSDP2 over gloo and take one
@@ -9,7 +10,11 @@ shards, NIXL). Prints ``match: true`` when the engine's greedy tokens after the 
 trainer model's own greedy tokens on the new weights (and differ from before), and the sync time.
 With ``--reference vllm`` the tokens to equal are a fresh vLLM engine's on the trainer's new
 weights saved as a checkpoint (for models whose transformers and vLLM code disagree).
-Supported architectures: those with a fastsync name map (``fastsync plugins`` lists them).
+Any architecture vLLM loads: fastsync records where each trainer tensor lands from vLLM's own
+loader; ``--json`` says whether every tensor went in place (``inplace``) and which went through
+vLLM's ``load_weights`` instead and why (``fallback``). ``--verify full`` (the default here) has
+the engine check a CRC of every byte it received against the trainers' before each flip.
+``--quantization fp8`` (an FP8 engine fed by BF16 trainers) is refused by name: see ``--help``.
 """
 
 from __future__ import annotations
@@ -30,16 +35,45 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reference", default="hf", choices=["hf", "vllm"],
                    help="check the engine against the trainer's transformers model (hf) or a fresh vLLM engine "
                         "loading the trainer's new weights from disk (vllm)")
+    p.add_argument("--verify", default="full", choices=["off", "sample", "full"],
+                   help="WeightSync(verify=...): the engine checks the trainers' digests of every byte (full) or "
+                        "of a seeded sample before each flip")
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="an FP8 engine fed by BF16 trainers: not run live yet (vLLM-CPU's block-FP8 kernels need "
+                        "Intel AMX, and fastsync's live FP8 writes are planned and benchmarked, not yet run)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
+    if args.quantization == "fp8":
+        from fastsync.engines.vllm.mla import host_has_amx
+
+        why = ("this CPU has no AMX tiles, which vLLM-CPU's block-FP8 kernels need" if not host_has_amx() else
+               "live FP8 syncs into vLLM-CPU are not built yet (issue 37 part 3)")
+        print(f"--quantization fp8: refused: {why}; `fastsync plan --rollout vllm:tp2,quant=fp8` and "
+              "`fastsync bench` model the FP8 sender-side quantization", file=sys.stderr)
+        return 2
+
+    import json
 
     from fastsync.demo.run import run_demo, summarize
 
     rep = run_demo(model_dir=args.model, num_trainers=args.trainers, tp=args.tp, dtype=args.dtype,
                    transport=args.transport, repeats=args.repeats, baseline=False, log=lambda *_: None,
-                   reference=args.reference)
+                   reference=args.reference, verify=args.verify)
+    if not rep.get("ok", True) and "after_engine" not in rep:
+        print(json.dumps({"ok": False, "error": rep.get("error")}) if args.json else f"error: {rep.get('error')}")
+        return 1
     s = summarize(rep)
     ok = s["match"] and s["changed"]
     times = rep["sync_s_max_over_ranks"]["fastsync"]
+    if args.json:
+        fb = s.get("fallback") or {}
+        print(json.dumps({"match": ok, "changed": s["changed"], "tokens_equal": s["tokens_equal"],
+                          "inplace": fb.get("tensors", 0) == 0, "fallback": fb, "verify": s["verify"],
+                          "sync_s_median": statistics.median(times), "sync_s_all": times,
+                          "engine_start_s": rep["engine_start_s"], "version": s["version"],
+                          "reference": args.reference, "model": args.model, "tp": args.tp,
+                          "trainers": args.trainers}))
+        return 0 if ok else 1
     print(f"engine start: {rep['engine_start_s']:.1f} s")
     print(f"sync time: {statistics.median(times):.4f} s (median of {len(times)}; " + ", ".join(f"{t:.4f}" for t in times) + ")")
     print(f"engine version: {s['version'][0]} -> {s['version'][1]}")

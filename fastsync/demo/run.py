@@ -264,7 +264,13 @@ def run_demo(*, model_dir: str | None = None, preset: str = "small-qwen3-moe", n
         base = Path(workdir or os.path.join(os.environ.get("TMPDIR", "/tmp"), "fastsync-demo"))
         model_dir = str(build_tiny_checkpoint(preset, base / preset))
         log(f"checkpoint: {preset} (random weights) in {model_dir}")
-    prompts = prompts or DEFAULT_PROMPTS
+    if prompts is None:  # a user's model may have a small vocabulary: the default prompts fold into it
+        import json
+
+        with open(os.path.join(model_dir, "config.json")) as f:
+            cfg = json.load(f)
+        vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size") or 1 << 30
+        prompts = [[t % vocab for t in p] for p in DEFAULT_PROMPTS]
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if tp > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
