@@ -37,6 +37,8 @@ def test_bench_json_tiny(tmp_path, capsys):
     for b in ("fastsync", "ipc_shm_standin"):
         assert rows[b]["runs"] and rows[b]["verified"] and rows[b]["rounds_verified"] == "3/3", rows[b]
         assert len(rows[b]["send_s"]) == 2 and rows[b]["median_s"] > 0 and rows[b]["gbps"] > 0
+    # fastsync's rounds were byte-checked in protocol before each flip; the stand-in's by tokens only
+    assert (rows["fastsync"]["verified_by"], rows["ipc_shm_standin"]["verified_by"]) == ("bytes+tokens", "tokens")
     for b in ("ipc", "nccl"):  # both need CUDA; the row carries the backend's own error
         assert rows[b]["runs"] is False and rows[b]["stage"] == "trainer_init" and rows[b]["why"], rows[b]
     assert out["ratio_to_fastsync"]["fastsync"] == 1.0 and out["ratio_to_fastsync"]["ipc_shm_standin"] > 0
