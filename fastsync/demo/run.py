@@ -44,8 +44,12 @@ def engine_kwargs(model_dir: str, tp: int = 1, dtype: str = "bfloat16") -> dict:
               worker_extension_cls=EXTENSION, seed=0)
     cfg_path = os.path.join(str(model_dir), "config.json")
     if os.path.exists(cfg_path):
+        from fastsync.engines.vllm.cpu_limits import check_cpu_engine
+
         with open(cfg_path) as f:
-            attn = attention_config(json.load(f), dtype)
+            cfg = json.load(f)
+        check_cpu_engine(cfg, f"checkpoint {model_dir}")  # before a minute of engine start, naming the sizes
+        attn = attention_config(cfg, dtype)
         if attn is not None:
             kw["attention_config"] = attn
     return kw
