@@ -138,3 +138,56 @@ def test_missing_writes_keep_the_previous_version_serving(rig):
     ls.sync(v + 2)
     assert _engine_greedy(llm, eng.request()) == hf_greedy(pm, PROMPTS, MAX_TOKENS)
     ls.close()
+
+
+def test_base_weights_through_weight_sync_into_the_lora_engine(rig):
+    """The dense WeightSync writes base weights into an engine started with enable_lora=True
+    (vLLM's LoRA wrappers rename the base weights to ``...base_layer.weight``; the extension
+    describes the model as vLLM loaded it), by the hand-written map and by the recorded one; the
+    new base serves without an adapter and under a synced adapter, then the original comes back."""
+    import copy
+
+    from fastsync.engines.vllm.host import VllmEngine
+    from fastsync.sync import WeightSync
+
+    llm, eng = rig["llm"], rig["engine"]
+    base = VllmEngine(llm)
+    got = base.describe({"layout": "recorded", "prepare": False})
+    assert [w["layout"] for w in got] == ["recorded", "recorded"]
+    assert not any(w["fallback"] for w in got)
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(rig["dir"], dtype=torch.float32).eval()
+    original = {n: p.detach().clone() for n, p in hf.named_parameters()}
+    before = _engine_greedy(llm, None)
+    assert before == hf_greedy(hf, PROMPTS, MAX_TOKENS)
+    ws = WeightSync(hf, rank=0, world_size=1, control=rig["control"], engines=[base], control_port=rig["control"].port,
+                    verify="full", name="lorabase", timeout_s=60.0)
+    ws.setup()
+    try:
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for p in hf.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+        res = ws.sync(1)
+        assert res.fallback["tensors"] == 0
+        assert sum(res.metrics["bytes_per_link"].values()) >= sum(t.numel() * 4 for t in original.values())
+        new_base = _engine_greedy(llm, None)
+        assert new_base == hf_greedy(hf, PROMPTS, MAX_TOKENS) and new_base != before
+        from peft import LoraConfig, get_peft_model
+
+        pm = get_peft_model(copy.deepcopy(hf), LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS,
+                                                          lora_dropout=0.0)).eval()  # an adapter on the new base
+        ls = LoraSync(pm, control=rig["control"], engines=[eng], name="lorabase-adapter", timeout_s=60.0)
+        ls.setup()
+        _new_version(pm, seed=11)
+        ls.sync(eng.served + 1)
+        assert _engine_greedy(llm, eng.request()) == hf_greedy(pm, PROMPTS, MAX_TOKENS)
+        ls.close()
+        with torch.no_grad():  # the checkpoint's base again, for whatever runs next on this engine
+            for n, p in hf.named_parameters():
+                p.copy_(original[n])
+        ws.sync(2)
+        assert _engine_greedy(llm, None) == before
+    finally:
+        ws.close()

@@ -87,3 +87,33 @@ def test_plan_refuses_a_source_the_trainer_lacks_and_an_unread_one():
         lora_plan(params, {0: {t.name: t}})
     plan = lora_plan({src: params[src]}, {0: {t.name: t}})
     assert sum(x.nbytes for x in plan.transfers) == 4 * 8 * 4
+
+
+def test_lora_layers_unwrapped_shows_the_base_weights_as_vllm_loaded_them():
+    """vLLM's LoRA wrappers put a layer under ``.base_layer``; inside ``lora_layers_unwrapped``
+    the model has its loaded names and the very same tensors, and the wrappers come back after."""
+    pytest.importorskip("vllm")
+    from vllm.lora.layers import BaseLayerWithLoRA
+
+    from fastsync.engines.vllm.lora_record import lora_layers_unwrapped
+
+    class Wrapper(BaseLayerWithLoRA):
+        def __init__(self, base: torch.nn.Module) -> None:
+            super().__init__()
+            self.base_layer = base
+
+    inner = torch.nn.Linear(3, 2)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.layers[0].proj = Wrapper(inner)
+    model.norm = torch.nn.LayerNorm(2)
+    wrapper = model.layers[0].proj
+    assert "layers.0.proj.base_layer.weight" in dict(model.named_parameters())
+    with lora_layers_unwrapped(model) as m:
+        names = dict(m.named_parameters())
+        assert names["layers.0.proj.weight"] is inner.weight and "layers.0.proj.base_layer.weight" not in names
+        assert "norm.weight" in names
+    assert model.layers[0].proj is wrapper
+    with pytest.raises(RuntimeError), lora_layers_unwrapped(model):
+        raise RuntimeError("a failed describe")
+    assert model.layers[0].proj is wrapper

@@ -56,6 +56,7 @@ from fastsync.engines.vllm import ENGINE
 from fastsync.engines.vllm.fallback import Fallback
 from fastsync.engines.vllm.rpc_result import call_result as _result
 from fastsync.engines.vllm.lora import LoraWorkerMixin
+from fastsync.engines.vllm.lora_record import lora_layers_unwrapped
 from fastsync.engines.vllm.reload import ReloadWorkerMixin, ensure_staging
 from fastsync.engines.vllm.worker_state import (
     EngineDeltaLanding,
@@ -149,6 +150,11 @@ class FastSyncWorkerExtension(ReloadWorkerMixin, LoraWorkerMixin):
         return _result(lambda: self._fastsync_describe(dict(options or {})))
 
     def _fastsync_describe(self, options: dict) -> dict:
+        # an engine started with enable_lora=True: described (and recorded) as vLLM loaded it
+        with lora_layers_unwrapped(self.model_runner.model):  # type: ignore[attr-defined]
+            return self._fastsync_describe_model(options)
+
+    def _fastsync_describe_model(self, options: dict) -> dict:
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
         from fastsync import plugins
@@ -554,7 +560,8 @@ class FastSyncWorkerExtension(ReloadWorkerMixin, LoraWorkerMixin):
         ``st.undo``, so a failure here or later puts them back with the repacked layers."""
         t0 = time.perf_counter()
         try:
-            st.fallback.load(self.model_runner.model, st.live, st.staging, st.undo)  # type: ignore[attr-defined]
+            with lora_layers_unwrapped(self.model_runner.model) as model:  # type: ignore[attr-defined]
+                st.fallback.load(model, st.live, st.staging, st.undo)
         except Exception as e:
             for saved in reversed(st.undo):
                 saved.restore()

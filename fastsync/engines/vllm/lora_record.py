@@ -11,6 +11,8 @@ has, and not restated here.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +22,7 @@ from fastsync.errors import LayoutError
 from fastsync.layout.lora import LoraSource, engine_tensor_name, pieces_from_recording, recording_inputs
 from fastsync.layout.types import EngineTensor
 
-__all__ = ["SlotRegion", "record_lora_layout", "lora_manager"]
+__all__ = ["SlotRegion", "record_lora_layout", "lora_manager", "lora_layers_unwrapped"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +35,36 @@ class SlotRegion:
     index: int
     rows: int
     cols: int
+
+
+@contextmanager
+def lora_layers_unwrapped(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """``model`` as vLLM loaded it, for the duration: every LoRA wrapper (vLLM's
+    ``BaseLayerWithLoRA``, installed after loading with ``enable_lora=True``, which puts its layer
+    under ``.base_layer`` and so renames ``qkv_proj.weight`` to ``qkv_proj.base_layer.weight``)
+    swapped back for its base layer, then put back in a ``finally``. The base weights' names,
+    the name maps and vLLM's own ``load_weights`` (which the recording runs) then agree, and the
+    parameters found are the very tensors the wrappers compute with. Call inside a worker RPC
+    (no forward runs meanwhile). A model without LoRA layers is yielded unchanged."""
+    try:
+        from vllm.lora.layers import BaseLayerWithLoRA
+    except ImportError:  # a vLLM without LoRA layers
+        yield model
+        return
+    swapped: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []
+    for name, module in model.named_modules():
+        if isinstance(module, BaseLayerWithLoRA) and isinstance(module._modules.get("base_layer"), torch.nn.Module):
+            parent, _, child = name.rpartition(".")
+            swapped.append((model.get_submodule(parent) if parent else model, child, module))
+    if any(child == "" for _, child, _ in swapped):
+        raise LayoutError("the vLLM model itself is a LoRA wrapper; fastsync cannot unwrap it")
+    try:
+        for parent, child, module in swapped:
+            setattr(parent, child, module._modules["base_layer"])
+        yield model
+    finally:
+        for parent, child, module in reversed(swapped):
+            setattr(parent, child, module)
 
 
 def lora_manager(worker: Any) -> Any:
