@@ -282,7 +282,8 @@ class WeightSender:
             k, b = divmod(i, n)
             return modes.get(k * size + self.plan.transfers[b].dst_rank, other)
 
-        return Digests(version, mode_of)
+        one = set(modes.values()) | {other}
+        return Digests(version, mode_of, uniform=one.pop() if len(one) == 1 else None)
 
     def wait_flips(self, version: int, deadline: float, m: SyncMetrics) -> None:
         """Wait (liveness watched, bounded) for every receiver this rank writes to to flip

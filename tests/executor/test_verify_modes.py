@@ -4,10 +4,13 @@ block, and moves with the version; bad mode names are refused naming the option.
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
 from fastsync.errors import ConfigError
+from fastsync.executor import verify as V
 from fastsync.executor.verify import SAMPLE_BLOCK, SAMPLE_EVERY, Digests, sampled_blocks, sampled_runs, verify_mode
 
 
@@ -74,3 +77,140 @@ def test_modes(value, mode):
 def test_unknown_modes_are_refused_by_name(value):
     with pytest.raises(ConfigError, match=r"WeightSync\(verify=...\) must be one of \['off', 'sample', 'full'\]"):
         verify_mode(value, "WeightSync(verify=...)")
+
+
+# ---- batched sample digests (Digests.feed_batch, what packers and receivers call every version)
+
+def _stream_digest(mode: str, stream: torch.Tensor, index: int, version: int) -> int:
+    d = Digests(version, lambda _i: mode)
+    d.feed(index, stream)
+    return d.crcs[index]
+
+
+def _random_layout(seed: int, transfers: int = 12):
+    """Transfers of uneven sizes (under a block, a few blocks, tens of blocks), each cut into
+    runs scattered over two buffers: the runs of one buffer are placed at random, non-overlapping."""
+    g = torch.Generator().manual_seed(seed)
+    bufs = [torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=g),
+            torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=g)]
+    free = [0, 0]
+    out = []  # (index, buffer, runs, stream)
+    for j in range(transfers):
+        size = [300, 5000, SAMPLE_BLOCK * 40 + 77, SAMPLE_BLOCK * 3][j % 4] + int(torch.randint(0, 999, (1,), generator=g))
+        b = j % 2
+        runs, left = [], size
+        while left:
+            n = min(left, int(torch.randint(1, 3 * SAMPLE_BLOCK, (1,), generator=g)))
+            free[b] += int(torch.randint(0, 64, (1,), generator=g))
+            runs.append((free[b], n))
+            free[b] += n
+            left -= n
+        stream = torch.cat([bufs[b][o: o + n] for o, n in runs])
+        out.append((10 + 3 * j, b, runs, stream))
+    return bufs, out
+
+
+@pytest.mark.parametrize("mode", ["sample", "full"])
+@pytest.mark.parametrize("version", [1, 2, 9, 40])
+def test_a_batch_digests_as_the_stream_however_it_is_cut(mode, version):
+    """Sender and receiver cut a transfer differently (items, runs, buffers, split transfers):
+    the batched digest equals the digest of the stream fed whole, and the one-item feed_runs."""
+    bufs, layout = _random_layout(version)
+    want = {i: _stream_digest(mode, stream, i, version) for i, _, _, stream in layout}
+    feeds = [(i, b, runs) for i, b, runs, _ in layout]
+    for _ in range(2):  # compiled once, replayed
+        d = Digests(version, lambda _i: mode, uniform=mode)
+        d.feed_batch(bufs, feeds)
+        assert d.crcs == want
+    # one transfer split into two items fed in two batches (a transfer split across chunks)
+    i, b, runs, stream = layout[2]
+    first, rest = [(i, b, runs[:2])], [(i, b, runs[2:])]
+    for _ in range(2):
+        d = Digests(version, lambda _i: mode)
+        d.feed_batch(bufs, first)
+        d.feed_batch(bufs, rest)
+        assert d.crcs[i] == want[i]
+    ref = Digests(version, lambda _i: mode)
+    for i, b, runs, _ in layout:
+        ref.feed_runs(i, bufs[b], runs)
+    assert ref.crcs == want
+
+
+def test_a_batch_with_mixed_modes_digests_each_transfer_in_its_own():
+    bufs, layout = _random_layout(5)
+    modes = {i: ["sample", "full", "off"][k % 3] for k, (i, _, _, _) in enumerate(layout)}
+    d = Digests(6, lambda i: modes[i])
+    d.feed_batch(bufs, [(i, b, runs) for i, b, runs, _ in layout])
+    assert d.crcs == {i: _stream_digest(modes[i], s, i, 6) for i, _, _, s in layout if modes[i] != "off"}
+
+
+def test_the_device_gather_gives_the_host_bytes():
+    """The path a CUDA buffer takes (gather the sampled bytes on its device, then CRC on the host),
+    run here on CPU tensors: same digests as the host path."""
+    bufs, layout = _random_layout(3)
+    feeds = [(i, b, runs) for i, b, runs, _ in layout]
+    want = Digests(4, lambda _i: "sample", uniform="sample")
+    want.feed_batch(bufs, feeds)
+    fs = V._feedset(feeds, None, lambda idx, totals: [0] * len(idx))
+    sel = fs.selection(V._residue(4))
+    got: dict[int, int] = {}
+    views = [memoryview(V.gather_pieces(t, *sel.device_runs(b, t.device))) for b, t in enumerate(bufs)]
+    for i, b, lo, hi in sel.gathered():
+        got[i] = zlib.crc32(views[b][lo:hi], got.get(i, 0))
+    assert got == want.crcs
+
+
+@pytest.mark.parametrize("where", ["block 0", "sampled block", "unsampled block"])
+def test_a_flipped_byte_is_caught_where_the_sample_reads(where):
+    bufs, layout = _random_layout(8)
+    version = 12
+    i, b, runs, stream = layout[2]  # 40+ blocks
+    blocks = sampled_blocks(version, i, 0, (stream.numel() - 1) // SAMPLE_BLOCK)
+    k = {"block 0": 0, "sampled block": blocks[-1],
+         "unsampled block": next(k for k in range(1, 40) if k not in blocks)}[where]
+    pos = k * SAMPLE_BLOCK + 123  # stream position -> buffer offset
+    at = 0
+    for o, n in runs:
+        if at <= pos < at + n:
+            off = o + pos - at
+            break
+        at += n
+    feeds = [(j, bb, rr) for j, bb, rr, _ in layout]
+    d = Digests(version, lambda _i: "sample", uniform="sample")
+    d.feed_batch(bufs, feeds)
+    bad = [t.clone() for t in bufs]
+    bad[b][off] ^= 0x5A
+    e = Digests(version, lambda _i: "sample", uniform="sample")
+    e.feed_batch(bad, feeds)
+    assert {j for j in d.crcs if d.crcs[j] != e.crcs[j]} == (set() if where == "unsampled block" else {i})
+
+
+def test_every_block_is_sampled_within_sample_every_consecutive_versions():
+    n_blocks = 5 * SAMPLE_EVERY + 3
+    for index in (0, 7, 225):
+        for start in (1, 30):
+            seen = set()
+            for v in range(start, start + SAMPLE_EVERY):
+                got = sampled_blocks(v, index, 0, n_blocks - 1)
+                assert got[0] == 0
+                seen.update(got)
+            assert seen == set(range(n_blocks))
+    # transfers of one version do not all sample the same residue
+    assert len({sampled_blocks(5, i, 1, SAMPLE_EVERY)[0] for i in range(64)}) > 8
+
+
+def test_a_corruption_that_stays_is_caught_by_a_batch_within_sample_every_versions():
+    bufs, layout = _random_layout(9)
+    i, b, runs, _ = layout[2]
+    off = runs[-1][0] + runs[-1][1] - 1  # the transfer's last byte: never block 0
+    bad = [t.clone() for t in bufs]
+    bad[b][off] ^= 1
+    feeds = [(j, bb, rr) for j, bb, rr, _ in layout]
+    caught = []
+    for v in range(100, 100 + SAMPLE_EVERY):
+        good, wrong = Digests(v, lambda _i: "sample", uniform="sample"), Digests(v, lambda _i: "sample", uniform="sample")
+        good.feed_batch(bufs, feeds)
+        wrong.feed_batch(bad, feeds)
+        assert all(good.crcs[j] == wrong.crcs[j] for j in good.crcs if j != i)
+        caught.append(good.crcs[i] != wrong.crcs[i])
+    assert sum(caught) == 1  # the last block is one residue: sampled once in SAMPLE_EVERY versions
