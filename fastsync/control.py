@@ -28,6 +28,7 @@ from abc import ABC, abstractmethod
 from fastsync.store.wire import (ABSENT, ADD, CMPSET, DEFAULT_MAX_VALUE_BYTES, DELETE, GET, ON_CLOSE, SET, KVState,
                                     StoreClient, StoreServer, StoreUnreachable)
 from fastsync.errors import ConfigError, SyncError, TransportError
+from fastsync.protocol import barrier_go_key, barrier_key
 from fastsync.security import job_secret
 
 __all__ = ["ControlPlane", "TCPStoreControl", "DEFAULT_HOST", "StoreUnreachable"]
@@ -120,10 +121,10 @@ class ControlPlane(ABC):
 
     def barrier(self, name: str, num_ranks: int, timeout_s: float) -> None:
         """Block until ``num_ranks`` callers reached ``name`` (use a fresh name per barrier)."""
-        if self.add(f"barrier/{name}", 1) >= num_ranks:
-            self.set(f"barrier/{name}/go", b"1")
+        if self.add(barrier_key(name), 1) >= num_ranks:
+            self.set(barrier_go_key(name), b"1")
             return
-        self.get(f"barrier/{name}/go", timeout_s, what=f"barrier {name!r} ({num_ranks} ranks)")
+        self.get(barrier_go_key(name), timeout_s, what=f"barrier {name!r} ({num_ranks} ranks)")
 
 
 class TCPStoreControl(ControlPlane):

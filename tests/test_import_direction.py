@@ -19,7 +19,8 @@ import fastsync
 #: packages in the same layer do not import each other. A new package must be placed here.
 LAYERS: list[tuple[str, ...]] = [
     ("errors",),
-    ("hookspecs", "security"),  # pluggy markers and specs (types only under TYPE_CHECKING); the job secret
+    ("hookspecs", "security", "protocol"),  # pluggy markers and specs (types only under TYPE_CHECKING); the job
+    # secret; every control-store key trainer and engine ranks meet under
     ("store",),  # the control store's authenticated wire and its torch.distributed.Store
     ("control", "plugins", "trace"),  # control-plane store; plugin manager and registries; spans, trace files, plots, progress
     ("layout",),  # boxes, trainer/engine layouts, name-map types, spec strings, wire format

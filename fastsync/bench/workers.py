@@ -147,6 +147,7 @@ def _barrier(cfg: WorkerConfig, control: Any, name: str, watch: Any, me: int) ->
     the barrier's deadline (a cut link that comes back costs nothing)."""
     from fastsync.control import StoreUnreachable
     from fastsync.errors import SyncError
+    from fastsync.protocol import barrier_go_key, barrier_member_key
     from fastsync.sync.liveness import wait_key
 
     n = cfg.trainers + cfg.rollouts
@@ -154,20 +155,20 @@ def _barrier(cfg: WorkerConfig, control: Any, name: str, watch: Any, me: int) ->
     what = f"barrier {name!r} ({n} ranks)"
     while True:
         try:
-            control.set(f"barrier/{name}/{me}", b"1", timeout_s=max(min(deadline - time.monotonic(), 2.0), 0.05))
+            control.set(barrier_member_key(name, me), b"1", timeout_s=max(min(deadline - time.monotonic(), 2.0), 0.05))
             break
         except StoreUnreachable as e:
             if time.monotonic() >= deadline:
                 raise SyncError(f"control plane: {what}: the store did not answer by the deadline: {e}") from e
     if me == 0:
         for i in range(n):
-            wait_key(control, f"barrier/{name}/{i}", deadline, f"process {i} at {what}",
+            wait_key(control, barrier_member_key(name, i), deadline, f"process {i} at {what}",
                      watch if cfg.watch_peers else None)
         if cfg.gate:
             wait_key(control, f"gate/{name}", deadline, f"the parent's gate at {what}", None)
-        control.set(f"barrier/{name}/go", b"1", timeout_s=max(deadline - time.monotonic(), 1.0))
+        control.set(barrier_go_key(name), b"1", timeout_s=max(deadline - time.monotonic(), 1.0))
         return
-    wait_key(control, f"barrier/{name}/go", deadline, what, watch if cfg.watch_peers else None)
+    wait_key(control, barrier_go_key(name), deadline, what, watch if cfg.watch_peers else None)
 
 
 def _fail_on_finish(rx: Any, version: int, transport: str) -> None:

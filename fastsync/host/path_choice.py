@@ -20,6 +20,7 @@ import logging
 from typing import Any
 
 from fastsync.errors import ConfigError
+from fastsync.protocol import rollout_mode_key
 
 __all__ = ["MODE_KEY", "PATH_POLICIES", "rollout_mode_key", "publish_capability", "decide_path", "read_path"]
 
@@ -28,10 +29,6 @@ log = logging.getLogger("fastsync.host")
 MODE_KEY = "mode"
 #: the host's policy: ``auto`` (in place where every side can), ``on`` (in place or refuse), ``off``
 PATH_POLICIES = ("auto", "on", "off")
-
-
-def rollout_mode_key(rank: int) -> str:
-    return f"rollout/{rank}/mode"
 
 
 def publish_capability(ctl: Any, rank: int, inplace: bool, why: str, leader: bool, workers: int,

@@ -42,7 +42,7 @@ from fastsync.executor.delta import (
 )
 from fastsync.executor.metrics import SyncMetrics
 from fastsync.executor.staging import Landing, alloc_touched, as_bytes
-from fastsync.sync.delta_sender import delta_mode_key
+from fastsync.protocol import delta_mode_key
 from fastsync.sync.receiver import DensePayload, WeightReceiver
 from fastsync.transport.nixl_delta import DeltaInbox
 from fastsync.transport.nixl_delta_relay import DeltaRelay, stream_bytes

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from fastsync.errors import ConfigError, SyncError
+from fastsync.protocol import delta_mode_key
 from fastsync.executor import delta_scan
 from fastsync.executor.delta import (
     DELTA_CHUNK_ELEMS,
@@ -69,11 +70,6 @@ __all__ = ["DeltaSender", "delta_mode_key"]
 #: How long a trainer rank waits for the ranks down a relay chain to say which version they hold
 #: (after the chain's root began); one that has not said by then gets that chain's links dense.
 _CHAIN_WAIT_S = 2.0
-
-
-def delta_mode_key(engine_rank: int, version: int) -> str:
-    """``dense``, or ``delta:{held version}`` (set by the engine rank before ``begun``)."""
-    return f"recv/{engine_rank}/delta/{version}"
 
 
 class DeltaSender:

@@ -1,8 +1,8 @@
 """The handshake between trainer ranks and engine ranks: the control-plane keys both sides use,
 and the version rule.
 
-Keys (under the control plane's prefix; transports keep their own ``nixl/``, ``torch/``,
-``rank0/`` namespaces):
+Keys (built in :mod:`fastsync.protocol`, which lists every key in the order they are used;
+re-exported here):
 
 * ``{name}/setup{n}/plan``, ``{name}/setup{n}/connected``: WeightSync's n-th set-up (trainer
   rank 0 publishes the plan, then "ok" once engines connected, or ``err:{Type}:{message}``).
@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from fastsync.errors import SyncError
 from fastsync.executor.verify_mode import VERIFY_MODES, VerifyMode, verify_mode
+from fastsync.protocol import (begun_key, delta_choice_key, flipped_key, receiver_info_key, sender_crc_key,
+                               sender_done_key, setup_connected_key, setup_plan_key)
 
 __all__ = [
     "Versions",
@@ -66,40 +68,6 @@ class Versions:
 
     def spend(self, version: int) -> None:
         self.attempted = spend_version(self.who, version, self.attempted)
-
-
-def setup_plan_key(name: str, setup: int) -> str:
-    return f"{name}/setup{setup}/plan"
-
-
-def setup_connected_key(name: str, setup: int) -> str:
-    return f"{name}/setup{setup}/connected"
-
-
-def receiver_info_key(engine_rank: int) -> str:
-    return f"recv/{engine_rank}/info"
-
-
-def begun_key(engine_rank: int, version: int) -> str:
-    return f"recv/{engine_rank}/begun/{version}"
-
-
-def flipped_key(engine_rank: int, version: int) -> str:
-    return f"recv/{engine_rank}/flipped/{version}"
-
-
-def sender_crc_key(trainer_rank: int, version: int) -> str:
-    return f"send/{trainer_rank}/crc/{version}"
-
-
-def sender_done_key(trainer_rank: int, version: int) -> str:
-    return f"send/{trainer_rank}/done/{version}"
-
-
-def delta_choice_key(version: int) -> str:
-    """``dense`` or ``delta``: what ``WeightSync(delta=True)`` on trainer rank 0 chose for
-    ``version``, set before the engines begin it (every engine rank asks for the same kind)."""
-    return f"send/delta/{version}"
 
 
 def begun_value(verify: bool | str, endpoint: str = "") -> bytes:

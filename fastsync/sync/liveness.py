@@ -32,6 +32,7 @@ import time
 
 from fastsync.control import ControlPlane, StoreUnreachable
 from fastsync.errors import FastSyncError, SyncError
+from fastsync.protocol import alive_key
 
 __all__ = ["Heartbeat", "PeerWatch", "alive_key", "HEARTBEAT_PERIOD_S", "STALE_AFTER_S", "wait_key"]
 
@@ -43,11 +44,6 @@ STALE_AFTER_S = 2.0
 #: Bound on one sampling request of a watcher (it runs on a daemon thread; a cut store only
 #: delays the next sample).
 _SAMPLE_TIMEOUT_S = 2.0
-
-
-def alive_key(role: str, rank: int) -> str:
-    """Control-plane key of ``role`` (``"trainer"`` or ``"engine"``) rank ``rank``'s heartbeat."""
-    return f"alive/{role}/{rank}"
 
 
 class Heartbeat:

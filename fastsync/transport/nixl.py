@@ -46,7 +46,8 @@ from fastsync.executor.staging import wait_device
 from fastsync.security import derive_key, loopback_mismatch, net_devices
 from fastsync.transport import nixl_notes as notes
 from fastsync.transport.base import ReceiverContext, SenderContext, Transport
-from fastsync.transport.nixl_relay import NixlRelay, batches_key
+from fastsync.protocol import batches_key, nixl_addrs_key, nixl_meta_key, nixl_send_key
+from fastsync.transport.nixl_relay import NixlRelay
 from fastsync.transport.nixl_teardown import quiesce, release
 from fastsync.transport.nixl_writes import PreparedWrite, reconnect_peer, settle
 
@@ -220,8 +221,8 @@ class NixlTransport(Transport):
         for name, region in ctx.landing.regions.items():
             mem, dev = _mem(region)
             addrs[name] = [region.data_ptr(), region.numel(), mem, dev]
-        ctx.control.set(f"nixl/recv/{ctx.rank}/addrs", json.dumps(addrs))
-        ctx.control.set(f"nixl/recv/{ctx.rank}/meta", self.agent.get_agent_metadata())
+        ctx.control.set(nixl_addrs_key(ctx.rank), json.dumps(addrs))
+        ctx.control.set(nixl_meta_key(ctx.rank), self.agent.get_agent_metadata())
         if ctx.program.relay is not None:  # this engine rank forwards to, or is fed by, other engine ranks
             self._relay = NixlRelay(self.agent, ctx, ctx.program.relay, _mem, key=self._key,
                                     agent_name=self.agent_name, refuse=self._refuse)
@@ -277,7 +278,7 @@ class NixlTransport(Transport):
             if src in self._senders:
                 continue
             try:
-                raw = self._control.try_get(f"nixl/send/{src}/to/{me}", timeout_s=_READ_TIMEOUT_S)
+                raw = self._control.try_get(nixl_send_key(src, me), timeout_s=_READ_TIMEOUT_S)
             except StoreUnreachable:
                 continue  # cut off from the store for now: read it again at its next notification
             if raw is None:
@@ -395,8 +396,8 @@ class NixlTransport(Transport):
         dsts = sorted({d for c in prog.chunks for d in c.dst_ranks()})
         addrs: dict[int, dict] = {}
         for d in dsts:
-            meta = ctx.control.get(f"nixl/recv/{d}/meta", ctx.timeout_s, what=f"engine rank {d}")
-            addrs[d] = json.loads(ctx.control.get(f"nixl/recv/{d}/addrs", ctx.timeout_s, what=f"engine rank {d}"))
+            meta = ctx.control.get(nixl_meta_key(d), ctx.timeout_s, what=f"engine rank {d}")
+            addrs[d] = json.loads(ctx.control.get(nixl_addrs_key(d), ctx.timeout_s, what=f"engine rank {d}"))
             try:
                 self._remote[d] = self.agent.add_remote_agent(meta)
             except Exception as e:
@@ -434,7 +435,7 @@ class NixlTransport(Transport):
         self._num_posts = counts
         sent = prog.bytes_per_dst()
         for d in dsts:  # what the receivers check every notification against
-            ctx.control.set(f"nixl/send/{ctx.rank}/to/{d}", json.dumps(
+            ctx.control.set(nixl_send_key(ctx.rank, d), json.dumps(
                 {"agent": self.agent_name, "posts": counts.get(d, 0), "bytes": sent.get(d, 0)}))
         if ctx.plan.has_relays:  # relaying engine ranks forward batch by batch: say which bytes each wrote
             for d, rows in batches.items():
@@ -545,7 +546,7 @@ class NixlTransport(Transport):
         assert ctx is not None
         self._remote[d] = reconnect_peer(
             self.agent, self._writes(), d, self._remote.get(d),
-            lambda: ctx.control.get(f"nixl/recv/{d}/meta", ctx.timeout_s, what=f"engine rank {d}"),
+            lambda: ctx.control.get(nixl_meta_key(d), ctx.timeout_s, what=f"engine rank {d}"),
             f"trainer rank {ctx.rank}")
         self.remote_gen[d] = self.remote_gen.get(d, 0) + 1
         return self._remote[d]

@@ -22,6 +22,7 @@ from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 from fastsync.control import StoreUnreachable
+from fastsync.protocol import armed_key, nixl_meta_key
 from fastsync.transport import nixl_notes as notes
 from fastsync.transport.nixl_teardown import quiesce
 from fastsync.transport.nixl_writes import PreparedWrite, reconnect_peer, settle
@@ -29,10 +30,6 @@ from fastsync.transport.nixl_writes import PreparedWrite, reconnect_peer, settle
 __all__ = ["ChainHop", "armed_key"]
 
 _READ_TIMEOUT_S = 1.0  # one control-plane read while the engine rank polls
-
-
-def armed_key(rank: int, version: int) -> str:
-    return f"nixl/recv/{rank}/armed/{version}"
 
 
 class ChainHop(ABC):
@@ -175,6 +172,6 @@ class ChainHop(ABC):
         child = int(child)  # type: ignore[arg-type]
         self._remote[child] = reconnect_peer(
             self.agent, self._writes(), child, self._remote.get(child),
-            lambda: self.control.get(f"nixl/recv/{child}/meta", self.timeout_s,
+            lambda: self.control.get(nixl_meta_key(child), self.timeout_s,
                                      what=f"engine rank {child} (relay target of engine rank {self.rank})"),
             f"engine rank {self.rank}")

@@ -29,6 +29,7 @@ import torch
 
 from fastsync.control import ControlPlane, StoreUnreachable
 from fastsync.errors import ConfigError, SyncError, TransportError
+from fastsync.protocol import inbox_key, nixl_meta_key, nixl_send_key
 from fastsync.transport import nixl_notes as notes
 from fastsync.transport.nixl_teardown import quiesce, release
 from fastsync.transport.nixl_writes import PreparedWrite, rebind, settle
@@ -38,10 +39,6 @@ __all__ = ["DeltaOutbox", "DeltaInbox", "inbox_key", "page_bytes"]
 log = logging.getLogger("fastsync.transport.nixl_delta")
 
 _MIN_PAGE = 64 << 10
-
-
-def inbox_key(engine_rank: int) -> str:
-    return f"nixl/delta/recv/{engine_rank}/inbox"
 
 
 def page_bytes(capacity: int, max_pages: int = 64) -> int:
@@ -206,7 +203,7 @@ class DeltaInbox:
         """The agent trainer rank ``src`` announced at set-up (authenticated control plane)."""
         if src not in self._agents:
             try:
-                raw = self._control.try_get(f"nixl/send/{src}/to/{self.rank}", timeout_s=1.0)
+                raw = self._control.try_get(nixl_send_key(src, self.rank), timeout_s=1.0)
             except StoreUnreachable:
                 return None  # cut off from the store for now
             if raw is None:

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from fastsync.errors import TransportError
+from fastsync.protocol import delta_relay_key, nixl_meta_key, relay_inbox_key
 from fastsync.executor.delta import HEADER_BYTES
 from fastsync.transport import nixl_notes as notes
 from fastsync.transport.nixl_chain import ChainHop
@@ -44,16 +45,6 @@ from fastsync.transport.nixl_teardown import release
 from fastsync.transport.nixl_writes import PreparedWrite
 
 __all__ = ["DeltaRelay", "delta_relay_key", "relay_inbox_key", "stream_bytes"]
-
-
-def relay_inbox_key(engine_rank: int) -> str:
-    """``{origin trainer rank: [address, bytes, memory kind, device]}`` of a rank's relay inboxes."""
-    return f"nixl/delta/recv/{engine_rank}/relay_inbox"
-
-
-def delta_relay_key(engine_rank: int, child: int) -> str:
-    """The agent ``engine_rank`` forwards delta pages to ``child`` from (checked by the child)."""
-    return f"nixl/delta/relay/{engine_rank}/to/{child}"
 
 
 def _mem(t: torch.Tensor) -> tuple[str, int]:
@@ -109,7 +100,7 @@ class DeltaRelay(ChainHop):
         self._agent, self._handles, self._remote = self.agent, {}, {}
         for child, by_origin in sorted(self.prog.children.items()):
             what = f"engine rank {child} (delta relay target of engine rank {self.rank})"
-            meta = self.control.get(f"nixl/recv/{child}/meta", self.timeout_s, what=what)
+            meta = self.control.get(nixl_meta_key(child), self.timeout_s, what=what)
             inbox = json.loads(self.control.get(relay_inbox_key(child), self.timeout_s, what=what))
             self.control.set(delta_relay_key(self.rank, child), json.dumps({"agent": self._tr.agent_name}))
             try:

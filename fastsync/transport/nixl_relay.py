@@ -30,7 +30,8 @@ import numpy as np
 
 from fastsync.errors import TransportError
 from fastsync.transport import nixl_notes as notes
-from fastsync.transport.nixl_chain import ChainHop, armed_key
+from fastsync.protocol import armed_key, batches_key, nixl_addrs_key, nixl_meta_key, relay_key
+from fastsync.transport.nixl_chain import ChainHop
 from fastsync.transport.nixl_teardown import release
 from fastsync.transport.nixl_writes import PreparedWrite
 
@@ -42,14 +43,6 @@ __all__ = ["NixlRelay", "armed_key", "batches_key", "relay_key"]
 #: each hop's notifications behind tens of MB (a chained reload at 0.1 Gb/s: 4.2 s per hop); NIXL
 #: sends a forward's notification when its check finds it done, which every poll does.
 FORWARDS_IN_FLIGHT = 8
-
-
-def batches_key(trainer_rank: int, engine_rank: int) -> str:
-    return f"nixl/send/{trainer_rank}/batches/{engine_rank}"
-
-
-def relay_key(engine_rank: int, child: int) -> str:
-    return f"nixl/relay/{engine_rank}/to/{child}"
 
 
 class NixlRelay(ChainHop):
@@ -119,8 +112,8 @@ class NixlRelay(ChainHop):
         n = self.prog.num_transfers
         for child, by_origin in sorted(self.prog.children.items()):
             what = f"engine rank {child} (relay target of engine rank {ctx.rank})"
-            meta = ctx.control.get(f"nixl/recv/{child}/meta", ctx.timeout_s, what=what)
-            addrs = json.loads(ctx.control.get(f"nixl/recv/{child}/addrs", ctx.timeout_s, what=what))
+            meta = ctx.control.get(nixl_meta_key(child), ctx.timeout_s, what=what)
+            addrs = json.loads(ctx.control.get(nixl_addrs_key(child), ctx.timeout_s, what=what))
             # what the child checks every relay notification against (as receivers do for trainer ranks)
             ctx.control.set(relay_key(ctx.rank, child), json.dumps({"agent": self._agent_name, "units": len(self.units)}))
             try:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from fastsync.errors import ConfigError, TransportError
+from fastsync.protocol import rank0_shards_key
 from fastsync.executor.metrics import SyncMetrics
 from fastsync.executor.pack import source_view
 from fastsync.executor.program import RecvItem
@@ -89,7 +90,7 @@ class Rank0Transport(Transport):
         mine = {p: [[[list(b) for b in sh.box], sh.local_offset] for sh in ctx.shards.get(p, [])]
                 for p in read if p in ctx.sources}
         dtypes = {p: dtype_name(ctx.sources[p].dtype) for p in mine}
-        ctx.control.set(f"rank0/shards/{ctx.rank}", json.dumps({"shards": mine, "dtypes": dtypes}))
+        ctx.control.set(rank0_shards_key(ctx.rank), json.dumps({"shards": mine, "dtypes": dtypes}))
         if ctx.rank == 0:
             self.buckets = self._plan_buckets(ctx, read)
             ctx.control.set("rank0/buckets", json.dumps(self.buckets))
@@ -101,7 +102,7 @@ class Rank0Transport(Transport):
         held: dict[str, dict] = {}
         dtypes: dict[str, str] = {}
         for r in range(ctx.world.num_trainers):
-            info = json.loads(ctx.control.get(f"rank0/shards/{r}", ctx.timeout_s, what=f"trainer rank {r}"))
+            info = json.loads(ctx.control.get(rank0_shards_key(r), ctx.timeout_s, what=f"trainer rank {r}"))
             dtypes.update(info["dtypes"])
             for p, shards in info["shards"].items():
                 for box, loff in shards:

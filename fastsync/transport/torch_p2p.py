@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from fastsync.errors import TransportError
+from fastsync.protocol import torch_send_key
 from fastsync.executor.metrics import SyncMetrics
 from fastsync.executor.verify import Digests
 from fastsync.executor.pipeline import run_pipelined
@@ -58,7 +59,7 @@ class TorchP2PTransport(Transport):
                     per_dst.setdefault(d, []).append([it.transfer.dst_tensor, off, view.numel()])
             self._msgs[c.index] = msgs
         for d in range(ctx.world.num_receivers):
-            ctx.control.set(f"torch/send/{ctx.rank}/to/{d}", json.dumps(per_dst.get(d, [])))
+            ctx.control.set(torch_send_key(ctx.rank, d), json.dumps(per_dst.get(d, [])))
         ensure_world(ctx.control, ctx.world.trainer(ctx.rank), ctx.world.size, ctx.timeout_s, self.backend)
 
     def _send(self, version: int, deadline: float, metrics: SyncMetrics, crcs: Digests | None,
@@ -85,7 +86,7 @@ class TorchP2PTransport(Transport):
     def _setup_receiver(self, ctx: ReceiverContext) -> None:
         ensure_world(ctx.control, ctx.world.receiver(ctx.rank), ctx.world.size, ctx.timeout_s, self.backend)
         for s, items in ctx.program.by_src.items():
-            raw = ctx.control.get(f"torch/send/{s}/to/{ctx.rank}", ctx.timeout_s, what=f"trainer rank {s}")
+            raw = ctx.control.get(torch_send_key(s, ctx.rank), ctx.timeout_s, what=f"trainer rank {s}")
             views = []
             total = 0
             for name, off, n in json.loads(raw):

@@ -15,7 +15,8 @@ from fastsync.errors import TransportError
 from fastsync.executor.recv_item import RecvItem
 from fastsync.executor.relay import RelayProgram
 from fastsync.plan.types import Transfer
-from fastsync.transport.nixl_relay import NixlRelay, batches_key
+from fastsync.protocol import batches_key
+from fastsync.transport.nixl_relay import NixlRelay
 
 
 class _Store:

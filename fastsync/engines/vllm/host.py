@@ -37,6 +37,7 @@ from typing import Any
 from fastsync.control import ControlPlane
 from fastsync.engines.vllm.pause import DEFAULT_PAUSE_MODE, PAUSE_MODES, check_pause_mode, completion_record, core_call
 from fastsync.errors import ConfigError, SyncError
+from fastsync.protocol import engine_cmd_key, engine_reply_key, engine_seq_key
 from fastsync.host.replies import error_reply, one_version, raise_worker_errors
 from fastsync.security import check_mac, derive_key, mac
 
@@ -361,14 +362,14 @@ class RemoteEngine:
         self._key = _request_key(control)
 
     def _send(self, op: str, **args: Any) -> int:
-        n = self.control.add(f"engine/{self.engine_id}/seq", 1)
+        n = self.control.add(engine_seq_key(self.engine_id), 1)
         body = json.dumps({"op": op, "args": args})
         tag = mac(self._key, "engine", self.engine_id, str(n), body).hex()
-        self.control.set(f"engine/{self.engine_id}/cmd/{n}", json.dumps({"body": body, "mac": tag}))
+        self.control.set(engine_cmd_key(self.engine_id, n), json.dumps({"body": body, "mac": tag}))
         return n
 
     def _reply(self, n: int, timeout_s: float | None = None) -> Any:
-        raw = self.control.get(f"engine/{self.engine_id}/reply/{n}", self.timeout_s if timeout_s is None else timeout_s,
+        raw = self.control.get(engine_reply_key(self.engine_id, n), self.timeout_s if timeout_s is None else timeout_s,
                                what=f"vLLM engine {self.engine_id}")
         got = json.loads(raw)
         if "error" in got:
@@ -423,7 +424,7 @@ def serve(engine: Any, control: ControlPlane, *, engine_id: str = "0", idle_time
     n = first
     while True:
         deadline = time.monotonic() + idle_timeout_s
-        key = f"engine/{engine_id}/cmd/{n}"
+        key = engine_cmd_key(engine_id, n)
         while (raw := control.try_get(key)) is None:
             if time.monotonic() > deadline:
                 raise SyncError(f"vLLM engine {engine_id}: no request for {idle_timeout_s:.0f} s; stopping")
@@ -442,7 +443,7 @@ def serve(engine: Any, control: ControlPlane, *, engine_id: str = "0", idle_time
             req = json.loads(body)
             op, args = req["op"], req["args"]
             if op == "stop":
-                control.set(f"engine/{engine_id}/reply/{n}", json.dumps({"ok": True}))
+                control.set(engine_reply_key(engine_id, n), json.dumps({"ok": True}))
                 return n - 1
             fn = getattr(engine, op, None) if op in _OPS else None
             if fn is None:
@@ -450,5 +451,5 @@ def serve(engine: Any, control: ControlPlane, *, engine_id: str = "0", idle_time
             reply = json.dumps({"ok": fn(**args)})
         except Exception as e:  # any failure is answered: the client must not wait out its timeout
             reply = json.dumps(error_reply(e))
-        control.set(f"engine/{engine_id}/reply/{n}", reply)
+        control.set(engine_reply_key(engine_id, n), reply)
         n += 1

@@ -45,6 +45,8 @@ from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeight
 from fastsync.control import DEFAULT_HOST, TCPStoreControl
 from fastsync.engines.vllm.backend import BACKEND, register_weight_transfer
 from fastsync.engines.vllm.wt_keys import error_text, raise_error_text
+from fastsync.protocol import wt_base_version_key, wt_session_key
+from fastsync.protocol import wt_finished_key as _finished_key
 from fastsync.engines.vllm.wt_client import ClientEngine, LLMWeightSyncClient, describe_error
 from fastsync.engines.vllm.wt_pause import check_pauser
 from fastsync.errors import ConfigError
@@ -165,10 +167,6 @@ def _join_store(port: int, host: str, secret: bytes, timeout_s: float) -> TCPSto
             time.sleep(0.1)
 
 
-def _finished_key(version: int) -> str:
-    return f"wt/finished/{version}"
-
-
 class FastSyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[FastSyncTrainerInitInfo]):
     """vLLM's trainer-side weight-transfer engine for ``backend="fastsync"``; build it with
     ``WeightTransferTrainerFactory.trainer_init`` (see the module doc for an example)."""
@@ -220,14 +218,14 @@ class FastSyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[FastSyncTr
         if rank != 0:
             if not session:  # control_port given, no process group: the prefix comes from the store
                 probe = _join_store(port, init_info.control_host, secret, init_info.timeout_s)
-                session = probe.get("wt/session", init_info.timeout_s, what="trainer rank 0 (session)").decode()
+                session = probe.get(wt_session_key(), init_info.timeout_s, what="trainer rank 0 (session)").decode()
                 store = probe
             else:
                 store = TCPStoreControl.client(port, host=init_info.control_host, secret=secret,
                                                timeout_s=init_info.timeout_s)
         assert store is not None
         if rank == 0:
-            store.set("wt/session", session)
+            store.set(wt_session_key(), session)
         control = store.with_prefix(f"wt-{session}")
         handle = None
         if rank == 0:
@@ -242,8 +240,8 @@ class FastSyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[FastSyncTr
         try:
             ws.setup()
             if handle is not None:  # versions continue from what the engine last attempted
-                control.set("wt/base_version", str(handle.attempted))
-            base = int(control.get("wt/base_version", init_info.timeout_s * 2, what="trainer rank 0 (base version)"))
+                control.set(wt_base_version_key(), str(handle.attempted))
+            base = int(control.get(wt_base_version_key(), init_info.timeout_s * 2, what="trainer rank 0 (base version)"))
         except BaseException as e:
             if handle is not None:
                 handle.abort(e)
