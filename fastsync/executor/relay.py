@@ -3,7 +3,7 @@
 This program says, per origin trainer rank, which transfers an engine rank forwards to the same
 rank of a child replica and which reach it by relay. The transport groups them into units it can
 forward as soon as they landed (NIXL: one unit per trainer write batch into the chain's root rank,
-``transport/nixl_relay.py``), so forwarding pipelines with the trainers' writes; the child counts
+``transport/nixl/relay.py``), so forwarding pipelines with the trainers' writes; the child counts
 units from its upstream engine rank exactly as it counts write batches from trainer ranks.
 
 Checksum keys: a relayed copy is checked against the trainer's checksum of the copy it wrote into

@@ -44,8 +44,8 @@ from fastsync.executor.metrics import SyncMetrics
 from fastsync.executor.staging import Landing, alloc_touched, as_bytes
 from fastsync.protocol import delta_mode_key
 from fastsync.sync.receiver import DensePayload, WeightReceiver
-from fastsync.transport.nixl_delta import DeltaInbox
-from fastsync.transport.nixl_delta_relay import DeltaRelay, stream_bytes
+from fastsync.transport.nixl.delta import DeltaInbox
+from fastsync.transport.nixl.delta_relay import DeltaRelay, stream_bytes
 
 __all__ = ["DeltaReceiver", "DeltaPayload", "DeltaLanding", "InboxLanding", "inbox_sizes", "relay_inbox_sizes"]
 

@@ -62,7 +62,7 @@ from fastsync.executor.verify import crc_update
 from fastsync.sync.handshake import sender_crc_key, sender_done_key
 from fastsync.plan.replicate import relay_descendants, sender_copies
 from fastsync.sync.sender import WeightSender
-from fastsync.transport.nixl_delta import DeltaOutbox
+from fastsync.transport.nixl.delta import DeltaOutbox
 
 __all__ = ["DeltaSender", "delta_mode_key"]
 

@@ -160,7 +160,7 @@ class WeightSync:
     the others as the planner's cost model chooses (``auto``), through relays between the engines'
     ranks (``chain``: each byte leaves its trainer rank once), or straight from the trainer ranks
     (``direct``); relays need ``transport="nixl"``. With ``delta=True`` relays forward the delta
-    streams themselves (``transport/nixl_delta_relay.py``): every replica of a chain applies the
+    streams themselves (``transport/nixl/delta_relay.py``): every replica of a chain applies the
     stream the trainer ranks wrote into its root.
 
     ``verify`` (``"off"`` by default; True means ``"full"``): after the writes land and before the

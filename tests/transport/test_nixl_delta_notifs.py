@@ -10,7 +10,7 @@ import torch
 
 from fastsync.control import TCPStoreControl
 from fastsync.security import mac
-from fastsync.transport.nixl_delta import DeltaInbox
+from fastsync.transport.nixl.delta import DeltaInbox
 
 KEY = b"k" * 32
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fastsync.transport import nixl_notes as notes
+import fastsync.transport.nixl.notes as notes
 
 KEY = b"k" * 32
 

@@ -16,7 +16,7 @@ from fastsync.executor.recv_item import RecvItem
 from fastsync.executor.relay import RelayProgram
 from fastsync.plan.types import Transfer
 from fastsync.protocol import batches_key
-from fastsync.transport.nixl_relay import NixlRelay
+from fastsync.transport.nixl.relay import NixlRelay
 
 
 class _Store:
@@ -77,7 +77,7 @@ def test_a_relay_keeps_a_bounded_number_of_forwards_in_flight_per_child() -> Non
     connection: a relay that posted every landed unit at once held the next hop's notifications
     behind all of them (4.2 s per hop in a chained reload at 0.1 Gb/s). It posts at most
     FORWARDS_IN_FLIGHT per child, and more as earlier ones are seen done."""
-    from fastsync.transport.nixl_relay import FORWARDS_IN_FLIGHT
+    from fastsync.transport.nixl.relay import FORWARDS_IN_FLIGHT
 
     units = FORWARDS_IN_FLIGHT + 4
     per = 3000 // units

@@ -1,5 +1,5 @@
-"""One hop of a relay chain over NIXL: what dense relays (``nixl_relay.py``) and delta-stream
-relays (``nixl_delta_relay.py``) share.
+"""One hop of a relay chain over NIXL: what dense relays (``relay.py``) and delta-stream
+relays (``delta_relay.py``) share.
 
 An engine rank on a chain receives from at most one upstream engine rank and forwards to its
 children (the same rank of the next replicas). Both payloads follow the same rules, kept here once:
@@ -23,9 +23,9 @@ from typing import Any
 
 from fastsync.control import StoreUnreachable
 from fastsync.protocol import armed_key, nixl_meta_key
-from fastsync.transport import nixl_notes as notes
-from fastsync.transport.nixl_teardown import quiesce
-from fastsync.transport.nixl_writes import PreparedWrite, reconnect_peer, settle
+import fastsync.transport.nixl.notes as notes
+from fastsync.transport.nixl.teardown import quiesce
+from fastsync.transport.nixl.writes import PreparedWrite, reconnect_peer, settle
 
 __all__ = ["ChainHop", "armed_key"]
 

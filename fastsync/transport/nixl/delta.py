@@ -30,13 +30,13 @@ import torch
 from fastsync.control import ControlPlane, StoreUnreachable
 from fastsync.errors import ConfigError, SyncError, TransportError
 from fastsync.protocol import inbox_key, nixl_meta_key, nixl_send_key
-from fastsync.transport import nixl_notes as notes
-from fastsync.transport.nixl_teardown import quiesce, release
-from fastsync.transport.nixl_writes import PreparedWrite, rebind, settle
+import fastsync.transport.nixl.notes as notes
+from fastsync.transport.nixl.teardown import quiesce, release
+from fastsync.transport.nixl.writes import PreparedWrite, rebind, settle
 
 __all__ = ["DeltaOutbox", "DeltaInbox", "inbox_key", "page_bytes"]
 
-log = logging.getLogger("fastsync.transport.nixl_delta")
+log = logging.getLogger("fastsync.transport.nixl.delta")
 
 _MIN_PAGE = 64 << 10
 
@@ -170,7 +170,7 @@ class DeltaInbox:
 
     def __init__(self, agent: object, rank: int, inboxes: dict[int, torch.Tensor], control: ControlPlane,
                  poll_sleep_s: float = 0.001, *, key: bytes = b"", transport: Any = None, relay: Any = None) -> None:
-        """``relay``: this rank's :class:`~fastsync.transport.nixl_delta_relay.DeltaRelay` on plans
+        """``relay``: this rank's :class:`~fastsync.transport.nixl.delta_relay.DeltaRelay` on plans
         with relays (its notifications are drained here too: one reader of the agent's queue)."""
         self._agent = agent
         self.relay = relay

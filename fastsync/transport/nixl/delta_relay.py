@@ -2,7 +2,7 @@
 
 With relays the trainer ranks write only the chain's root replica (plus the transfers planned
 direct to every replica, ``Fanout.direct``). For a dense version an engine rank forwards the bytes
-that landed (``nixl_relay.py``); for a delta version nothing lands in the tensors before the flip,
+that landed (``relay.py``); for a delta version nothing lands in the tensors before the flip,
 so it forwards the *streams*: each trainer rank's delta stream into the root rank, whole, as it
 arrived. Every rank down the chain holds one relay inbox per origin trainer rank (the size of the
 root's inbox from it) and applies the records of the transfers that reach it by relay (the root
@@ -38,11 +38,11 @@ import torch
 from fastsync.errors import TransportError
 from fastsync.protocol import delta_relay_key, nixl_meta_key, relay_inbox_key
 from fastsync.executor.delta import HEADER_BYTES
-from fastsync.transport import nixl_notes as notes
-from fastsync.transport.nixl_chain import ChainHop
-from fastsync.transport.nixl_delta import page_bytes
-from fastsync.transport.nixl_teardown import release
-from fastsync.transport.nixl_writes import PreparedWrite
+import fastsync.transport.nixl.notes as notes
+from fastsync.transport.nixl.chain import ChainHop
+from fastsync.transport.nixl.delta import page_bytes
+from fastsync.transport.nixl.teardown import release
+from fastsync.transport.nixl.writes import PreparedWrite
 
 __all__ = ["DeltaRelay", "delta_relay_key", "relay_inbox_key", "stream_bytes"]
 

@@ -29,11 +29,11 @@ from typing import Any
 import numpy as np
 
 from fastsync.errors import TransportError
-from fastsync.transport import nixl_notes as notes
+import fastsync.transport.nixl.notes as notes
 from fastsync.protocol import armed_key, batches_key, nixl_addrs_key, nixl_meta_key, relay_key
-from fastsync.transport.nixl_chain import ChainHop
-from fastsync.transport.nixl_teardown import release
-from fastsync.transport.nixl_writes import PreparedWrite
+from fastsync.transport.nixl.chain import ChainHop
+from fastsync.transport.nixl.teardown import release
+from fastsync.transport.nixl.writes import PreparedWrite
 
 __all__ = ["NixlRelay", "armed_key", "batches_key", "relay_key"]
 

@@ -1,6 +1,6 @@
 """Letting a NIXL agent's posted writes finish, and releasing what it holds.
 
-The dense (``nixl.py``), delta (``nixl_delta.py``) and relay (``nixl_relay.py``) paths each own
+The dense (``transport.py``), delta (``delta.py``) and relay (``relay.py``) paths each own
 transfer handles, a memory registration and remote-agent entries on one agent. Teardown must not
 raise (it runs on failure paths, after the error that matters), and a failed sync must let the
 writes it already posted finish, bounded, before the receivers roll back; otherwise a late WRITE

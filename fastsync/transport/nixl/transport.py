@@ -44,12 +44,12 @@ from fastsync.executor.pipeline import run_pipelined
 from fastsync.executor.program import Chunk
 from fastsync.executor.staging import wait_device
 from fastsync.security import derive_key, loopback_mismatch, net_devices
-from fastsync.transport import nixl_notes as notes
+import fastsync.transport.nixl.notes as notes
 from fastsync.transport.base import ReceiverContext, SenderContext, Transport
 from fastsync.protocol import batches_key, nixl_addrs_key, nixl_meta_key, nixl_send_key
-from fastsync.transport.nixl_relay import NixlRelay
-from fastsync.transport.nixl_teardown import quiesce, release
-from fastsync.transport.nixl_writes import PreparedWrite, reconnect_peer, settle
+from fastsync.transport.nixl.relay import NixlRelay
+from fastsync.transport.nixl.teardown import quiesce, release
+from fastsync.transport.nixl.writes import PreparedWrite, reconnect_peer, settle
 
 try:
     from nixl._api import nixl_agent, nixl_agent_config

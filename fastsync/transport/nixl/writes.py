@@ -17,7 +17,7 @@ transport posts again after a failure and leaves every handle postable:
   cut) marks its peer for ``reconnect``: the caller forgets the remote agent, loads its metadata
   again, and every handle to that peer is prepared afresh.
 
-The dense path (``nixl.py``), delta pages (``nixl_delta.py``) and relays (``nixl_relay.py``) keep
+The dense path (``transport.py``), delta pages (``delta.py``) and relays (``relay.py``) keep
 their handles as :class:`PreparedWrite` and settle them the same way.
 """
 
