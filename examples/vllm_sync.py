@@ -72,9 +72,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from fastsync.demo.run import run_demo, summarize
 
-    rep = run_demo(model_dir=args.model, num_trainers=args.trainers, tp=args.tp, dtype=args.dtype,
-                   transport=args.transport, repeats=args.repeats, baseline=False, log=lambda *_: None,
-                   reference=args.reference, verify=args.verify)
+    from fastsync import ConfigError
+
+    try:
+        rep = run_demo(model_dir=args.model, num_trainers=args.trainers, tp=args.tp, dtype=args.dtype,
+                       transport=args.transport, repeats=args.repeats, baseline=False, log=lambda *_: None,
+                       reference=args.reference, verify=args.verify)
+    except ConfigError as e:  # bad input, said before an engine starts
+        print(json.dumps({"ok": False, "error": str(e)}) if args.json else f"error: {e}", file=sys.stderr)
+        return 2
     if not rep.get("ok", True) and "after_engine" not in rep:
         print(json.dumps({"ok": False, "error": rep.get("error")}) if args.json else f"error: {rep.get('error')}")
         return 1
