@@ -58,6 +58,7 @@ def run_pipelined(
     on_chunk: Callable[[int], None] | None = None,
     in_flight: int = 1,
     progress: Callable[[], None] | None = None,
+    on_posted: Callable[[], None] | None = None,
 ) -> None:
     """Run ``pack -> post -> drain`` over ``chunks`` with packing overlapped with writes.
 
@@ -67,17 +68,20 @@ def run_pipelined(
     module docstring). ``progress``: called every :data:`PROGRESS_EVERY_S` while the calling
     thread waits for a chunk's packing, for transports whose posted writes move only while the
     sender drives them (UCX over TCP: without it the writes already posted stall while the next
-    chunk packs).
+    chunk packs). ``on_posted``: called once, after the last chunk is posted and before it is
+    drained (every chunk is packed by then).
     """
     if in_flight < 1:
         raise SyncError(f"run_pipelined: in_flight must be >= 1, got {in_flight}")
     n = len(chunks)
     if not overlap:
-        for c in chunks:
+        for k, c in enumerate(chunks):
             with metrics.stage("pack"):
                 pack(c)
             with metrics.stage("post"):
                 post(c)
+            if k == n - 1 and on_posted is not None:
+                on_posted()
             with metrics.stage("drain"):
                 drain(c, deadline)
             if on_chunk is not None:
@@ -134,6 +138,8 @@ def run_pipelined(
             drain_through(k - in_flight)
             with metrics.stage("post"):
                 post(c)
+            if k == n - 1 and on_posted is not None:  # before on_chunk's checks: the engines may be waiting
+                on_posted()
             if on_chunk is not None:
                 on_chunk(k)
         drain_through(n - 1)

@@ -198,10 +198,20 @@ class WeightSender:
             crcs = self.digests(version, asked, verify)
             if self.gather is not None and self.transport.uses_staging:  # rank0 assembles its own full tensors
                 self.gather.run(deadline, m)
-            self.transport.send(version, deadline, m, crcs, self._watched(on_chunk, version))
+            published: list[bool] = []
+
+            def publish_digests() -> None:  # once every write is posted (NIXL) or done (others): final by then
+                if crcs is not None and not published:
+                    left = max(deadline - time.monotonic(), 1.0)
+                    self.control.set(sender_crc_key(self.rank, version), json.dumps(crcs.crcs), timeout_s=left)
+                    published.append(True)
+
+            # the engines verify as soon as the writes land: the digests must not wait for this
+            # rank to see its writes complete
+            self.transport.send(version, deadline, m, crcs, self._watched(on_chunk, version),
+                                on_posted=publish_digests)
+            publish_digests()
             left = max(deadline - time.monotonic(), 1.0)  # the writes are done: telling the engines may take a moment
-            if crcs is not None:
-                self.control.set(sender_crc_key(self.rank, version), json.dumps(crcs.crcs), timeout_s=left)
             self.control.set(sender_done_key(self.rank, version), b"ok", timeout_s=left)
             for d, n in self.program.bytes_per_dst().items():
                 m.bytes_per_link[f"t{self.rank}->r{d}"] = n

@@ -94,6 +94,7 @@ class Transport(ABC):
         self.sender: SenderContext | None = None
         self.receiver: ReceiverContext | None = None
         self._receiving: int | None = None
+        self.posted_hook: Callable[[], None] | None = None  # send()'s on_posted, while it runs
 
     # ---- sender -------------------------------------------------------------------------
     def setup_sender(self, ctx: SenderContext) -> None:
@@ -110,13 +111,21 @@ class Transport(ABC):
         metrics: SyncMetrics,
         crcs: Digests | None = None,
         on_chunk: Callable[[int], None] | None = None,
+        on_posted: Callable[[], None] | None = None,
     ) -> None:
         """Move this trainer rank's share of ``version``; returns once every write is complete
         on this side (receivers learn it through the transport's completion signal). With
-        ``crcs``, feed every transfer's bytes to its digest (``fastsync.executor.verify.Digests``)."""
+        ``crcs``, feed every transfer's bytes to its digest (``fastsync.executor.verify.Digests``).
+        ``on_posted``: called once every write is posted (every digest is final then) and before
+        waiting for them to complete, by transports that can tell (``posted_hook``); others
+        never call it."""
         if self.sender is None:
             raise TransportError(f"transport {self.name!r}: send() before setup_sender()")
-        self._send(version, deadline, metrics, crcs, on_chunk)
+        self.posted_hook = on_posted
+        try:
+            self._send(version, deadline, metrics, crcs, on_chunk)
+        finally:
+            self.posted_hook = None
 
     def expect_endpoints(self, endpoints: dict[int, str]) -> None:
         """Sender, before ``send``: the endpoint each engine rank announced for this version (its

@@ -164,3 +164,25 @@ def test_progress_drives_posted_writes_while_the_next_chunk_packs() -> None:
     run_pipelined(_chunks(3), pack=lambda c: None, post=lambda c: None, drain=lambda c, dl: None,
                   deadline=time.monotonic() + 10, metrics=m, progress=lambda: calls.append(()))
     assert len(calls) <= 3  # packing keeps ahead: at most a call per chunk raced with its packer
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_on_posted_runs_once_after_every_pack_and_post_before_the_last_drain(overlap: bool) -> None:
+    """The sender publishes its digests from ``on_posted``: every chunk is packed (digested) by
+    then, and the engines need not wait for the sender to see its last writes complete."""
+    events: list[tuple[str, int]] = []
+    lock = threading.Lock()
+
+    def log(kind: str):
+        def f(c: Chunk, *_: object) -> None:
+            with lock:
+                events.append((kind, c.index))
+        return f
+
+    run_pipelined(_chunks(5), pack=log("pack"), post=log("post"), drain=log("drain"),
+                  deadline=time.monotonic() + 10, metrics=SyncMetrics(1, "trainer", 0, "test"), overlap=overlap,
+                  on_posted=lambda: events.append(("posted", -1)))
+    assert events.count(("posted", -1)) == 1
+    at = events.index(("posted", -1))
+    assert all(("pack", k) in events[:at] and ("post", k) in events[:at] for k in range(5))
+    assert ("drain", 4) in events[at:]

@@ -514,7 +514,7 @@ class NixlTransport(Transport):
         try:
             run_pipelined(ctx.program.chunks, pack=pack, post=post, drain=drain, deadline=deadline,
                           metrics=metrics, overlap=self.overlap, on_chunk=on_chunk, in_flight=self.in_flight,
-                          progress=progress)
+                          progress=progress, on_posted=self.posted_hook)
         except BaseException:
             # Let writes already posted finish (bounded) before the failure is reported, so none
             # lands after the receivers rolled back; what is still in flight then is settled
