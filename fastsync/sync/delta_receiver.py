@@ -42,7 +42,7 @@ from fastsync.executor.delta import (
 )
 from fastsync.executor.metrics import SyncMetrics
 from fastsync.executor.staging import Landing, alloc_touched, as_bytes
-from fastsync.protocol import delta_mode_key
+from fastsync.protocol import delta_choice_key, delta_mode_key
 from fastsync.sync.receiver import DensePayload, WeightReceiver
 from fastsync.transport.nixl.delta import DeltaInbox
 from fastsync.transport.nixl.delta_relay import DeltaRelay, stream_bytes
@@ -266,6 +266,10 @@ class DeltaReceiver(WeightReceiver):
             super().begin(version, payload=_AnnouncedDense(self))
         else:
             super().begin(version, payload=DeltaPayload(self))
+
+    def begin_as_chosen(self, version: int) -> None:
+        """Dense or delta, as ``WeightSync(delta=True)`` on trainer rank 0 chose for ``version``."""
+        self.begin(version, dense=self.control.try_get(delta_choice_key(version)) != b"delta")
 
     def close(self) -> None:
         if self._open is not None:

@@ -299,6 +299,16 @@ class WeightReceiver:
                                 f"{self.version}: {e}") from e
         return self._complete
 
+    def begin_as_chosen(self, version: int) -> None:
+        """Open ``version`` as trainer rank 0 chose it (a dense receiver has one kind: ``begin``;
+        ``DeltaReceiver`` reads the choice). What an engine door calls, whatever the receiver."""
+        self.begin(version)
+
+    def expire(self) -> None:
+        """End the open version's wait now, from another thread: the waiting thread returns at
+        its next poll and ``finish()`` finds the version incomplete (a flip that cannot wait longer)."""
+        self._deadline = time.monotonic()
+
     def wait(self, deadline: float | None = None) -> bool:
         """Poll until complete or ``deadline`` (``time.monotonic()``; default: now + timeout_s)."""
         if deadline is None:

@@ -408,15 +408,8 @@ class FastSyncWorkerExtension(ReloadWorkerMixin, LoraWorkerMixin):
         return _result(lambda: self._fastsync_begin(int(version)))
 
     def _fastsync_begin(self, version: int) -> dict:
-        from fastsync.sync.delta_receiver import DeltaReceiver
-        from fastsync.sync.handshake import delta_choice_key
-
         st = self._fastsync_state(connected=True)
-        rx = st.receiver
-        if isinstance(rx, DeltaReceiver):  # dense or delta, as WeightSync on trainer rank 0 chose for this version
-            rx.begin(version, dense=rx.control.try_get(delta_choice_key(version)) != b"delta")
-        else:
-            rx.begin(version)
+        st.receiver.begin_as_chosen(version)  # dense, or delta as trainer rank 0 chose for this version
         st.open = version
         return {"rank": st.rank, "version": version}
 
@@ -518,7 +511,7 @@ class FastSyncWorkerExtension(ReloadWorkerMixin, LoraWorkerMixin):
         th, box, t_start = st.stage_thread
         th.join(timeout_s)
         if th.is_alive():  # still receiving: fail it by its deadline (finish() sees it incomplete)
-            st.receiver._deadline = time.monotonic()
+            st.receiver.expire()
             th.join(5.0)
         st.stage_thread = None
         received_s = time.perf_counter() - t_start

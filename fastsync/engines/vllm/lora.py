@@ -155,7 +155,7 @@ class LoraWorkerMixin:
             if st.thread is not None:
                 st.thread.join(timeout_s)
                 if st.thread.is_alive():  # still receiving at the deadline: end its wait, finish sees it incomplete
-                    rx._deadline = time.monotonic()
+                    rx.expire()
                     st.thread.join(5.0)
                 st.thread = None
             rx.finish()  # raises SyncError naming what is missing when incomplete

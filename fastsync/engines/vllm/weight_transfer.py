@@ -350,7 +350,7 @@ class FastSyncWeightTransferEngine(WeightTransferEngine[FastSyncWeightTransferIn
         """Give up the open staged version: end its receive, keep serving the last version."""
         version = st.open
         th = st.stage_thread[0]
-        st.receiver._deadline = time.monotonic()  # the receive thread stops at its next poll
+        st.receiver.expire()  # the receive thread stops at its next poll
         th.join(5.0)
         st.stage_thread = None
         st.receiver.abort(why)
