@@ -162,25 +162,15 @@ class Trainer:
         """Trainer rank 0 (every rank calls it: a collective): per engine rank of the in-place
         session, a SHA-256 (16 hex digits) of each engine tensor built from this step's gathered
         weights by the plan's reference copies, and what vLLM's ``load_weights`` took instead."""
-        import hashlib
-
-        from fastsync.bench.local import reference_engine_tensors
+        from fastsync.bench.local import reference_digests
         from fastsync.demo.run import _full_state
-        from fastsync.executor.staging import as_bytes
-        from fastsync.layout.types import EngineLayout
-        from fastsync.layout.wire import engine_tensors_from_json
 
         full = _full_state(self.model)
         end = getattr(self.engine, "_end", None)
         inplace = getattr(end, "inplace", None)
         if self.rank != 0 or inplace is None:
             return None
-        out = {}
-        for e in inplace.ws.engine_info:
-            for w in e:
-                want = reference_engine_tensors(full, EngineLayout(1, {0: engine_tensors_from_json(w["tensors"])}))[0]
-                out[int(w["rank"])] = {n: hashlib.sha256(as_bytes(t.contiguous()).numpy().tobytes()).hexdigest()[:16]
-                                       for n, t in want.items()}
+        out = {int(w["rank"]): reference_digests(full, w["tensors"]) for e in inplace.ws.engine_info for w in e}
         return {"tensors": out, "version": inplace.ws.version, "fallback": inplace.last_fallback}
 
 
@@ -365,7 +355,7 @@ def _main(a, trainers_n: int, rig) -> int:
     import transformers
 
     from fastsync.demo.checkpoints import build_tiny_checkpoint
-    from fastsync.demo.run import DEFAULT_PROMPTS
+    from fastsync.demo.run import prompts_for
     from fastsync_verl.extension import EXTENSION_PATH
 
     if a.model is None:
@@ -398,9 +388,7 @@ def _main(a, trainers_n: int, rig) -> int:
     a.nic = (lambda: [rig.nic_bytes(h) for h in range(a.hosts)]) if rig is not None else (lambda: [])
     nic = [rig.nic_bytes(h) for h in range(a.hosts)] if rig is not None else []
     try:
-        vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
-        prompts = [[t % vocab for t in p] for p in DEFAULT_PROMPTS]  # a user's model may have a small vocabulary
-        result = run(a, model_dir, prompts, EXTENSION_PATH, trainers_n)
+        result = run(a, model_dir, prompts_for(model_dir), EXTENSION_PATH, trainers_n)
         if rig is not None:  # what left the trainer node through its NIC (the weights, and Ray's traffic)
             result["trainer_host_nic_tx_bytes"] = rig.nic_bytes(0)[0] - nic[0][0]
             # what reached each engine host (its share of the weights, and Ray's and vLLM's traffic)

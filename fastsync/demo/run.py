@@ -26,9 +26,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["run_demo", "hf_greedy", "DEFAULT_PROMPTS", "engine_kwargs"]
+__all__ = ["run_demo", "hf_greedy", "DEFAULT_PROMPTS", "prompts_for", "engine_kwargs"]
 
 DEFAULT_PROMPTS: list[list[int]] = [[5, 6, 7, 8], [100, 200, 300], [11, 42, 99, 7, 123], [400, 3, 77]]
+
+
+def prompts_for(model_dir: str) -> list[list[int]]:
+    """:data:`DEFAULT_PROMPTS` folded into the vocabulary of ``model_dir``'s ``config.json`` (a
+    user's model may have a small one)."""
+    with open(os.path.join(str(model_dir), "config.json")) as f:
+        cfg = json.load(f)
+    vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size") or 1 << 30
+    return [[t % vocab for t in p] for p in DEFAULT_PROMPTS]
 
 
 def engine_kwargs(model_dir: str, tp: int = 1, dtype: str = "bfloat16") -> dict:
@@ -268,13 +277,8 @@ def run_demo(*, model_dir: str | None = None, preset: str = "small-qwen3-moe", n
         base = Path(workdir or os.path.join(os.environ.get("TMPDIR", "/tmp"), "fastsync-demo"))
         model_dir = str(build_tiny_checkpoint(preset, base / preset))
         log(f"checkpoint: {preset} (random weights) in {model_dir}")
-    if prompts is None:  # a user's model may have a small vocabulary: the default prompts fold into it
-        import json
-
-        with open(os.path.join(model_dir, "config.json")) as f:
-            cfg = json.load(f)
-        vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size") or 1 << 30
-        prompts = [[t % vocab for t in p] for p in DEFAULT_PROMPTS]
+    if prompts is None:
+        prompts = prompts_for(model_dir)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if tp > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")

@@ -33,7 +33,7 @@ from fastsync.errors import ConfigError
 from fastsync.executor.program import ALIGN_BYTES, TensorInfo
 from fastsync.executor.transforms import to_torch_dtype
 
-__all__ = ["alloc_touched", "wait_device", "as_bytes", "dtype_name", "torch_dtype", "Landing", "LANDING_MODES"]
+__all__ = ["alloc_touched", "wait_device", "as_bytes", "tensor_digest", "dtype_name", "torch_dtype", "Landing", "LANDING_MODES"]
 
 LANDING_MODES = ("shadow", "inplace")
 
@@ -63,6 +63,14 @@ torch_dtype = to_torch_dtype
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor's memory (no copy)."""
     return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """SHA-256 (16 hex digits) of a CPU tensor's plain bytes: what an engine rank's
+    ``fastsync_digest`` reports per tensor, and what tests and smokes compare it with."""
+    import hashlib
+
+    return hashlib.sha256(as_bytes(t.contiguous()).numpy().tobytes()).hexdigest()[:16]
 
 
 def _align(n: int) -> int:

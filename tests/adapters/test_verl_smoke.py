@@ -113,23 +113,6 @@ def test_staged_keep_carries_a_request_across_the_flip_with_its_versions(tmp_pat
         assert res["trainer_host_nic_tx_bytes"] >= 0.9 * 2 * res["model_bytes"], res  # both syncs' weights
 
 
-def _odd_moe_checkpoint(out) -> str:
-    """A Qwen3-MoE checkpoint the smoke did not make, with awkward sizes: 5 experts (not a
-    multiple of 8), expert intermediate 44 (not a multiple of 32: vLLM-CPU pads it per TP rank,
-    22 -> 32), vocab 211, 6 heads over 2 KV heads. Hidden 96: vLLM-CPU's MoE kernel needs the hidden
-    size to be a multiple of 32 (``CPUUnquantizedExperts.output_alignment``), so that one is round."""
-    import torch
-    import transformers
-
-    cfg = transformers.Qwen3MoeConfig(vocab_size=211, hidden_size=96, intermediate_size=100, moe_intermediate_size=44,
-                                      num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2, head_dim=32,
-                                      num_experts=5, num_experts_per_tok=2, norm_topk_prob=True,
-                                      max_position_embeddings=512, tie_word_embeddings=False, initializer_range=0.05)
-    torch.manual_seed(3)
-    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(out)
-    return str(out)
-
-
 @pytest.mark.slow
 def test_moe_checkpoint_goes_in_place_with_the_swap_bytes_equal(tmp_path) -> None:
     """Issue 37: a MoE policy through verl's door, in place. The trainer holds transformers v5's
@@ -140,7 +123,13 @@ def test_moe_checkpoint_goes_in_place_with_the_swap_bytes_equal(tmp_path) -> Non
     of 2 syncs every engine tensor's bytes equal the trainer's weights through the plan's
     reference, the engine ranks verified the trainers' digests before the flip, nothing went
     through vLLM's ``load_weights``, no rank gathered a tensor, and the tokens match."""
-    model = _odd_moe_checkpoint(tmp_path / "user-moe")
+    from fastsync.demo.checkpoints import build_tiny_checkpoint
+
+    # a checkpoint the smoke did not make, with awkward sizes: 5 experts (not a multiple of 8), expert
+    # intermediate 44 (not a multiple of 32: vLLM-CPU pads it per TP rank, 22 -> 32), vocab 211, 6
+    # heads over 2 KV heads; hidden 96, because vLLM-CPU's MoE kernel needs a multiple of 32
+    # (fastsync.engines.vllm.cpu_limits); saved in bfloat16, as a user's checkpoint often is
+    model = str(build_tiny_checkpoint("awkward-qwen3-moe", tmp_path / "user-moe", dtype="bfloat16"))
     res = _run(tmp_path, "--model", model, "--moe-swap", "--tp", "2", "--syncs", "2", "--verify", "full")
     assert res["model"] == model and res["moe_blocks_swapped"] == 2, res
     assert res["inplace"] is True and res["trainer_full_tensor_calls"] == 0 and res["verl_generator_iterated"] is False

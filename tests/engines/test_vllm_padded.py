@@ -190,17 +190,16 @@ def _assert_bytes_equal_reference(llm, described: dict, full: dict) -> None:
     """Every engine tensor's plain bytes (the staged, unpacked copy of prepacked weights; the live
     memory of the others) equal the plan's reference built from the trainer's full weights, with
     zeros in the padding."""
-    import hashlib
 
     from fastsync.engines.vllm.host import raise_worker_errors
-    from fastsync.executor.staging import as_bytes
+    from fastsync.executor.staging import tensor_digest
     from fastsync.layout.wire import engine_tensors_from_json
     from fastsync.bench.local import reference_engine_tensors
 
     tensors = engine_tensors_from_json(described["tensors"])
     want = reference_engine_tensors(full, EngineLayout(1, {0: tensors}))[0]
     got = raise_worker_errors(llm.collective_rpc("fastsync_digest"), "digest")[0]["tensors"]
-    digest = {n: hashlib.sha256(as_bytes(t.contiguous()).numpy().tobytes()).hexdigest()[:16] for n, t in want.items()}
+    digest = {n: tensor_digest(t) for n, t in want.items()}
     differ = sorted(n for n in digest if got.get(n) != digest[n])
     assert not differ, f"engine tensors differ from the reference: {differ[:5]}"
     assert any(t.logical_shape is not None and t.logical_shape[-1] != t.shape[-1] for t in tensors.values())

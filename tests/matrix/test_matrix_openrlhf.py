@@ -11,7 +11,7 @@ no logical GPU (the rig's Ray has one; vLLM on CPU does not use it). One rig and
 engines serve every cell (about a minute to start).
 
 The MoE cells (``test_openrlhf_moe``): a Qwen3-MoE with awkward sizes
-(``matrix_support.AWKWARD_QWEN3_MOE``) built the way OpenRLHF's ``PolicyModelActor`` builds its
+(the ``awkward-qwen3-moe`` preset of ``fastsync.demo.checkpoints``) built the way OpenRLHF's ``PolicyModelActor`` builds its
 actor: ``install_trainer`` (so ``--fastsync.moe`` rebinds ``ppo_actor.Actor``), then OpenRLHF's
 ``Actor`` constructed partitioned under ZeRO-3 (``HfDeepSpeedConfig``), then ``deepspeed.initialize``.
 Without the swap the experts are HF's fused ``gate_up_proj`` / ``down_proj`` ZeRO-3 partitions;
@@ -41,7 +41,6 @@ from matrix_support import (  # noqa: E402
     FANOUT,
     MOE_PROMPTS,
     assert_digest,
-    build_moe_checkpoint,
     cell_id,
     cell_params,
     first_version,
@@ -209,10 +208,12 @@ def moe_rig(tmp_path_factory):
     import socket
     from types import SimpleNamespace
 
-    from fastsync_rigs.openrlhf_cpu import CpuRig, TrainerRank
+    from fastsync_rigs.openrlhf_cpu import CpuRig, TrainerRank, release
     from fastsync_openrlhf.rollout import OPENRLHF_EXTENSION, FastSyncRolloutRayActor
 
-    model_dir = build_moe_checkpoint(tmp_path_factory.mktemp("moe_ckpt"))
+    from fastsync.demo.checkpoints import build_tiny_checkpoint
+
+    model_dir = str(build_tiny_checkpoint("awkward-qwen3-moe", tmp_path_factory.mktemp("moe_ckpt"), dtype="float32"))
     host = _LIVE.get("rig")
     own = None
     if host is None:
@@ -242,15 +243,7 @@ def moe_rig(tmp_path_factory):
         if own is not None:
             own.close()
         else:
-            for t in m.trainers:
-                try:
-                    m.ray.get(t.close.remote(), timeout=60)
-                except Exception:  # noqa: BLE001 - shutting down regardless
-                    pass
-            try:
-                m.ray.get(m.engine.fastsync_close.remote(), timeout=30)
-            except Exception:  # noqa: BLE001
-                pass
+            release(m.ray, m.trainers, m.engine)
             for a in [*m.trainers, m.engine]:
                 m.ray.kill(a)
 

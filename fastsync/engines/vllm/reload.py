@@ -28,7 +28,6 @@ weights register with NIXL as the arena plus the in-place tensors (embedding, no
 from __future__ import annotations
 
 import glob
-import hashlib
 import os
 import time
 from typing import Any
@@ -39,7 +38,7 @@ from fastsync.errors import ConfigError, SyncError
 from fastsync.engines.vllm.layout import STAGED_KINDS, moe_pads
 from fastsync.engines.vllm.rpc_result import call_result as _result
 from fastsync.executor.arena import carve_typed
-from fastsync.executor.staging import as_bytes
+from fastsync.executor.staging import tensor_digest
 from fastsync.layout.box import box_slices
 from fastsync.layout.padding import logical_to_engine
 from fastsync.sync.connect_options import ReloadReceiveOptions, ReloadSendOptions
@@ -238,8 +237,7 @@ class ReloadWorkerMixin:
             st = self._fastsync_state()  # type: ignore[attr-defined]
             if not getattr(st, "plain", False):
                 raise SyncError(f"engine rank {st.rank} holds no plain copy to digest")
-            out = {n: hashlib.sha256(as_bytes(t.contiguous()).numpy().tobytes()).hexdigest()[:16]
-                   for n, t in sorted(plain_tensors(st).items())}
+            out = {n: tensor_digest(t) for n, t in sorted(plain_tensors(st).items())}
             return {"rank": st.rank, "version": st.version, "tensors": out}
 
         return _result(run)

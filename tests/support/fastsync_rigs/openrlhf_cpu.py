@@ -26,7 +26,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-__all__ = ["CpuRig", "TrainerRank", "build_checkpoint", "worker_pythonpath", "AWKWARD_QWEN3", "PROMPTS", "hf_greedy",
+__all__ = ["CpuRig", "TrainerRank", "release", "build_checkpoint", "worker_pythonpath", "AWKWARD_QWEN3", "PROMPTS", "hf_greedy",
            "postprocess_s"]
 
 #: Tiny Qwen3 with awkward sizes: hidden 200 and intermediate 344 (not multiples of 64), odd
@@ -207,6 +207,19 @@ def postprocess_s(result: Any) -> float:
     return max((float(w.get("postprocess_s", 0.0)) for e in engines for w in e if isinstance(w, dict)), default=0.0)
 
 
+def release(ray: Any, trainers: list, engine: Any) -> None:
+    """Close the trainer ranks' fastsync ends and the engine's receiver, each bounded, whatever
+    failed (shutting down regardless)."""
+    try:
+        ray.get([t.close.remote() for t in trainers], timeout=60)
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        ray.get(engine.fastsync_close.remote(), timeout=30)
+    except Exception:  # noqa: BLE001
+        pass
+
+
 class CpuRig:
     """Ray (logical GPUs) + one ``FastSyncRolloutRayActor`` with the vLLM CPU engine + N DeepSpeed
     ZeRO-3 ranks. ``env`` reaches every Ray worker (e.g. PYTHONPATH with a flash_attn stand-in)."""
@@ -288,14 +301,7 @@ class CpuRig:
         return self.ray.get(self.engine.fastsync_version.remote(), timeout=60)
 
     def close(self) -> None:
-        try:
-            self._all("close", timeout_s=60)
-        except Exception:  # noqa: BLE001 - shutting down regardless
-            pass
-        try:
-            self.ray.get(self.engine.fastsync_close.remote(), timeout=30)
-        except Exception:  # noqa: BLE001
-            pass
+        release(self.ray, self.trainers, self.engine)
         self.ray.shutdown()
         if self._saved_auth is None:
             os.environ.pop("RAY_AUTH_MODE", None)
