@@ -22,7 +22,7 @@ from typing import Any
 from fastsync.errors import ConfigError
 from fastsync.protocol import rollout_mode_key
 
-__all__ = ["MODE_KEY", "PATH_POLICIES", "rollout_mode_key", "publish_capability", "decide_path", "read_path"]
+__all__ = ["MODE_KEY", "PATH_POLICIES", "publish_capability", "decide_path", "read_path"]
 
 log = logging.getLogger("fastsync.host")
 

@@ -50,7 +50,7 @@ from fastsync.plan.types import Plan
 from fastsync.reload.plans import PlanCache
 from fastsync.reload.source import HolderRanks, engine_source_layout, merge_sources, params_of, target_layout
 from fastsync.sync.connect_options import ReloadReceiveOptions, ReloadSendOptions, StoreAddress
-from fastsync.sync.handshake import sender_done_key
+from fastsync.protocol import sender_done_key
 
 __all__ = ["PeerReload", "ReloadReport"]
 

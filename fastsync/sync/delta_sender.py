@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from fastsync.errors import ConfigError, SyncError
-from fastsync.protocol import delta_mode_key
+from fastsync.protocol import delta_mode_key, sender_crc_key, sender_done_key
 from fastsync.executor import delta_scan
 from fastsync.executor.delta import (
     DELTA_CHUNK_ELEMS,
@@ -59,12 +59,11 @@ from fastsync.executor.pack import source_view, transform_into
 from fastsync.executor.staging import alloc_touched, wait_device
 from fastsync.executor.transforms import to_torch_dtype
 from fastsync.executor.verify import crc_update
-from fastsync.sync.handshake import sender_crc_key, sender_done_key
 from fastsync.plan.replicate import relay_descendants, sender_copies
 from fastsync.sync.sender import WeightSender
 from fastsync.transport.nixl.delta import DeltaOutbox
 
-__all__ = ["DeltaSender", "delta_mode_key"]
+__all__ = ["DeltaSender"]
 
 
 #: How long a trainer rank waits for the ranks down a relay chain to say which version they hold

@@ -1,8 +1,7 @@
 """The handshake between trainer ranks and engine ranks: the control-plane keys both sides use,
 and the version rule.
 
-Keys (built in :mod:`fastsync.protocol`, which lists every key in the order they are used;
-re-exported here):
+Keys (built in :mod:`fastsync.protocol`, which lists every key in the order they are used):
 
 * ``{name}/setup{n}/plan``, ``{name}/setup{n}/connected``: WeightSync's n-th set-up (trainer
   rank 0 publishes the plan, then "ok" once engines connected, or ``err:{Type}:{message}``).
@@ -29,20 +28,10 @@ from __future__ import annotations
 
 from fastsync.errors import SyncError
 from fastsync.executor.verify_mode import VERIFY_MODES, VerifyMode, verify_mode
-from fastsync.protocol import (begun_key, delta_choice_key, flipped_key, receiver_info_key, sender_crc_key,
-                               sender_done_key, setup_connected_key, setup_plan_key)
 
 __all__ = [
     "Versions",
     "spend_version",
-    "setup_plan_key",
-    "setup_connected_key",
-    "receiver_info_key",
-    "begun_key",
-    "flipped_key",
-    "sender_crc_key",
-    "sender_done_key",
-    "delta_choice_key",
     "begun_value",
     "parse_begun",
     "refused_value",

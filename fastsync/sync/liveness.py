@@ -34,7 +34,7 @@ from fastsync.control import ControlPlane, StoreUnreachable
 from fastsync.errors import FastSyncError, SyncError
 from fastsync.protocol import alive_key
 
-__all__ = ["Heartbeat", "PeerWatch", "alive_key", "HEARTBEAT_PERIOD_S", "STALE_AFTER_S", "wait_key"]
+__all__ = ["Heartbeat", "PeerWatch", "HEARTBEAT_PERIOD_S", "STALE_AFTER_S", "wait_key"]
 
 #: How often a rank beats.
 HEARTBEAT_PERIOD_S = 0.25

@@ -38,16 +38,8 @@ import torch
 from fastsync import plugins
 from fastsync.control import ControlPlane, StoreUnreachable
 from fastsync.errors import ConfigError, FastSyncError, PlanError, SyncError
-from fastsync.sync.handshake import (
-    Versions,
-    begun_key,
-    begun_value,
-    flipped_key,
-    receiver_info_key,
-    refused_value,
-    sender_crc_key,
-    sender_done_key,
-)
+from fastsync.protocol import begun_key, flipped_key, receiver_info_key, sender_crc_key, sender_done_key
+from fastsync.sync.handshake import Versions, begun_value, refused_value
 from fastsync.executor.metrics import SyncMetrics
 from fastsync.layout.limits import check_seconds
 from fastsync.executor.program import RecvProgram, compile_recv

@@ -22,15 +22,8 @@ import torch
 from fastsync import plugins
 from fastsync.control import ControlPlane, StoreUnreachable
 from fastsync.errors import ConfigError, FastSyncError, PlanError, SyncError
-from fastsync.sync.handshake import (
-    Versions,
-    begun_key,
-    parse_begun,
-    flipped_key,
-    receiver_info_key,
-    sender_crc_key,
-    sender_done_key,
-)
+from fastsync.protocol import begun_key, flipped_key, receiver_info_key, sender_crc_key, sender_done_key
+from fastsync.sync.handshake import Versions, parse_begun
 from fastsync.sync.gather import OwnerGather
 from fastsync.sync.liveness import Heartbeat, PeerWatch, wait_key
 from fastsync.executor.metrics import SyncMetrics

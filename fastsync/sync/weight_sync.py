@@ -28,7 +28,8 @@ from fastsync.executor.verify_mode import verify_mode
 from fastsync.sync.connect_options import ConnectOptions, StoreAddress
 from fastsync.sync.pause_modes import PAUSE_MODES, check_pause_mode
 from fastsync.sync.sync_options import check_sync_options
-from fastsync.sync.handshake import Versions, delta_choice_key, setup_connected_key, setup_plan_key
+from fastsync.protocol import delta_choice_key, setup_connected_key, setup_plan_key
+from fastsync.sync.handshake import Versions
 from fastsync.layout.limits import MAX_WORLD_SIZE, check_count
 from fastsync.layout.types import EngineLayout, ParamSpec, TrainerLayout
 from fastsync.plan.types import Plan

@@ -45,8 +45,7 @@ from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeight
 from fastsync.control import DEFAULT_HOST, TCPStoreControl
 from fastsync.engines.vllm.backend import BACKEND, register_weight_transfer
 from fastsync.engines.vllm.wt_keys import error_text, raise_error_text
-from fastsync.protocol import wt_base_version_key, wt_session_key
-from fastsync.protocol import wt_finished_key as _finished_key
+from fastsync.protocol import wt_base_version_key, wt_finished_key, wt_session_key
 from fastsync.engines.vllm.wt_client import ClientEngine, LLMWeightSyncClient, describe_error
 from fastsync.engines.vllm.wt_pause import check_pauser
 from fastsync.errors import ConfigError
@@ -270,7 +269,7 @@ class FastSyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[FastSyncTr
             self.ws.setup()
         version = self.next_version
         self.next_version += 1  # spent even when it fails: a retry is a new version
-        key = _finished_key(version)
+        key = wt_finished_key(version)
         if self.handle is not None:
             self.handle.label = weight_version
         try:

@@ -27,7 +27,7 @@ import fastsync.transport.nixl.notes as notes
 from fastsync.transport.nixl.teardown import quiesce
 from fastsync.transport.nixl.writes import PreparedWrite, reconnect_peer, settle
 
-__all__ = ["ChainHop", "armed_key"]
+__all__ = ["ChainHop"]
 
 _READ_TIMEOUT_S = 1.0  # one control-plane read while the engine rank polls
 

@@ -34,7 +34,7 @@ import fastsync.transport.nixl.notes as notes
 from fastsync.transport.nixl.teardown import quiesce, release
 from fastsync.transport.nixl.writes import PreparedWrite, rebind, settle
 
-__all__ = ["DeltaOutbox", "DeltaInbox", "inbox_key", "page_bytes"]
+__all__ = ["DeltaOutbox", "DeltaInbox", "page_bytes"]
 
 log = logging.getLogger("fastsync.transport.nixl.delta")
 

@@ -44,7 +44,7 @@ from fastsync.transport.nixl.delta import page_bytes
 from fastsync.transport.nixl.teardown import release
 from fastsync.transport.nixl.writes import PreparedWrite
 
-__all__ = ["DeltaRelay", "delta_relay_key", "relay_inbox_key", "stream_bytes"]
+__all__ = ["DeltaRelay", "stream_bytes"]
 
 
 def _mem(t: torch.Tensor) -> tuple[str, int]:

@@ -35,7 +35,7 @@ from fastsync.transport.nixl.chain import ChainHop
 from fastsync.transport.nixl.teardown import release
 from fastsync.transport.nixl.writes import PreparedWrite
 
-__all__ = ["NixlRelay", "armed_key", "batches_key", "relay_key"]
+__all__ = ["NixlRelay"]
 
 
 #: Forwards a relaying rank keeps in flight per child. Over TCP a unit's notification queues behind
