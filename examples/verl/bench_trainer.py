@@ -1,7 +1,12 @@
 """One trainer-rank process of ``examples/verl/bench.py``: a model sharded with FSDP2
 ``fully_shard`` over gloo, handing the ``fastsync`` backend either verl's full tensors (what
 verl's ``FSDPEngine.get_per_tensor_param`` yields for FSDP2: ``full_tensor()`` per parameter, on
-every rank) or its local shards (``ShardedWeights``, what ``fastsync_verl.shards`` hands over)."""
+every rank, and for a MoE model verl's own ``unfuse_moe_params`` over them) or its local shards
+(``ShardedWeights``, what ``fastsync_verl.shards`` hands over).
+
+Two models: ``dense`` (linear layers with awkward heights) and ``moe`` (transformers' own
+``Qwen3MoeForCausalLM`` with v5's packed experts, awkward sizes: vocab 1001, hidden 360, 5 heads
+of 72 over 1 KV head, 13 experts of intermediate 200)."""
 
 from __future__ import annotations
 
@@ -16,9 +21,25 @@ HIDDEN = 1000
 ROWS = (1031, 4000, 517, 2047)
 
 
-def bench_model(size_bytes: int, seed: int) -> torch.nn.Module:
-    """Linear layers 1000 wide with awkward heights, plus norms, about ``size_bytes`` in fp32."""
+MODELS = ("dense", "moe")
+MOE_TYPE = "qwen3_moe"
+_MOE = {"vocab_size": 1001, "hidden_size": 360, "intermediate_size": 500, "moe_intermediate_size": 200,
+        "num_attention_heads": 5, "num_key_value_heads": 1, "head_dim": 72, "num_experts": 13,
+        "num_experts_per_tok": 2, "norm_topk_prob": True, "decoder_sparse_step": 1, "tie_word_embeddings": False}
+
+
+def bench_model(size_bytes: int, seed: int, kind: str = "dense") -> torch.nn.Module:
+    """About ``size_bytes`` of fp32 weights: ``dense``, linear layers 1000 wide with awkward
+    heights plus norms; ``moe``, transformers' Qwen3-MoE with as many decoder layers as fit."""
     torch.manual_seed(seed)
+    if kind == "moe":
+        import transformers
+
+        h, e, i, v = _MOE["hidden_size"], _MOE["num_experts"], _MOE["moe_intermediate_size"], _MOE["vocab_size"]
+        per_layer = 4 * (3 * e * h * i + e * h + h * 72 * (5 + 1 + 1) + 5 * 72 * h + 2 * h + 2 * 72)
+        layers = max(1, (size_bytes - 4 * 2 * v * h) // per_layer)
+        config = transformers.Qwen3MoeConfig(**_MOE, num_hidden_layers=int(layers))
+        return transformers.Qwen3MoeForCausalLM(config).float()
     m = torch.nn.Module()
     m.layers = torch.nn.ModuleList()
     total, i = 0, 0
@@ -36,10 +57,34 @@ def train_step(m: torch.nn.Module, k: int) -> None:
             p.mul_(0.999).add_(1e-3 * k)
 
 
-def trainer(rank: int, world: int, port: int, conn: Any, path: str, size_bytes: int, syncs: int) -> None:
+def reference(m: torch.nn.Module, path: str, kind: str) -> dict[str, torch.Tensor]:
+    """What the rollout rank should hold after a sync on ``path``: the trainer's tensors under the
+    names that path sends (verl's full tensors un-fuse packed experts; the shards keep them)."""
+    sd = m.state_dict()
+    if kind == "moe" and path != "inplace":
+        from verl.workers.engine.fsdp.utils import unfuse_moe_params
+
+        return dict(unfuse_moe_params(sd.items(), MOE_TYPE))
+    return sd
+
+
+def _shard(m: torch.nn.Module, kind: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    if kind == "moe":  # as verl's FSDP2 engine wraps a HF model: each decoder layer, then the root
+        for layer in m.model.layers:
+            fully_shard(layer)
+    else:
+        for layer in m.layers:
+            fully_shard(layer["proj"])
+            fully_shard(layer["norm"])
+    fully_shard(m)
+
+
+def trainer(rank: int, world: int, port: int, conn: Any, path: str, size_bytes: int, syncs: int,
+            kind: str = "dense") -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
     from fastsync_verl.checkpoint_engine import FastSyncCheckpointEngine
@@ -55,11 +100,8 @@ def trainer(rank: int, world: int, port: int, conn: Any, path: str, size_bytes: 
     DTensor.full_tensor = counted  # type: ignore[method-assign]
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        m = bench_model(size_bytes, 1)
-        for layer in m.layers:
-            fully_shard(layer["proj"])
-            fully_shard(layer["norm"])
-        fully_shard(m)
+        m = bench_model(size_bytes, 1, kind)
+        _shard(m, kind)
         sends = path != "rank0" or rank == 0
         engine = (FastSyncCheckpointEngine(bucket_size=512 << 20, is_master=rank == 0, control_host="127.0.0.1",
                                            timeout_s=120, trainer_shards="on" if path == "inplace" else "off")
@@ -74,6 +116,10 @@ def trainer(rank: int, world: int, port: int, conn: Any, path: str, size_bytes: 
             t0 = time.perf_counter()
             state = m.state_dict()
             full = ((n, p.full_tensor() if isinstance(p, DTensor) else p) for n, p in state.items())
+            if kind == "moe":  # what verl's FSDPEngine.get_per_tensor_param does for a v5 MoE model
+                from verl.workers.engine.fsdp.utils import unfuse_moe_params
+
+                full = unfuse_moe_params(full, MOE_TYPE)
             if engine is None:  # rank0 path, other ranks: join every all-gather, send nothing
                 for _ in full:
                     pass

@@ -238,8 +238,7 @@ def test_custom_backend_module_registers_in_a_fresh_process() -> None:
     assert out.stdout.split()[-2:] == ["fastsync_verl.checkpoint_engine", "5"]
 
 
-@pytest.mark.slow
-def test_bench_three_paths_verified_and_inplace_never_gathers() -> None:
+def _example_bench():
     import importlib.util
     from pathlib import Path
 
@@ -247,6 +246,12 @@ def test_bench_three_paths_verified_and_inplace_never_gathers() -> None:
     spec = importlib.util.spec_from_file_location("fastsync_example_verl_bench", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)  # puts its folder on sys.path: spawn hands it to the trainers
+    return bench
+
+
+@pytest.mark.slow
+def test_bench_three_paths_verified_and_inplace_never_gathers() -> None:
+    bench = _example_bench()
     run = bench.run
 
     res = run(2, 2 << 20, 2)
@@ -256,3 +261,19 @@ def test_bench_three_paths_verified_and_inplace_never_gathers() -> None:
     assert res["inplace"]["trainer_full_tensor_calls"] == 0
     assert res["paths"]["fulltensor"]["trainer_full_tensor_calls"] > 0  # the counter does count
     assert res["inplace"]["engine_stall_seconds"] > 0
+
+
+@pytest.mark.slow
+def test_bench_moe_case_sends_verls_unfused_experts_or_the_packed_shards_verified() -> None:
+    """``--model moe``: transformers' Qwen3-MoE under FSDP2 (13 experts over 2 ranks: 7 + 6).
+    verl's paths send what its export yields (``unfuse_moe_params``, every expert's gate/up/down),
+    checked tensor by tensor against verl's own function on the trainer's model; in place sends the
+    packed shards and never gathers."""
+    bench = _example_bench()
+    res = bench.run(2, 3 << 20, 2, ("fulltensor", "inplace"), kind="moe")
+    assert res["model"] == "moe"
+    assert all(p["verified"] and p["verified_syncs"] == "2/2" for p in res["paths"].values()), res
+    sent = res["tensors_sent"]
+    assert sent["fulltensor"] - sent["inplace"] == 13 * 3 - 2  # per layer: two packed -> 39 per-expert
+    assert res["inplace"]["trainer_full_tensor_calls"] == 0
+    assert res["paths"]["fulltensor"]["trainer_full_tensor_calls"] > 0
