@@ -232,3 +232,34 @@ def test_circle_finder_finds_a_lazy_circle(fake_tree: pathlib.Path):
     _write(fake_tree, "layout/spec.py", "from fastsync.layout.box import f\n")
     _write(fake_tree, "layout/box.py", "def f():\n    import fastsync.layout.spec\n")  # lazy, inside a function
     assert circles(fake_tree) == [["fastsync.layout.box", "fastsync.layout.spec"]]
+
+
+# ---- engines and host frameworks stay above the engine layer ---------------------------------------
+#: Third-party packages only ``engines/`` (and the layers above it) may import: the engine-side
+#: session (``sync/engine_session.py``) and everything below ``engines`` are engine-agnostic.
+ENGINE_PACKAGES = ("vllm", "sglang", "verl", "openrlhf")  # (Ray is the host kit's runtime: allowed)
+
+
+def engine_imports(tree_root: pathlib.Path) -> list[str]:
+    """Every runtime import of an engine or host framework from a package below ``engines``."""
+    bad: list[str] = []
+    for path in sorted(tree_root.rglob("*.py")):
+        rel = path.relative_to(tree_root)
+        top = rel.parts[0].removesuffix(".py") if len(rel.parts) > 1 or rel.name != "__init__.py" else ""
+        if RANK.get(top, len(LAYERS)) >= RANK["engines"]:
+            continue
+        for node in _runtime_nodes(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            bad += [f"{path}:{node.lineno}: imports {n}" for n in names if n.split(".")[0] in ENGINE_PACKAGES]
+    return bad
+
+
+def test_no_engine_imports_below_the_engines():
+    assert engine_imports(pathlib.Path(fastsync.__file__).parent) == []
+
+
+def test_engine_import_checker_fails_on_vllm_in_the_session(fake_tree: pathlib.Path):
+    _write(fake_tree, "sync/engine_session.py", "def f():\n    from vllm.distributed import get_tp_group\n")
+    bad = engine_imports(fake_tree)
+    assert len(bad) == 1 and "engine_session.py:2: imports vllm.distributed" in bad[0], bad

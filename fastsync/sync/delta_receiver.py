@@ -43,7 +43,7 @@ from fastsync.executor.delta import (
 from fastsync.executor.metrics import SyncMetrics
 from fastsync.executor.staging import Landing, alloc_touched, as_bytes
 from fastsync.protocol import delta_choice_key, delta_mode_key
-from fastsync.sync.receiver import DensePayload, WeightReceiver
+from fastsync.sync.receiver import DensePayload, Payload, WeightReceiver
 from fastsync.transport.nixl.delta import DeltaInbox
 from fastsync.transport.nixl.delta_relay import DeltaRelay, stream_bytes
 
@@ -258,14 +258,14 @@ class DeltaReceiver(WeightReceiver):
         assert self.program is not None
         delta_apply.warmup({info.itemsize for info in self.program.tensors.values()})
 
-    def begin(self, version: int, *, dense: bool = False) -> None:  # type: ignore[override]
-        """A delta against the version held, or (``dense=True``) the ordinary planned writes."""
+    def begin(self, version: int, *, dense: bool | None = None, payload: Payload | None = None) -> None:
+        """A delta against the version held (``dense`` None or False), or (``dense=True``) the
+        ordinary planned writes; ``payload`` as for :meth:`WeightReceiver.begin`."""
         if self.inbox is None:
             raise SyncError(f"engine rank {self.rank}: begin() before setup()")
-        if dense:  # the base checks (and a refusal the trainers read) come before the mode is published
-            super().begin(version, payload=_AnnouncedDense(self))
-        else:
-            super().begin(version, payload=DeltaPayload(self))
+        if payload is None:  # the base checks (and a refusal the trainers read) come before the mode is published
+            payload = _AnnouncedDense(self) if dense else DeltaPayload(self)
+        super().begin(version, payload=payload)
 
     def begin_as_chosen(self, version: int) -> None:
         """Dense or delta, as ``WeightSync(delta=True)`` on trainer rank 0 chose for ``version``."""
@@ -277,11 +277,6 @@ class DeltaReceiver(WeightReceiver):
         if self.inbox is not None and self.inbox.relay is not None:
             self.inbox.relay.close()
         super().close()
-
-    def sync(self, version: int, *, dense: bool = False, timeout_s: float | None = None) -> int:  # type: ignore[override]
-        self.begin(version, dense=dense)
-        self.wait(time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s))
-        return self.finish()
 
     # ---- helpers --------------------------------------------------------------------------
     def _streams(self) -> list[tuple[int, torch.Tensor, str, dict[int, Any], set[int]]]:

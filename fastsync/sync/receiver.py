@@ -228,9 +228,19 @@ class WeightReceiver:
                                who=f"engine rank {self.rank}")
 
     # ---- one sync, step by step -----------------------------------------------------------
-    def begin(self, version: int, *, payload: Payload | None = None) -> None:
+    @property
+    def open_version(self) -> int | None:
+        """The version begun and not yet finished or aborted (None between versions)."""
+        return self._open
+
+    def begin(self, version: int, *, dense: bool | None = None, payload: Payload | None = None) -> None:
         """Open ``version``: arm the payload (dense by default: snapshot if backing up, arm the
-        transport), tell trainers to write."""
+        transport), tell trainers to write. ``dense``: which kind of payload (None: this
+        receiver's own default; a receiver without delta inboxes takes dense versions only);
+        ``payload``: one built by a subclass, which then decides the kind."""
+        if dense is False and payload is None:
+            raise ConfigError(f"engine rank {self.rank}: version {version} as a delta needs a DeltaReceiver "
+                              "(WeightSync(delta=True))")
         if self.program is None:
             raise SyncError(f"engine rank {self.rank}: begin() before setup()")
         try:
@@ -377,9 +387,9 @@ class WeightReceiver:
         self.landing.refresh_backup()
         return time.perf_counter() - t0
 
-    def sync(self, version: int, timeout_s: float | None = None) -> int:
-        """``begin``, ``wait`` and ``finish`` in one call."""
-        self.begin(version)
+    def sync(self, version: int, timeout_s: float | None = None, *, dense: bool | None = None) -> int:
+        """``begin``, ``wait`` and ``finish`` in one call (``dense`` as for :meth:`begin`)."""
+        self.begin(version, dense=dense)
         self.wait(time.monotonic() + (self.timeout_s if timeout_s is None else check_seconds("timeout_s", timeout_s)))
         return self.finish()
 

@@ -85,7 +85,7 @@ def test_closure_takes_recordable_tensors_that_share_a_parameter_with_a_fallback
 
 
 def _toy_state(m: _Toy):
-    from fastsync.engines.vllm.extension import FastSyncWorkerExtension
+    from fastsync.engines.vllm.binding import VllmBinding
     from fastsync.engines.vllm.worker_state import WorkerState
     from fastsync.engines.vllm.layout import LiveParam
 
@@ -96,18 +96,17 @@ def _toy_state(m: _Toy):
     fb.buffers[BUFFER + "b"].copy_(torch.tensor([7.0, 8.0, 9.0]))
     st = WorkerState(0, 0, 1, live, fb.engine_tensors())
     st.fallback = fb
-    ext = FastSyncWorkerExtension()
-    ext.model_runner = SimpleNamespace(model=m)
-    return ext, st
+    return VllmBinding(st, m), st
 
 
 def test_flip_loads_the_buffers_through_the_models_own_loader():
     pytest.importorskip("vllm")
     m = _Toy()
-    ext, st = _toy_state(m)
-    ext._fastsync_fallback_load(st)
+    binding, st = _toy_state(m)
+    undo: list = []
+    binding.fallback_load(undo, served=0)
     assert torch.equal(m.w[:3], torch.arange(9.0).view(3, 3).t()) and torch.equal(m.w[3], torch.tensor([7.0, 8.0, 9.0]))
-    assert len(st.undo) == 1  # the snapshot of w, kept until the flip is final
+    assert len(undo) == 1  # the snapshot of w, kept until the flip is final
     assert torch.equal(st.fallback.buffers[BUFFER + "a"], torch.arange(9.0).view(3, 3))  # the loader had a copy
 
 
@@ -116,12 +115,13 @@ def test_a_loader_that_fails_after_writing_leaves_the_old_bytes():
     m = _Toy()
     with torch.no_grad():
         m.w.fill_(-1.0)
-    ext, st = _toy_state(m)
+    binding, st = _toy_state(m)
     m.boom = True
+    undo: list = []
     with pytest.raises(SyncError, match=r"checkpoint tensor 'a': vLLM's load_weights failed on the fallback path "
                                         r".*loader gave up.*keeps version 0"):
-        ext._fastsync_fallback_load(st)
-    assert torch.equal(m.w, torch.full((4, 3), -1.0)) and st.undo == []
+        binding.fallback_load(undo, served=0)
+    assert torch.equal(m.w, torch.full((4, 3), -1.0)) and undo == []
 
 
 def test_peer_reload_of_an_engine_with_fallback_tensors_is_refused_by_name():

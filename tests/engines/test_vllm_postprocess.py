@@ -1,4 +1,4 @@
-"""The extension's post-processing undo, in process and without an engine: two plain linear
+"""The vLLM binding's post-processing undo, in process and without an engine: two plain linear
 layers are repacked by vLLM's own CPU post-load step (``UnquantizedLinearMethod``, the real
 ``dispatch_cpu_unquantized_gemm``), then a third staged parameter's repack raises (its module has
 no MoE kernel). Every layer must come back exactly as it was and the error must name the
@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
-from fastsync.engines.vllm.extension import FastSyncWorkerExtension  # noqa: E402
+from fastsync.engines.vllm.binding import VllmBinding  # noqa: E402
 from fastsync.engines.vllm.worker_state import WorkerState  # noqa: E402
 from fastsync.engines.vllm.layout import LiveParam  # noqa: E402
 from fastsync.errors import SyncError  # noqa: E402
@@ -42,13 +42,14 @@ def test_failing_repack_puts_every_layer_back():
     }
     st = WorkerState(0, 0, 1, live, {})
     st.staging = {"a.weight": torch.ones(32, 16), "b.weight": torch.ones(16, 32), "moe.w13_weight": torch.ones(2, 4, 4)}
+    undo: list = []
     with pytest.raises(SyncError, match=r"post-processing engine parameter 'moe.w13_weight' failed .*AttributeError"):
-        FastSyncWorkerExtension()._fastsync_postprocess(st)
+        VllmBinding(st, None).postprocess(undo, served=0)
     for m in (a, b):
         assert m.cpu_linear is before[id(m)][0] and m.weight is before[id(m)][1]
     assert torch.equal(a.cpu_linear(x, a.weight, None), y_a)  # still the old weights, not the staged ones
     assert torch.equal(broken.w13_weight, torch.zeros(2, 4, 4))
-    assert st.undo == []
+    assert undo == []
 
 
 def test_successful_repack_serves_the_staged_values():
@@ -56,7 +57,8 @@ def test_successful_repack_serves_the_staged_values():
     live = {"a.weight": LiveParam("a.weight", a, "weight", (32, 16), "float32", "linear_repack")}
     st = WorkerState(0, 0, 1, live, {})
     st.staging = {"a.weight": torch.full((32, 16), 0.5)}
-    FastSyncWorkerExtension()._fastsync_postprocess(st)
+    undo: list = []
+    VllmBinding(st, None).postprocess(undo, served=0)
     x = torch.randn(3, 16, generator=torch.Generator().manual_seed(3))
     assert torch.allclose(a.cpu_linear(x, a.weight, None), x @ st.staging["a.weight"].T, atol=1e-4)
-    assert len(st.undo) == 1  # kept until the receiver's flip is final
+    assert len(undo) == 1  # kept until the receiver's flip is final

