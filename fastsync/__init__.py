@@ -50,7 +50,7 @@ __version__ = "0.1.0"
 #: public name -> (module, attribute in that module); resolved on first access.
 _LAZY: dict[str, tuple[str, str]] = {
     # sync lifecycle
-    "WeightSync": ("fastsync.sync.weight_sync", "WeightSync"),
+    "WeightSync": ("fastsync.sync", "WeightSync"),  # through the package: its PEFT variant registers
     "SyncResult": ("fastsync.sync.weight_sync", "SyncResult"),
     "EngineHandle": ("fastsync.sync.weight_sync", "EngineHandle"),
     "WeightSender": ("fastsync.sync.sender", "WeightSender"),

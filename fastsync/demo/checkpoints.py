@@ -46,6 +46,13 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
          "num_attention_heads": 6, "head_dim": 32, "num_experts": 5, "num_experts_per_tok": 2,
          "norm_topk_prob": True, "decoder_sparse_step": 1},
     ),
+    # ~126M parameters (504 MB in fp32), awkward sizes: the "few hundred MB" model of the LoRA
+    # figures (hidden 1000, 14 query heads over 2 KV heads, intermediate 2750, vocab 32003).
+    "medium-qwen3": (
+        "Qwen3ForCausalLM",
+        {"vocab_size": 32003, "hidden_size": 1000, "num_hidden_layers": 6, "num_attention_heads": 14,
+         "intermediate_size": 2750, "initializer_range": 0.05},
+    ),
     # ~34M parameters (136 MB in fp32): big enough that sync times are not all fixed overhead.
     "small-qwen3-moe": (
         "Qwen3MoeForCausalLM",

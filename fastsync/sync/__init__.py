@@ -15,6 +15,8 @@ _EXPORTS = {
     "EngineHandle": "weight_sync",
     "SyncResult": "weight_sync",
     "local_sources": "weight_sync",
+    "PeftWeightSync": "peft_sync",
+    "PeftSyncResult": "peft_sync",
     "WeightSender": "sender",
     "WeightReceiver": "receiver",
 }
@@ -26,4 +28,6 @@ def __getattr__(name: str) -> Any:
     sub = _EXPORTS.get(name)
     if sub is None:
         raise AttributeError(f"module 'fastsync.sync' has no attribute {name!r}")
+    if name == "WeightSync":  # its PEFT variant registers itself (WeightSync(peft_model) -> PeftWeightSync)
+        from fastsync.sync import peft_sync  # noqa: F401
     return getattr(importlib.import_module(f"{__name__}.{sub}"), name)

@@ -18,7 +18,7 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -171,10 +171,26 @@ class WeightSync:
     mismatch rolls the version back on every engine rank and raises SyncError naming the tensor,
     the box, the engine rank and the trainer rank.
 
+    ``lora`` (None: when ``model`` is a PEFT model): a PEFT model's base goes with the first sync
+    (and with ``sync(v, base=True)``), its adapter every version, into a spare LoRA slot of each
+    engine (``fastsync.sync.peft_sync.PeftWeightSync``, what the constructor then returns).
+
     ``trace_dir`` (an existing folder): each rank writes ``trainer{rank}.json`` there after every
     sync, a Chrome trace of its phases and, on rank 0, its engines' (``fastsync.sync.trace_dir``;
     merge with ``merge_trace_dir``, open in ui.perfetto.dev). Turns span recording on in the process.
     """
+
+    #: subclasses that take over a kind of model, asked in order by ``WeightSync(...)``:
+    #: ``PeftWeightSync`` (``fastsync.sync.peft_sync``, registered when ``fastsync.sync`` or
+    #: ``fastsync`` hands out WeightSync) for PEFT models and ``lora=True``
+    variants: ClassVar[list[Any]] = []
+
+    def __new__(cls, model: Any = None, *args: Any, **kwargs: Any) -> WeightSync:
+        if cls is WeightSync:
+            for variant in WeightSync.variants:
+                if variant.takes(model, kwargs):
+                    return super().__new__(variant)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -197,7 +213,13 @@ class WeightSync:
         staged: bool = False,
         fanout: str = "off",
         pause_mode: str = "wait",
+        lora: bool | None = None,
     ) -> None:
+        if model is not None and hasattr(model, "peft_config"):  # a variant took it unless lora=False
+            raise ConfigError("WeightSync got a PEFT model with lora=False (or from fastsync.sync.weight_sync "
+                              "directly, where the PEFT variant is not registered): give lora=None/True through "
+                              "fastsync.WeightSync (base once, adapter every version) or a merged model "
+                              "(model.merge_and_unload())")
         check_count("world_size", world_size, hi=MAX_WORLD_SIZE)
         check_count("rank", rank, lo=0, hi=world_size - 1)
         if not isinstance(transport, str) or not transport.strip():

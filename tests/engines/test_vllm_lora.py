@@ -191,3 +191,51 @@ def test_base_weights_through_weight_sync_into_the_lora_engine(rig):
         assert _engine_greedy(llm, None) == before
     finally:
         ws.close()
+
+
+def test_weight_sync_of_a_peft_model_sends_the_base_once_and_the_adapter_every_version(rig):
+    """``WeightSync(peft_model)``: the base (changed from the engine's checkpoint, so the engine
+    cannot already hold it) goes with the first version only, the adapter with every version; the
+    engine's tokens without an adapter equal the base's, with the synced version the PEFT model's.
+    ``base=True`` sends the base again (here: the checkpoint's, for whatever runs next)."""
+    from fastsync.engines.vllm.host import VllmEngine
+    from fastsync.sync import WeightSync
+    from fastsync.sync.peft_sync import PeftWeightSync
+
+    llm, eng = rig["llm"], rig["engine"]
+    handle = VllmEngine(llm)
+    handle.lora().served = eng.served  # versions above what this engine's slots already served
+    pm = _peft_model(rig["dir"], 8)
+    base_params = {n: p for n, p in pm.get_base_model().named_parameters() if "lora_" not in n}
+    original = {n: p.detach().clone() for n, p in base_params.items()}
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in base_params.values():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    ws = WeightSync(pm, rank=0, world_size=1, control=rig["control"], engines=[handle],
+                    control_port=rig["control"].port, verify="full", name="peftws", timeout_s=60.0)
+    assert isinstance(ws, PeftWeightSync)
+    ws.setup()
+    try:
+        v0 = max(eng.served, handle.version()) + 1
+        base_bytes = []
+        for k in range(3):
+            _new_version(pm, seed=20 + k)
+            res = ws.sync(v0 + k)
+            base_bytes.append(0 if res.base is None else sum(res.base.metrics["bytes_per_link"].values()))
+            assert res.adapter.bytes_sent == ws.lora.bytes_per_version > 0
+            assert _engine_greedy(llm, ws.lora_request()) == hf_greedy(pm, PROMPTS, MAX_TOKENS), f"version {v0 + k}"
+            with pm.disable_adapter():
+                want_base = hf_greedy(pm, PROMPTS, MAX_TOKENS)
+            assert _engine_greedy(llm, None) == want_base
+        assert base_bytes[0] >= sum(t.numel() * 4 for t in original.values()) and base_bytes[1:] == [0, 0]
+        with torch.no_grad():
+            for n, p in base_params.items():
+                p.copy_(original[n])
+        res = ws.sync(v0 + 3, base=True)
+        assert res.base is not None and res.base.fallback["tensors"] == 0
+        with pm.disable_adapter():
+            assert _engine_greedy(llm, None) == hf_greedy(pm, PROMPTS, MAX_TOKENS)
+    finally:
+        ws.close()
+    eng.served = handle.lora().served  # later tests' versions go above these

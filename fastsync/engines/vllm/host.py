@@ -76,6 +76,7 @@ class VllmEngine:
         self._done: dict[str, dict] = {}  # finished requests not yet picked up by their generate()
         self._in_flight: set[str] = set()
         self.finished: deque[dict] = deque(maxlen=10_000)  # recent completions, for per-sync outcomes
+        self._lora_engine: Any = None  # lora(): the handle on this engine's LoRA verbs, made once
 
     @contextmanager
     def _fenced(self, what: str) -> Iterator[None]:
@@ -284,6 +285,15 @@ class VllmEngine:
         if isinstance(box[0], BaseException):
             raise box[0]
         return box[0]
+
+    def lora(self) -> Any:
+        """This engine's LoRA verbs (``VllmLoraEngine``, one per handle; the engine needs
+        ``enable_lora=True``): what ``WeightSync(peft_model)`` syncs adapters through."""
+        from fastsync.engines.vllm.lora_host import VllmLoraEngine
+
+        if self._lora_engine is None:
+            self._lora_engine = VllmLoraEngine(self.llm, rank_offset=self.rank_offset)
+        return self._lora_engine
 
     def version(self) -> int:
         """The version every worker serves; SyncError if workers disagree."""

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from fastsync.engines.vllm.host import error_reply
+from fastsync.host.replies import error_reply
 
 __all__ = ["call_result"]
 
