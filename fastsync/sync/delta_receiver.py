@@ -251,9 +251,9 @@ class DeltaReceiver(WeightReceiver):
             prog = self.program.relay
             sources = self.landing.relay_inboxes if prog.upstream is not None else self.landing.inboxes
             relay = DeltaRelay(tr, self.rank, prog, sources, self.landing.relay_inboxes, self.control,
-                               self.timeout_s, key=tr._key, refuse=tr._refuse)
+                               self.timeout_s, key=tr.notify_key, refuse=tr.refuse)
         self.inbox = DeltaInbox(tr.agent, self.rank, self.landing.inboxes, self.control,
-                                getattr(tr, "poll_sleep_s", 0.001), key=tr._key, transport=tr, relay=relay)
+                                getattr(tr, "poll_sleep_s", 0.001), key=tr.notify_key, transport=tr, relay=relay)
         self._blocks = {}
         assert self.program is not None
         delta_apply.warmup({info.itemsize for info in self.program.tensors.values()})

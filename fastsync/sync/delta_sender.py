@@ -124,8 +124,8 @@ class DeltaSender:
         boxes = {d: alloc_touched(link_capacity(self.plan, self.rank, d, self.chunk_elems), device)
                  for d in self.inner.dsts}
         tr = self.inner.transport
-        self.outbox = DeltaOutbox(tr.agent, self.rank, boxes, tr._remote, self.inner.control, self.inner.timeout_s,
-                                  self.page_bytes, key=tr._key, agent_name=tr.agent_name,
+        self.outbox = DeltaOutbox(tr.agent, self.rank, boxes, tr.remote_agents, self.inner.control, self.inner.timeout_s,
+                                  self.page_bytes, key=tr.notify_key, agent_name=tr.agent_name,
                                   transport=tr)
         self._blocks = {i: transfer_blocks(t) for i, t in self.mine if t.transform == "fp8_block"}
 

@@ -71,9 +71,9 @@ def probe_writes(model: torch.nn.Module, tensors: dict[str, tuple[tuple[int, ...
     matched, by storage, against the twins."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from fastsync.engines.vllm.record import _sid, _twins
+    from fastsync.engines.vllm.record import storage_id, meta_twins
 
-    index, saved, _ = _twins(model)
+    index, saved, _ = meta_twins(model)
     writes: dict[str, set[str]] = {n: set() for n in tensors}
     current: list[str] = []
 
@@ -85,7 +85,7 @@ def probe_writes(model: torch.nn.Module, tensors: dict[str, tuple[tuple[int, ...
                     if a.alias_info is None or not a.alias_info.is_write:
                         continue
                     t = args[i] if i < len(args) else kwargs.get(a.name)
-                    hit = index.get(_sid(t)) if isinstance(t, torch.Tensor) and t.is_meta else None
+                    hit = index.get(storage_id(t)) if isinstance(t, torch.Tensor) and t.is_meta else None
                     if hit is not None:
                         writes[current[0]].add(hit[0])
             return func(*args, **kwargs)
@@ -203,14 +203,14 @@ class Fallback:
         """Run vLLM's ``load_weights`` on the buffers into the parameters they fill (staging for
         prepacked linears); snapshot in-place ones first and push their restore onto ``undo``.
         Raises SyncError naming the tensor when the loader fails (the caller rolls back)."""
-        from fastsync.engines.vllm.record import _twins
+        from fastsync.engines.vllm.record import meta_twins
 
         for p, snap in self.snapshots.items():
             snap.copy_(live[p].live)
             undo.append(_Snapshot(live[p].live, snap))
         # the memory each parameter is loaded into, read before the twins replace the parameters
         dests = {p: staging[p] if live[p].kind in STAGED_KINDS else live[p].live for p in self.loads}
-        index, saved, by_name = _twins(model)
+        index, saved, by_name = meta_twins(model)
         current: list[str] = []
         try:
             real: dict[int, torch.Tensor] = {}

@@ -41,7 +41,7 @@ import torch
 from fastsync.errors import LayoutError
 from fastsync.layout.box import Box
 
-__all__ = ["Copy", "Recording", "RecordingTensor", "RecordRefused", "record_copies"]
+__all__ = ["Copy", "Recording", "RecordingTensor", "RecordRefused", "record_copies", "meta_twins", "storage_id"]
 
 
 class RecordRefused(LayoutError):
@@ -92,7 +92,7 @@ class Recording:
 TIED = "tied:"
 
 
-def _sid(t: torch.Tensor) -> int:
+def storage_id(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
@@ -139,7 +139,7 @@ class _Sink:
         self.copies: dict[str, list[Copy]] = {}
 
     def accept(self, dest: torch.Tensor, src: RecordingTensor) -> None:
-        hit = self.twins.get(_sid(dest)) if dest.is_meta else None
+        hit = self.twins.get(storage_id(dest)) if dest.is_meta else None
         if hit is None:
             raise RecordRefused(f"checkpoint tensor {src._name!r}: copy_ into a tensor that is not an engine parameter "
                                 f"(ops {list(src._ops)}); fastsync can only write into parameters")
@@ -185,7 +185,7 @@ class RecordingTensor(torch.Tensor):
         return cls(name, torch.empty(shape, dtype=dtype, device="meta"), tuple(shape), dtype, (), sink)
 
     def _child(self, view: torch.Tensor, op: str, dtype: torch.dtype | None = None) -> RecordingTensor:
-        if _sid(view) != _sid(self._view):
+        if storage_id(view) != storage_id(self._view):
             raise RecordRefused(f"checkpoint tensor {self._name!r}: operation {op!r} does not return a view "
                                 f"(ops {list(self._ops) + [op]}); not a copy of a box")
         return RecordingTensor(self._name, view, self._root_shape, dtype or self.dtype, self._ops + (op,), self._sink)
@@ -255,7 +255,7 @@ class RecordingTensor(torch.Tensor):
         return func(*args, **(kwargs or {}))
 
 
-def _twins(model: torch.nn.Module) -> tuple[dict[int, tuple[str, torch.Tensor]], list[tuple[torch.nn.Module, dict]],
+def meta_twins(model: torch.nn.Module) -> tuple[dict[int, tuple[str, torch.Tensor]], list[tuple[torch.nn.Module, dict]],
                                              dict[str, torch.Tensor]]:
     """Meta twins (loader format) for every parameter; returns the storage index, what to put back,
     and engine name -> twin."""
@@ -290,7 +290,7 @@ def _twins(model: torch.nn.Module) -> tuple[dict[int, tuple[str, torch.Tensor]],
                 f"{path}.{attr}" if path else attr)
             if p is not None:
                 by_live[id(p)] = twin
-            index[_sid(twin)] = (name, twin)
+            index[storage_id(twin)] = (name, twin)
             by_name[name] = twin
             module._parameters[attr] = twin  # type: ignore[assignment]
     return index, saved, by_name
@@ -313,7 +313,7 @@ def record_copies(model: torch.nn.Module, params: dict[str, tuple[tuple[int, ...
     names, splits = names or {}, splits or {}
     use_splits = False
     rec = Recording(params={n: tuple(s) for n, (s, _) in params.items()})
-    index, saved, by_name = _twins(model)
+    index, saved, by_name = meta_twins(model)
     attempts = max_attempts if max_attempts is not None else len(params) + 1
     try:
         for _ in range(attempts):

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from fastsync.engines.vllm.record import TIED, _sid
+from fastsync.engines.vllm.record import TIED, storage_id
 from fastsync.errors import LayoutError
 
 __all__ = ["checkpoint_params", "hf_params", "safetensors_params", "loader_names", "expert_splits"]
@@ -66,7 +66,7 @@ def hf_params(hf_config: Any) -> dict[str, tuple[tuple[int, ...], str]] | None:
     out: dict[str, tuple[tuple[int, ...], str]] = {}
     seen: dict[int, str] = {}
     for n, t in model.state_dict().items():
-        first = seen.setdefault(_sid(t), n)
+        first = seen.setdefault(storage_id(t), n)
         # a tied tensor (lm_head.weight = embed_tokens.weight): listed, never fed to the loaders
         out[n] = (tuple(t.shape), f"{TIED}{first}" if first != n else str(t.dtype).removeprefix("torch."))
     return out

@@ -292,6 +292,20 @@ class NixlTransport(Transport):
             if self._receiving is not None:
                 self._expect[src] = self._senders[src]["posts"]
 
+    @property
+    def notify_key(self) -> bytes:
+        """The notification MAC key (from the job secret): the delta inbox and relays check with it."""
+        return self._key
+
+    @property
+    def remote_agents(self) -> dict[int, str]:
+        """The NIXL agent name of each engine rank this sender writes to (after ``setup_sender``)."""
+        return self._remote
+
+    def refuse(self, reason: str, agent: str, msg: bytes) -> None:
+        """Drop a notification that is not authentic, once logged (what the delta paths call)."""
+        self._refuse(reason, agent, msg)
+
     def _refuse(self, reason: str, agent: str, msg: bytes) -> None:
         self.refused[reason] += 1
         if self.refused[reason] <= 5:
