@@ -30,7 +30,7 @@ import fastsync_verl  # noqa: E402,F401
 from fastsync.errors import ConfigError  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # spawn hands sys.path to the children
-from verl_shards_job import A, _model, _step, _trainer  # noqa: E402
+from verl_shards_job import A, _lora_refusal, _model, _step, _trainer  # noqa: E402
 
 
 def _free_port() -> int:
@@ -145,3 +145,32 @@ def test_on_without_shards_refuses_naming_the_reason() -> None:
     engine = CheckpointEngineRegistry.new("fastsync", bucket_size=1 << 20, trainer_shards="on")
     with pytest.raises(ConfigError, match="trainer_shards='on'.*list"):
         engine._shard_module([("w", torch.zeros(3))], 0)
+
+
+@pytest.mark.slow
+def test_unmerged_lora_actor_is_refused_by_name_not_synced_as_its_base() -> None:
+    """verl 0.9's checkpoint-engine call, ``get_per_tensor_param()``, on a PEFT actor (not merged)
+    yields the base weights without the adapter (``collect_lora_params`` with
+    ``base_sync_done=False``) and verl drops the ``peft_config``: the rollout would serve the
+    untrained base. The real verl method runs on a real PEFT model (no FSDP; the stand-in engine
+    holds only what the method reads) in a process of its own (verl's CPU bridge patches the
+    process); fastsync's backend refuses it before any byte moves, naming verl's key to set.
+    verl's own calls with arguments (its colocated path) are left untouched."""
+    pytest.importorskip("peft")
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_lora_refusal, args=(child,))
+    p.start()
+    try:
+        assert parent.poll(180), "the LoRA process did not report"
+        got = parent.recv()
+    finally:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+    assert "error" not in got, got
+    assert got["type"] == "AdapterDropped" and got["peft_config"]
+    assert got["names"] and not [n for n in got["names"] if "lora" in n]  # verl's own export: the base only
+    assert got["refused"].startswith("ConfigError: fastsync trainer rank 0: the actor is a LoRA model (r=4")
+    assert "actor_rollout_ref.model.lora.merge=True" in got["refused"]
+    assert got["with_arguments"] != "AdapterDropped"  # verl's colocated adapter sync: untouched

@@ -88,3 +88,40 @@ def _trainer(rank: int, port: int, conn, mode: str) -> None:
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001
         conn.send({"error": f"{type(e).__name__}: {e}"})
+
+
+def _lora_refusal(conn) -> None:
+    """verl's checkpoint-engine export of an unmerged PEFT actor, handed to fastsync's backend."""
+    import types
+
+    try:
+        from fastsync_rigs.verl_cpu import use_cpu_platform
+
+        use_cpu_platform()
+        from peft import LoraConfig, get_peft_model
+        from verl.utils.import_utils import import_external_libs
+        from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+
+        import_external_libs("fastsync_verl")  # what checkpoint_engine.custom_backend_module does
+        from fastsync_verl.checkpoint_engine import FastSyncCheckpointEngine
+
+        pm = get_peft_model(_model(3), LoraConfig(r=4, lora_alpha=8, target_modules=["0", "1"]))
+        fake = types.SimpleNamespace(module=pm, _uses_fsdp2_cpu_offload_policy=True, _is_offload_param=False,
+                                     _qat_enabled=False, model_config=types.SimpleNamespace(
+                                         lora={"merge": False}, hf_config=types.SimpleNamespace(model_type="llama")))
+        engine = FastSyncCheckpointEngine(bucket_size=1 << 20, is_master=True, control_host="127.0.0.1")
+        weights, peft_config = FSDPEngine.get_per_tensor_param(fake)  # wrapped by the backend's install()
+        out = {"type": type(weights).__name__, "peft_config": peft_config is not None,
+               "names": [n for n, _ in weights]}
+        try:
+            asyncio.run(engine.send_weights(weights, global_steps=1))
+            out["refused"] = ""
+        except Exception as e:  # noqa: BLE001
+            out["refused"] = f"{type(e).__name__}: {e}"
+        finally:
+            engine.close()
+        full, _ = FSDPEngine.get_per_tensor_param(fake, layered_summon=False, base_sync_done=True)
+        out["with_arguments"] = type(full).__name__
+        conn.send(out)
+    except BaseException as e:  # noqa: BLE001
+        conn.send({"error": f"{type(e).__name__}: {e}"})

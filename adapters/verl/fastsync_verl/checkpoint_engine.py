@@ -32,7 +32,7 @@ from fastsync import session_meta, verify_mode
 from fastsync_verl.inplace import INPLACE_MODES
 from fastsync_verl.rollout_end import Receive, RolloutEnd
 from fastsync_verl.server import install as install_server_hook
-from fastsync_verl.shards import ShardedWeights, install
+from fastsync_verl.shards import AdapterDropped, ShardedWeights, install
 from fastsync_verl.trainer_end import TrainerEnd
 
 __all__ = ["FastSyncCheckpointEngine"]
@@ -198,6 +198,8 @@ class FastSyncCheckpointEngine(CheckpointEngine):
         shards, or the full copy (from its shards, else from verl's full tensors, keeping only
         the regions it sends). The first sync of a session plans and sets up. Returns per-rank
         metrics, which verl merges into the trainer's."""
+        if isinstance(weights, AdapterDropped):  # before any byte moves, set up or not
+            raise ConfigError(weights.refusal(self._topology[1] if self._topology is not None else 0))
         _, rank, num_trainers, num_receivers, _ = self._need("trainer")
         version = self._version  # handed out by the master, spent even if this sync fails
         module, why = self._shard_module(weights, rank)

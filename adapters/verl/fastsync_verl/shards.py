@@ -35,7 +35,7 @@ import torch
 
 from fastsync import ConfigError, resolve_hook_point, wrap_hook_point
 
-__all__ = ["ShardedWeights", "install", "SUPPORTED_VERL"]
+__all__ = ["ShardedWeights", "AdapterDropped", "install", "SUPPORTED_VERL"]
 
 log = logging.getLogger("fastsync_verl")
 
@@ -89,6 +89,34 @@ class ShardedWeights:
         return dict(zip(keys, renamed))
 
 
+class AdapterDropped:
+    """verl's export of an *unmerged* LoRA actor for a checkpoint engine: the base weights only.
+
+    verl 0.9's ``ActorRolloutRefWorker.update_weights`` calls ``get_per_tensor_param()`` (no
+    arguments: ``base_sync_done=False``) for every checkpoint-engine backend and drops the
+    ``peft_config`` it returns; for a PEFT actor that is the base model without the adapter
+    (``collect_lora_params`` skips every ``lora_`` tensor). Whatever backend sends it, the rollout
+    serves the untrained base. Iterates exactly like verl's generator; fastsync's backend refuses
+    it by name (:meth:`refusal`) before any byte moves."""
+
+    def __init__(self, full: Any, peft_config: Any) -> None:
+        self._full = full
+        self.peft_config = peft_config
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self._full)
+
+    def refusal(self, rank: int) -> str:
+        pc = self.peft_config  # verl hands PEFT's LoraConfig as a dict (asdict)
+        r = pc.get("r", "?") if isinstance(pc, dict) else getattr(pc, "r", "?")
+        return (f"fastsync trainer rank {rank}: the actor is a LoRA model (r={r}, not merged) and verl's "
+                "checkpoint-engine path hands over its base weights without the adapter (verl 0.9: "
+                "update_weights calls get_per_tensor_param() with base_sync_done=False and drops peft_config), "
+                "so the rollout would never see the trained adapter. Set actor_rollout_ref.model.lora.merge=True "
+                "(verl merges the adapter into full tensors, sent by fastsync's full-tensor path), or run "
+                "fastsync's WeightSync(peft_model) / LoraSync, which syncs the adapter into the engines' LoRA slots")
+
+
 def _why_not(engine: Any, module: Any) -> str | None:
     from verl.utils.fsdp_utils import fsdp_version
 
@@ -132,6 +160,8 @@ def install() -> None:
     def make(orig: Any) -> Any:
         def get_per_tensor_param(self, *args: Any, **kwargs: Any):
             full, peft = orig(self, *args, **kwargs)
+            if peft is not None and not args and not kwargs:  # the checkpoint-engine call: base only
+                return AdapterDropped(full, peft), peft
             if peft is not None or kwargs.get("layered_summon") or args:
                 return full, peft  # adapter paths: verl's own tensors, untouched
             return ShardedWeights(full, self.module, refusal=_why_not(self, self.module),
