@@ -59,6 +59,9 @@ WEIGHT_SYNC = {
               "`direct` writes each from the trainer ranks, `auto` lets the cost model pick",
     "pause_mode": "vLLM's pause mode for requests in flight: `wait` (finish on the old version), `abort`, "
                   "`keep` (carried across the flip)",
+    "lora": "`None`: a PEFT model syncs its base with the first version (or `sync(v, base=True)`) and its "
+            "adapter every version into a spare LoRA slot (`PeftWeightSync`); `True` requires a PEFT model; "
+            "`False` refuses one ([LoRA](../lora.md))",
 }
 
 VERL = {
