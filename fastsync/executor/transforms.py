@@ -7,7 +7,8 @@ exactly like a third-party plugin's):
 * ``copy``: cast to the destination dtype, contiguous.
 * ``fp8_block``: 128x128 block e4m3 quantisation over the last two dims (DeepSeek-V3 / vLLM
   block FP8, as DeepGEMM's ``per_block_cast_to_fp8``): per block ``amax = max|w|`` clamped to
-  1e-4, ``weight = (w * (448 / amax)).to(float8_e4m3fn)``. Leading dims are batch dims (experts).
+  1e-4, ``scale = amax / 448``, ``weight = (w * (1 / scale)).to(float8_e4m3fn)``, bit for bit
+  vLLM's ``vllm.utils.deep_gemm.per_block_cast_to_fp8``. Leading dims are batch dims (experts).
 * ``fp8_scale``: the matching per-block inverse scales ``amax / 448`` as float32, shape = the
   source shape with the last two dims divided by 128, rounded up.
 
@@ -82,11 +83,14 @@ def fp8_block_quantize(src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight e4m3 shaped like ``src``, float32 inverse scales with the last two dims / 128)."""
     xb, shape2 = _blocked(src)
     amax = xb.abs().amax(dim=(2, 4), keepdim=True).clamp(min=_AMAX_FLOOR)
-    q = (xb * (FP8_MAX / amax)).to(torch.float8_e4m3fn)
+    sf = amax / FP8_MAX
+    # vLLM's own rule (vllm.utils.deep_gemm.per_block_cast_to_fp8): multiply by 1 / scale, not by
+    # FP8_MAX / amax, which rounds differently for about 0.6% of the values
+    q = (xb * (1.0 / sf)).to(torch.float8_e4m3fn)
     b, nr, _, nc, _ = xb.shape
     rows, cols = shape2[-2], shape2[-1]
     q = q.reshape(b, nr * FP8_BLOCK, nc * FP8_BLOCK)[:, :rows, :cols]
-    scale = (amax / FP8_MAX).reshape(b, nr, nc)
+    scale = sf.reshape(b, nr, nc)
     lead = shape2[:-2]
     weight = q.reshape(src.shape).contiguous()
     if src.dim() >= 2:

@@ -37,7 +37,7 @@ def test_copy_casts_and_never_aliases() -> None:
 
 
 def _loop_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Independent per-block loop: scale = max(amax, 1e-4)/448, q = e4m3(w * 448/amax)."""
+    """Independent per-block loop: scale = max(amax, 1e-4)/448, q = e4m3(w * (1/scale)), vLLM's rule."""
     x = w.float()
     rows, cols = x.shape
     nr, nc = -(-rows // 128), -(-cols // 128)
@@ -47,7 +47,7 @@ def _loop_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         for j in range(nc):
             blk = x[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
             amax = blk.abs().max().clamp(min=1e-4)
-            q[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = (blk * (FP8_MAX / amax)).to(torch.float8_e4m3fn)
+            q[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = (blk * (1.0 / (amax / FP8_MAX))).to(torch.float8_e4m3fn)
             s[i, j] = amax / FP8_MAX
     return q, s
 
@@ -64,6 +64,20 @@ def test_fp8_block_matches_per_block_loop(shape: tuple[int, int]) -> None:
     # dequantised weight is close to the original: e4m3 keeps 3 mantissa bits
     deq = q.float() * s.repeat_interleave(128, 0)[: shape[0]].repeat_interleave(128, 1)[:, : shape[1]]
     assert torch.allclose(deq, w.float(), rtol=0.07, atol=1e-3)
+
+
+@pytest.mark.parametrize("shape", [(1000, 129), (300, 200), (7, 5), (384, 1029)])
+def test_fp8_block_is_bit_equal_to_vllms_own_block_quantizer(shape: tuple[int, int]) -> None:
+    """The sender quantizes by vLLM's own rule (``vllm.utils.deep_gemm.per_block_cast_to_fp8``,
+    pure torch: runs on any CPU), weights and scales bit for bit. Multiplying by 448/amax instead
+    of by 1/scale (what this module did before) rounds 783 of the (1000, 129) values differently."""
+    deep_gemm = pytest.importorskip("vllm.utils.deep_gemm", reason="vLLM not installed")
+    w = (torch.randn(shape, generator=torch.Generator().manual_seed(2)) * 0.05).to(torch.bfloat16)
+    vq, vs = deep_gemm.per_block_cast_to_fp8(w, [FP8_BLOCK, FP8_BLOCK])
+    q = apply_transform("fp8_block", w, "float8_e4m3fn")
+    s = apply_transform("fp8_scale", w, "float32")
+    assert torch.equal(_bits(q), _bits(vq))
+    assert torch.equal(s, vs.float())
 
 
 def test_fp8_batches_over_leading_dims_and_slices_on_block_edges() -> None:
