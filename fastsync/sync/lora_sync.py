@@ -40,6 +40,14 @@ class LoraEngineHandle(Protocol):
 
     def lora_finish(self, version: int, timeout_s: float) -> list[dict]: ...
 
+    def request(self, version: int | None = None) -> Any:
+        """What a generate call names to run on ``version`` (default: the one served)."""
+        ...
+
+    def version_of(self, output: Any) -> int | None:
+        """The adapter version a finished request ran on, None without one."""
+        ...
+
 
 @dataclass(slots=True)
 class LoraSyncResult:

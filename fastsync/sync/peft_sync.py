@@ -133,6 +133,10 @@ class PeftWeightSync(WeightSync):
         """The engine's request object naming the adapter version it serves (vLLM: ``LoRARequest``)."""
         return self.lora.engines[engine].request(version)
 
+    def version_of(self, output: Any, engine: int = 0) -> int | None:
+        """The adapter version a finished request ran on (vLLM: from ``RequestOutput.lora_request``)."""
+        return self.lora.engines[engine].version_of(output)
+
     def close(self) -> None:
         try:
             self.lora.close()

@@ -225,6 +225,8 @@ def test_weight_sync_of_a_peft_model_sends_the_base_once_and_the_adapter_every_v
             base_bytes.append(0 if res.base is None else sum(res.base.metrics["bytes_per_link"].values()))
             assert res.adapter.bytes_sent == ws.lora.bytes_per_version > 0
             assert _engine_greedy(llm, ws.lora_request()) == hf_greedy(pm, PROMPTS, MAX_TOKENS), f"version {v0 + k}"
+            out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], lora_request=ws.lora_request(), use_tqdm=False)
+            assert ws.version_of(out[0]) == v0 + k  # each response says which adapter version made it
             with pm.disable_adapter():
                 want_base = hf_greedy(pm, PROMPTS, MAX_TOKENS)
             assert _engine_greedy(llm, None) == want_base

@@ -56,6 +56,14 @@ class VllmLoraEngine:
     def lora_id(self, version: int | None = None) -> int:
         return self.id_base + (self.served if version is None else int(version))
 
+    def version_of(self, output: Any) -> int | None:
+        """The adapter version a finished request ran on, from the ``lora_request`` vLLM's
+        ``RequestOutput`` carries (the id of the slot it started on: a request never changes
+        slot), or None for a request without a fastsync adapter."""
+        req = getattr(output, "lora_request", None)
+        version = int(req.lora_int_id) - self.id_base if req is not None else 0
+        return version if version > 0 else None
+
     def request(self, version: int | None = None) -> Any:
         """vLLM's ``LoRARequest`` for ``version`` (default: the one served). Its path is never
         read: the id is registered in the workers' LoRA managers."""
