@@ -129,6 +129,7 @@ def trainer(rank: int, world: int, port: int, conn: Any, path: str, size_bytes: 
                 metrics = asyncio.run(engine.send_weights(weights, global_steps=k))
                 engine.finalize()
             conn.send({"seconds": time.perf_counter() - t0, "full_tensor": calls["n"] - before, "metrics": metrics})
+        dist.barrier()  # trainer rank 0 hosts the control store: it must outlive every rank's last sync
         if engine is not None:
             engine.close()
         dist.destroy_process_group()
