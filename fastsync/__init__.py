@@ -67,8 +67,8 @@ _LAZY: dict[str, tuple[str, str]] = {
     "build_plan": ("fastsync.plan.planner", "build_plan"),
     # engines
     "FastSyncWorkerExtension": ("fastsync.engines.vllm.extension", "FastSyncWorkerExtension"),
-    "RemoteEngine": ("fastsync.engines.vllm.host", "RemoteEngine"),
-    "serve_engine": ("fastsync.engines.vllm.host", "serve"),
+    "RemoteEngine": ("fastsync.engines.vllm.remote", "RemoteEngine"),
+    "serve_engine": ("fastsync.engines.vllm.remote", "serve"),
     "raise_worker_errors": ("fastsync.host.replies", "raise_worker_errors"),
     "worker_error_reply": ("fastsync.host.replies", "error_reply"),
     "one_version": ("fastsync.host.replies", "one_version"),

@@ -199,7 +199,7 @@ def run_delta_bench(cfg: DeltaBenchConfig, timeout_s: float = 1800.0) -> dict:
     load_before = os.getloadavg()[0]
     rig = None
     if cfg.hosts:
-        from fastsync.bench.hosts import HostRig
+        from fastsync.bench.netns_cluster import HostRig
 
         if cfg.hosts != 2:
             raise ConfigError(f"delta-bench --hosts {cfg.hosts}: only 2 is supported (the trainer on one host, the "
@@ -228,7 +228,7 @@ def _run(cfg: DeltaBenchConfig, hf: dict, plan: Any, rig: Any, load_before: floa
     def proc(target: Any, host: int, *args: Any) -> Any:
         if rig is None:
             return ctx.Process(target=target, args=args, daemon=True)
-        from fastsync.bench.hosts import run_in_host
+        from fastsync.bench.netns import run_in_host
 
         return ctx.Process(target=run_in_host, args=(rig.hosts[host].ns, rig.env(host, {}), target, *args),
                            daemon=True)

@@ -1,4 +1,4 @@
-"""Linux network namespaces, the primitives the host rig (``bench/hosts.py``) is built from:
+"""Linux network namespaces, the primitives the host rig (``bench/netns_cluster.py``) is built from:
 ``ip`` run in one, which namespaces exist and whether their owner pid lives (:func:`sweep_stale`
 removes rigs whose owner died), removing namespaces with every process inside, and moving a process
 or thread into one (``setns``, with a sysfs of its own as ``ip netns exec`` gives:

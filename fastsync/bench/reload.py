@@ -218,7 +218,7 @@ def run_reload_bench(model: str, *, repeats: int = 3, workdir: str | None = None
     plain = LLM(**_engine_kwargs(ckpt, "auto"))
     start_ckpt_s = time.perf_counter() - t0
     try:
-        from fastsync.engines.vllm.host import VllmEngine
+        from fastsync.engines.vllm.handle import VllmEngine
 
         first_req_ckpt_s = _first_request(VllmEngine(plain))
     finally:

@@ -1,7 +1,7 @@
 """``fastsync reload-bench --hosts H --joiners K``: K engines joining at once, filled from H live
 peers, against the same K engines fetching the checkpoint from a storage host.
 
-Hosts (``fastsync.bench.hosts``, one shaped NIC each): holders on ``0..H-1``, joining engines on
+Hosts (``fastsync.bench.netns_cluster``, one shaped NIC each): holders on ``0..H-1``, joining engines on
 ``H..H+K-1``, a storage host last, serving the checkpoint's files over HTTP (``http.server``, the
 way a hub or object store serves them). Every engine is a real vLLM CPU engine in its own process
 on its host (``_engine_main``: the engine, and the engine-core process vLLM starts, live in the
@@ -98,7 +98,7 @@ class _Engine:
     """The parent's handle of one engine process (what ``PeerReload`` calls), one call at a time."""
 
     def __init__(self, rig: Any, host: int, ckpt: str, name: str, ctx: Any) -> None:
-        from fastsync.bench.hosts import run_in_host
+        from fastsync.bench.netns import run_in_host
 
         self.name, self.host = name, host
         self.conn, child = ctx.Pipe()
@@ -182,7 +182,8 @@ def run_reload_bench_hosts(model: str, *, holders: int, joiners: int, nic_gbps: 
     """See the module docstring; returns the JSON report. ``fanout``: ``off``, one holder per
     joining engine (joiner j from holder j % H); ``auto``/``chain``/``direct``, all joining
     engines in one plan (``PeerReload.reload_group``) in write batches of ``chunk_bytes``."""
-    from fastsync.bench.hosts import HostRig, check_shape, rig_unavailable
+    from fastsync.bench.netns import rig_unavailable
+    from fastsync.bench.netns_cluster import HostRig, check_shape
     from fastsync.bench.reload import _checkpoint, _files
     from fastsync.control import TCPStoreControl
     from fastsync.reload.coordinator import PeerReload

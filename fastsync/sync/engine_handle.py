@@ -1,6 +1,6 @@
 """The trainer side's contract with engines: :class:`EngineHandle`, the five calls
 :class:`~fastsync.sync.weight_sync.WeightSync` drives an inference engine through (vLLM's are in
-``fastsync.engines.vllm.host``), and :class:`SyncResult`, what one sync returns.
+``fastsync.engines.vllm.handle``), and :class:`SyncResult`, what one sync returns.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ __all__ = ["EngineHandle", "SyncResult"]
 
 
 class EngineHandle(Protocol):
-    """What WeightSync needs from an inference engine (see ``fastsync.engines.vllm.host``)."""
+    """What WeightSync needs from an inference engine (see ``fastsync.engines.vllm.handle``)."""
 
     def describe(self, options: dict | None = None) -> list[dict]: ...
 

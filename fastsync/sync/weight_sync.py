@@ -223,7 +223,7 @@ class WeightSync:
 
     def _describe_engines(self) -> tuple[EngineLayout, dict[str, str]]:
         from fastsync.layout.namemap import DEFAULT_ENGINE
-        from fastsync.layout.wire import engine_tensors_from_json
+        from fastsync.layout.engine_json import engine_tensors_from_json
 
         tensors: dict[int, dict] = {}
         replica_of: dict[int, int] = {}

@@ -1,5 +1,5 @@
 """A vLLM engine handle across processes: :class:`RemoteEngine` reaches a
-:class:`~fastsync.engines.vllm.host.VllmEngine` in another process through the control plane,
+:class:`~fastsync.engines.vllm.handle.VllmEngine` in another process through the control plane,
 where :func:`serve` answers its requests one at a time (the engine's own fence). Every request is
 signed (HMAC-SHA256, a key derived from the job secret, over engine id, sequence number and body):
 :func:`serve` refuses and counts any request whose signature does not match, so only the job's own

@@ -20,7 +20,7 @@ namespaces the rig made; host ``i`` is ``198.18.0.{i+1}``. Names carry the owner
 (``fsrig<pid>-h<i>``, ``fsrig<pid>-sw``). Teardown removes the namespaces (their veths and qdiscs
 go with them) and kills what the rig started in them; a guardian process (its own session, so a
 killed process group does not take it down) does the same when the owner dies without cleaning
-up, and :func:`sweep_stale` removes rigs whose owner pid is gone. Nothing else is touched.
+up, and :func:`~fastsync.bench.netns.sweep_stale` removes rigs whose owner pid is gone. Nothing else is touched.
 
 On one kernel, UCX reaches a process in another namespace through shared memory and CMA unless it
 is held to TCP, so processes run with ``UCX_TLS=tcp,self`` (checked: a sync then crosses the
@@ -52,11 +52,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastsync.bench import netns
-from fastsync.bench.netns import PREFIX, rig_unavailable, run_in_host, sweep_stale
 from fastsync.errors import ConfigError
 
-__all__ = ["HostRig", "Host", "rig_unavailable", "sweep_stale", "run_in_host", "PREFIX", "MAX_HOSTS",
-           "MAX_NIC_GBPS", "NO_DELAY_QDISC", "check_shape", "netem_available", "host_env"]
+__all__ = ["HostRig", "Host", "MAX_HOSTS", "MAX_NIC_GBPS", "NO_DELAY_QDISC", "check_shape", "netem_available", "host_env"]
 
 NIC = "nic0"
 SUBNET = "198.18.0"
@@ -81,7 +79,7 @@ NO_DELAY_QDISC = ("which this kernel does not have (CONFIG_NET_SCH_NETEM is not 
 def netem_available() -> bool:
     """Whether this kernel has the ``netem`` qdisc (latency); probed once in a scratch namespace."""
     if not _NETEM:
-        probe = f"{PREFIX}{os.getpid()}-netem"
+        probe = f"{netns.PREFIX}{os.getpid()}-netem"
         ok = False
         if netns.ip("netns", "add", probe, check=False).returncode == 0:
             r = subprocess.run(["tc", "-n", probe, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
@@ -134,16 +132,16 @@ class HostRig:
         if not 1.0 <= queue_ms <= 1000.0:
             raise ConfigError(f"host rig: queue_ms (the NIC queue, in ms of line rate) must be in [1, 1000], got {queue_ms}")
         self.queue_ms = float(queue_ms)
-        why = rig_unavailable()
+        why = netns.rig_unavailable()
         if why is not None:
             raise ConfigError(f"host rig: {why}")
         if latency_ms and not netem_available():
             raise ConfigError(f"host rig: latency_ms needs the 'netem' qdisc (sch_netem), {NO_DELAY_QDISC}; run with "
                               "latency_ms=0 (--latency-ms 0) or on a kernel with netem")
-        sweep_stale()
+        netns.sweep_stale()
         self.nic_gbps, self.latency_ms, self.loss_pct = float(nic_gbps), float(latency_ms), float(loss_pct)
         self.owner = os.getpid()
-        self.tag = f"{PREFIX}{self.owner}-{os.urandom(2).hex()}"
+        self.tag = f"{netns.PREFIX}{self.owner}-{os.urandom(2).hex()}"
         self.switch = f"{self.tag}-sw"
         self.hosts = [Host(i, f"{self.tag}-h{i}", f"{SUBNET}.{i + 1}") for i in range(num_hosts)]
         self._procs: list[subprocess.Popen] = []

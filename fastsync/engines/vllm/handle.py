@@ -1,4 +1,4 @@
-"""Host-side handles of a vLLM engine running :class:`~fastsync.engines.vllm.FastSyncWorkerExtension`.
+"""The handles of a vLLM engine running :class:`~fastsync.engines.vllm.FastSyncWorkerExtension`.
 
 ``WeightSync`` (trainer side) talks to engines through a handle with five calls: ``describe``,
 ``connect``, ``begin_update`` / ``wait_update`` and ``version``. Two handles:
@@ -25,13 +25,12 @@ from contextlib import contextmanager
 from typing import Any
 
 from fastsync.engines.vllm.pause import DEFAULT_PAUSE_MODE, check_pause_mode, completion_record, core_call
-from fastsync.engines.vllm.remote import RemoteEngine, serve
 from fastsync.errors import SyncError
-from fastsync.host.replies import error_reply, one_version, raise_worker_errors
+from fastsync.host.replies import one_version, raise_worker_errors
 
 log = logging.getLogger(__name__)
 
-__all__ = ["VllmEngine", "RemoteEngine", "serve", "raise_worker_errors", "error_reply", "one_version"]
+__all__ = ["VllmEngine"]
 
 
 class VllmEngine:
