@@ -52,9 +52,9 @@ class DeltaBenchConfig:
 
 def scaled_config(model: str) -> dict:
     """The HF config of ``model`` (a preset or a directory), scaled for this machine when a preset."""
-    from fastsync.models.inventory import _presets  # the registered preset configs
+    from fastsync import plugins
 
-    presets = _presets()
+    presets = plugins.model_presets()  # the registered preset configs
     if model in presets:
         cfg = dict(presets[model].obj())
         if cfg.get("model_type") != "qwen3":

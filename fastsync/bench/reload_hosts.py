@@ -47,11 +47,11 @@ def _engine_main(conn: Any, ckpt: str, name: str) -> None:
     try:
         from vllm import LLM
 
-        from fastsync.bench.reload import _engine_kwargs, _first_request
+        from fastsync.bench.reload import engine_kwargs, first_request_s
         from fastsync.engines.vllm.reload_host import VllmReloadEngine
 
         t0 = time.perf_counter()
-        eng = VllmReloadEngine(LLM(**_engine_kwargs(ckpt, "dummy"), distributed_executor_backend="uni"), name=name)
+        eng = VllmReloadEngine(LLM(**engine_kwargs(ckpt, "dummy"), distributed_executor_backend="uni"), name=name)
         eng.describe()
         conn.send(("ready", time.perf_counter() - t0))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
@@ -70,7 +70,7 @@ def _engine_main(conn: Any, ckpt: str, name: str) -> None:
                 eng.load_checkpoint(local, version)
                 got = {"download_s": t1 - t0, "load_s": time.perf_counter() - t1}
             elif method == "first_request":
-                got = _first_request(eng)
+                got = first_request_s(eng)
             else:
                 got = getattr(eng, method)(*args)
             conn.send(("ok", got))
@@ -184,7 +184,7 @@ def run_reload_bench_hosts(model: str, *, holders: int, joiners: int, nic_gbps: 
     engines in one plan (``PeerReload.reload_group``) in write batches of ``chunk_bytes``."""
     from fastsync.bench.netns import rig_unavailable
     from fastsync.bench.netns_cluster import HostRig, check_shape
-    from fastsync.bench.reload import _checkpoint, _files
+    from fastsync.bench.reload import checkpoint_dir, checkpoint_files
     from fastsync.control import TCPStoreControl
     from fastsync.reload.coordinator import PeerReload
 
@@ -199,8 +199,8 @@ def run_reload_bench_hosts(model: str, *, holders: int, joiners: int, nic_gbps: 
     why = rig_unavailable()
     if why is not None:
         raise ConfigError(f"--hosts: {why}")
-    ckpt = _checkpoint(model, workdir)
-    files = [os.path.basename(f) for f in _files(ckpt)]
+    ckpt = checkpoint_dir(model, workdir)
+    files = [os.path.basename(f) for f in checkpoint_files(ckpt)]
     nbytes = sum(os.path.getsize(os.path.join(ckpt, f)) for f in files)
     storage = holders + joiners
     report: dict[str, Any] = {"model": model, "checkpoint_bytes": nbytes, "holders": holders, "joiners": joiners,
