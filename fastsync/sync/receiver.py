@@ -43,6 +43,7 @@ from fastsync.sync.handshake import Versions, begun_value, refused_value
 from fastsync.executor.metrics import SyncMetrics
 from fastsync.layout.limits import check_seconds
 from fastsync.executor.program import RecvProgram, compile_recv
+from fastsync.sync import liveness
 from fastsync.sync.liveness import Heartbeat, PeerWatch
 from fastsync.sync.payload import DensePayload, Payload
 from fastsync.sync.sender import make_transport
@@ -318,11 +319,8 @@ class WeightReceiver:
     def close(self) -> None:
         if self._open is not None:
             self.abort("receiver closed")
-        if self.heartbeat is not None:
-            self.heartbeat.stop()
-            self.heartbeat = None
-        if self.watch is not None:
-            self.watch.stop()
+        liveness.stop(self.heartbeat, self.watch)
+        self.heartbeat = None
         self.transport.close()
 
     # ---- helpers --------------------------------------------------------------------------
