@@ -51,8 +51,8 @@ __version__ = "0.1.0"
 _LAZY: dict[str, tuple[str, str]] = {
     # sync lifecycle
     "WeightSync": ("fastsync.sync", "WeightSync"),  # through the package: its PEFT variant registers
-    "SyncResult": ("fastsync.sync.weight_sync", "SyncResult"),
-    "EngineHandle": ("fastsync.sync.weight_sync", "EngineHandle"),
+    "SyncResult": ("fastsync.sync.engine_handle", "SyncResult"),
+    "EngineHandle": ("fastsync.sync.engine_handle", "EngineHandle"),
     "WeightSender": ("fastsync.sync.sender", "WeightSender"),
     "WeightReceiver": ("fastsync.sync.receiver", "WeightReceiver"),
     "DeltaSender": ("fastsync.sync.delta_sender", "DeltaSender"),
@@ -67,8 +67,8 @@ _LAZY: dict[str, tuple[str, str]] = {
     "build_plan": ("fastsync.plan.planner", "build_plan"),
     # engines
     "FastSyncWorkerExtension": ("fastsync.engines.vllm.extension", "FastSyncWorkerExtension"),
-    "RemoteEngine": ("fastsync.engines.vllm.host", "RemoteEngine"),
-    "serve_engine": ("fastsync.engines.vllm.host", "serve"),
+    "RemoteEngine": ("fastsync.engines.vllm.remote", "RemoteEngine"),
+    "serve_engine": ("fastsync.engines.vllm.remote", "serve"),
     "raise_worker_errors": ("fastsync.host.replies", "raise_worker_errors"),
     "worker_error_reply": ("fastsync.host.replies", "error_reply"),
     "one_version": ("fastsync.host.replies", "one_version"),
@@ -118,7 +118,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "engine_layout_from_spec": ("fastsync.layout.spec", "engine_layout_from_spec"),
     "trainer_layout_from_module": ("fastsync.layout.dtensor", "trainer_layout_from_module"),
     "replicated_layout": ("fastsync.layout.trainer", "replicated_layout"),
-    "local_sources": ("fastsync.sync.weight_sync", "local_sources"),
+    "local_sources": ("fastsync.sync.local_sources", "local_sources"),
     "zero3_sources": ("fastsync.layout.deepspeed", "zero3_sources"),
     "get_name_map": ("fastsync.layout.namemap", "get_name_map"),
     "ParamSpec": ("fastsync.layout.types", "ParamSpec"),

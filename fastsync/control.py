@@ -6,7 +6,7 @@ has a deadline, so a missing peer is a :class:`~fastsync.errors.SyncError` namin
 hang.
 
 :class:`ControlPlane` is the interface; :class:`TCPStoreControl` backs it with fastsync's own
-authenticated, encrypted store (bound to 127.0.0.1 by default; see :mod:`fastsync.store.wire`)
+authenticated, encrypted store (bound to 127.0.0.1 by default; see :mod:`fastsync.store.kv`)
 for standalone use. Host adapters (Ray-based verl / OpenRLHF) can back it with a Ray actor by
 implementing the four abstract methods (and setting ``secret``, the job secret the NIXL
 notifications and engine requests are signed with).
@@ -25,7 +25,7 @@ import struct
 import time
 from abc import ABC, abstractmethod
 
-from fastsync.store.wire import (ABSENT, ADD, CMPSET, DEFAULT_MAX_VALUE_BYTES, DELETE, GET, ON_CLOSE, SET, KVState,
+from fastsync.store.kv import (ABSENT, ADD, CMPSET, DEFAULT_MAX_VALUE_BYTES, DELETE, GET, ON_CLOSE, SET, KVState,
                                     StoreClient, StoreServer, StoreUnreachable)
 from fastsync.errors import ConfigError, SyncError, TransportError
 from fastsync.protocol import barrier_go_key, barrier_key
@@ -41,7 +41,7 @@ class ControlPlane(ABC):
 
     Backends implement ``_set``, ``_try_get`` (None when absent), ``_add`` and ``_delete``, each
     bounded by ``timeout_s`` (None: the backend's own default) and raising
-    :class:`~fastsync.store.wire.StoreUnreachable` when the store does not answer in time; the
+    :class:`~fastsync.store.kv.StoreUnreachable` when the store does not answer in time; the
     waiting, deadlines and barriers live here so every backend fails the same way. A wait
     (:meth:`get`, :meth:`barrier`) counts an unreachable store as "not there yet" until its deadline,
     then names both the key and the store's last error: a link that flaps inside the deadline costs
@@ -129,7 +129,7 @@ class ControlPlane(ABC):
 
 class TCPStoreControl(ControlPlane):
     """:class:`ControlPlane` on fastsync's authenticated key/value store
-    (:mod:`fastsync.store.wire`): it listens on ``host`` only (127.0.0.1 by default), talks only
+    (:mod:`fastsync.store.kv`): it listens on ``host`` only (127.0.0.1 by default), talks only
     to clients holding the job ``secret`` (see :mod:`fastsync.security`), and encrypts every
     message, so agent metadata, addresses and plans never cross the network in the clear.
     (The name is kept from when it wrapped ``torch.distributed.TCPStore``.)

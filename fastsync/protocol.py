@@ -30,7 +30,7 @@ Throughout: :func:`alive_key` heartbeats (``fastsync.sync.liveness``).
 
 **Doors that drive an engine from another process**
 
-* signed engine requests (``fastsync.engines.vllm.host``): :func:`engine_seq_key`,
+* signed engine requests (``fastsync.engines.vllm.remote``): :func:`engine_seq_key`,
   :func:`engine_cmd_key`, :func:`engine_reply_key`;
 * vLLM's weight-transfer backend (``fastsync.engines.vllm.weight_transfer*``):
   :func:`wt_describe_key`, :func:`wt_connect_key`, :func:`wt_connected_key`,

@@ -21,9 +21,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("errors",),
     ("hookspecs", "security", "protocol"),  # pluggy markers and specs (types only under TYPE_CHECKING); the job
     # secret; every control-store key trainer and engine ranks meet under
-    ("store",),  # the control store's authenticated wire and its torch.distributed.Store
+    ("store",),  # the control store's authenticated key/value server and its torch.distributed.Store
     ("control", "plugins", "trace"),  # control-plane store; plugin manager and registries; spans, trace files, plots, progress
-    ("layout",),  # boxes, trainer/engine layouts, name-map types, spec strings, wire format
+    ("layout",),  # boxes, trainer/engine layouts, name-map types, spec strings, engine tensors' JSON
     ("models", "plan", "moe"),  # parameter inventories; the planner; MoE layer swaps
     ("executor",),  # data-plane primitives: programs, packing, staging, transforms, pipeline
     ("transport",),  # NIXL / torch.distributed / rank-0 byte movers

@@ -24,17 +24,7 @@ REPO = pathlib.Path(fastsync.__file__).parent.parent
 
 #: (module, private name) -> why it may stay. Keep this short: fix the access instead.
 ALLOWED: dict[tuple[str, str], str] = {
-    ("fastsync.bench.reload_hosts", "_checkpoint"): "bench/ is outside this change; bench.reload's helpers to make public",
-    ("fastsync.bench.reload_hosts", "_files"): "as above (bench.reload)",
-    ("fastsync.bench.reload_hosts", "_engine_kwargs"): "as above (bench.reload)",
-    ("fastsync.bench.reload_hosts", "_first_request"): "as above (bench.reload)",
-    ("fastsync.bench.delta", "_presets"): "bench/ is outside this change; models.inventory's preset table to make public",
-    ("fastsync.layout.trainer", "_intervals"): "engine layout's interval builder with vocab_pad, not yet public in layout.engine",
-    ("fastsync.layout.trainer", "_pieces"): "as above (layout.engine's piece builder)",
     ("fastsync.moe.experts", "_apply_gate"): "transformers' own experts method (moe.block defines one of the same name)",
-    ("fastsync.moe.experts", "_hf_apply_gate"): "the HF method moe.block saves beside its swap, read back to call it",
-    ("fastsync.moe.patch", "_fastsync_ep_shard"): "moe.block's marker on an expert-parallel shard parameter (which rows)",
-    ("fastsync.bench.moe", "_fastsync_ep_shard"): "as above, read by the MoE bench (bench/ is outside this change)",
     ("fastsync.route.http", "_server"): "aiohttp's TCPSite._server (third-party; collides with a fastsync name): the bound port",
 }
 

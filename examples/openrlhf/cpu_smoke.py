@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
 
     hosts = None
     if a.hosts == 2:
-        from fastsync.bench.hosts import HostRig, check_shape, rig_unavailable
+        from fastsync.bench.netns import rig_unavailable
+        from fastsync.bench.netns_cluster import HostRig, check_shape
 
         why = rig_unavailable()
         if why is not None:

@@ -11,7 +11,7 @@ of a preset, to see before a run whether fastsync syncs it in place (the JSON's 
 (what ``actor_rollout_ref.model.external_lib=fastsync_verl.moe`` does in verl's FSDP engine).
 
 ``--hosts 2``: a real two-node Ray cluster on hosts made of network namespaces on this machine
-(``fastsync.bench.hosts``; root / CAP_NET_ADMIN): the trainer actors on one node, verl's vLLM
+(``fastsync.bench.netns_cluster``; root / CAP_NET_ADMIN): the trainer actors on one node, verl's vLLM
 server and rollout workers on the other, NIXL held to TCP over the hosts' NICs
 (``--nic-gbps``), the control store on the trainer node's address.
 ``--hosts 3 --tp 2``: the trainers on host 0 and ONE vLLM replica across hosts 1 and 2 (verl's
@@ -314,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rig = None
     if a.hosts >= 2:
-        from fastsync.bench.hosts import HostRig, check_shape, rig_unavailable
+        from fastsync.bench.netns import rig_unavailable
+        from fastsync.bench.netns_cluster import HostRig, check_shape
 
         why = rig_unavailable()
         if why is not None:

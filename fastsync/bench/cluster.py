@@ -1,14 +1,14 @@
 """``fastsync bench --hosts T:E``: the benchmark on a cluster of network-namespace hosts.
 
 Trainer ranks run on hosts ``0..T-1`` and engine ranks on ``T..T+E-1`` (``HostMap.spread``), each
-host with one NIC shaped to ``--nic-gbps`` (``fastsync.bench.hosts``), NIXL held to TCP on it, the
+host with one NIC shaped to ``--nic-gbps`` (``fastsync.bench.netns_cluster``), NIXL held to TCP on it, the
 control store on host 0's address. What this adds to ``run_bench``'s result:
 
 * ``nic_bytes`` per transport: the bytes every NIC sent during one sync (median over the timed
   versions), counted by the kernel on the veths. The parent holds each version at its barrier
   until it has read the counters (``WorkerConfig.gate``), so a version's bytes are its own;
-* ``planned_cross_host_bytes``: what the plan (``plan.hosts.host_traffic``) or the rank-0 model
-  (``plan.hosts.rank0_on_hosts``) says must cross a NIC;
+* ``planned_cross_host_bytes``: what the plan (``plan.shared_nic.host_traffic``) or the rank-0 model
+  (``plan.shared_nic.rank0_on_hosts``) says must cross a NIC;
 * ``predicted_seconds`` and ``prediction_error``: the simulator on the same cluster (hosts, NIC
   rate, processes per host), with the link's efficiency and the intra-host rate measured once on
   this rig (``calibrate``: one TCP stream through a NIC, one over a host's loopback), not fitted
@@ -23,12 +23,12 @@ import threading
 import time
 from typing import Any
 
-from fastsync.bench.hosts import MAX_NIC_GBPS, HostRig
+from fastsync.bench.netns_cluster import MAX_NIC_GBPS, HostRig
 from fastsync.bench.model import BenchModel
 from fastsync.errors import ConfigError, SyncError
 from fastsync.layout.box import box_numel
 from fastsync.layout.types import DTYPE_BYTES
-from fastsync.plan.hosts import HostMap, rank0_on_hosts, simulate_on_hosts
+from fastsync.plan.shared_nic import HostMap, rank0_on_hosts, simulate_on_hosts
 
 __all__ = ["calibrate", "rank0_buckets", "predict", "gated_collect"]
 

@@ -52,9 +52,9 @@ class DeltaBenchConfig:
 
 def scaled_config(model: str) -> dict:
     """The HF config of ``model`` (a preset or a directory), scaled for this machine when a preset."""
-    from fastsync.models.inventory import _presets  # the registered preset configs
+    from fastsync import plugins
 
-    presets = _presets()
+    presets = plugins.model_presets()  # the registered preset configs
     if model in presets:
         cfg = dict(presets[model].obj())
         if cfg.get("model_type") != "qwen3":
@@ -199,7 +199,7 @@ def run_delta_bench(cfg: DeltaBenchConfig, timeout_s: float = 1800.0) -> dict:
     load_before = os.getloadavg()[0]
     rig = None
     if cfg.hosts:
-        from fastsync.bench.hosts import HostRig
+        from fastsync.bench.netns_cluster import HostRig
 
         if cfg.hosts != 2:
             raise ConfigError(f"delta-bench --hosts {cfg.hosts}: only 2 is supported (the trainer on one host, the "
@@ -228,7 +228,7 @@ def _run(cfg: DeltaBenchConfig, hf: dict, plan: Any, rig: Any, load_before: floa
     def proc(target: Any, host: int, *args: Any) -> Any:
         if rig is None:
             return ctx.Process(target=target, args=args, daemon=True)
-        from fastsync.bench.hosts import run_in_host
+        from fastsync.bench.netns import run_in_host
 
         return ctx.Process(target=run_in_host, args=(rig.hosts[host].ns, rig.env(host, {}), target, *args),
                            daemon=True)

@@ -35,7 +35,7 @@ __all__ = ["Cluster", "run_bench", "summarize", "bench_ok", "make_schedule"]
 class Cluster:
     """A set of worker processes sharing one store. Use as a context manager.
 
-    With ``rig`` (a :class:`~fastsync.bench.hosts.HostRig`) every process runs on the rig host
+    With ``rig`` (a :class:`~fastsync.bench.netns_cluster.HostRig`) every process runs on the rig host
     ``placement[(role, rank)]`` and the store listens at the address of ``store_host`` (default:
     the host of trainer rank 0).
     """
@@ -72,7 +72,7 @@ class Cluster:
         target = trainer_main if role == "trainer" else receiver_main
         args: tuple = (cfg or self.cfg, rank, self.results)
         if self.rig is not None:
-            from fastsync.bench.hosts import run_in_host
+            from fastsync.bench.netns import run_in_host
 
             host = self.placement[(role, rank)]
             args = (self.rig.hosts[host].ns, self.rig.env(host, {}), target, *args)

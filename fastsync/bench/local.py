@@ -164,7 +164,7 @@ def reference_digests(full_params: Mapping[str, torch.Tensor], tensors_json: dic
     (its ``describe()`` answer): :func:`~fastsync.executor.staging.tensor_digest` of each engine
     tensor built piece by piece from the full parameters (:func:`reference_engine_tensors`)."""
     from fastsync.executor.staging import tensor_digest
-    from fastsync.layout.wire import engine_tensors_from_json
+    from fastsync.layout.engine_json import engine_tensors_from_json
 
     want = reference_engine_tensors(full_params, EngineLayout(1, {0: engine_tensors_from_json(tensors_json)}))[0]
     return {n: tensor_digest(t) for n, t in want.items()}

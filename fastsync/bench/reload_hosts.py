@@ -1,7 +1,7 @@
 """``fastsync reload-bench --hosts H --joiners K``: K engines joining at once, filled from H live
 peers, against the same K engines fetching the checkpoint from a storage host.
 
-Hosts (``fastsync.bench.hosts``, one shaped NIC each): holders on ``0..H-1``, joining engines on
+Hosts (``fastsync.bench.netns_cluster``, one shaped NIC each): holders on ``0..H-1``, joining engines on
 ``H..H+K-1``, a storage host last, serving the checkpoint's files over HTTP (``http.server``, the
 way a hub or object store serves them). Every engine is a real vLLM CPU engine in its own process
 on its host (``_engine_main``: the engine, and the engine-core process vLLM starts, live in the
@@ -47,11 +47,11 @@ def _engine_main(conn: Any, ckpt: str, name: str) -> None:
     try:
         from vllm import LLM
 
-        from fastsync.bench.reload import _engine_kwargs, _first_request
+        from fastsync.bench.reload import engine_kwargs, first_request_s
         from fastsync.engines.vllm.reload_host import VllmReloadEngine
 
         t0 = time.perf_counter()
-        eng = VllmReloadEngine(LLM(**_engine_kwargs(ckpt, "dummy"), distributed_executor_backend="uni"), name=name)
+        eng = VllmReloadEngine(LLM(**engine_kwargs(ckpt, "dummy"), distributed_executor_backend="uni"), name=name)
         eng.describe()
         conn.send(("ready", time.perf_counter() - t0))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
@@ -70,7 +70,7 @@ def _engine_main(conn: Any, ckpt: str, name: str) -> None:
                 eng.load_checkpoint(local, version)
                 got = {"download_s": t1 - t0, "load_s": time.perf_counter() - t1}
             elif method == "first_request":
-                got = _first_request(eng)
+                got = first_request_s(eng)
             else:
                 got = getattr(eng, method)(*args)
             conn.send(("ok", got))
@@ -98,7 +98,7 @@ class _Engine:
     """The parent's handle of one engine process (what ``PeerReload`` calls), one call at a time."""
 
     def __init__(self, rig: Any, host: int, ckpt: str, name: str, ctx: Any) -> None:
-        from fastsync.bench.hosts import run_in_host
+        from fastsync.bench.netns import run_in_host
 
         self.name, self.host = name, host
         self.conn, child = ctx.Pipe()
@@ -182,8 +182,9 @@ def run_reload_bench_hosts(model: str, *, holders: int, joiners: int, nic_gbps: 
     """See the module docstring; returns the JSON report. ``fanout``: ``off``, one holder per
     joining engine (joiner j from holder j % H); ``auto``/``chain``/``direct``, all joining
     engines in one plan (``PeerReload.reload_group``) in write batches of ``chunk_bytes``."""
-    from fastsync.bench.hosts import HostRig, check_shape, rig_unavailable
-    from fastsync.bench.reload import _checkpoint, _files
+    from fastsync.bench.netns import rig_unavailable
+    from fastsync.bench.netns_cluster import HostRig, check_shape
+    from fastsync.bench.reload import checkpoint_dir, checkpoint_files
     from fastsync.control import TCPStoreControl
     from fastsync.reload.coordinator import PeerReload
 
@@ -198,8 +199,8 @@ def run_reload_bench_hosts(model: str, *, holders: int, joiners: int, nic_gbps: 
     why = rig_unavailable()
     if why is not None:
         raise ConfigError(f"--hosts: {why}")
-    ckpt = _checkpoint(model, workdir)
-    files = [os.path.basename(f) for f in _files(ckpt)]
+    ckpt = checkpoint_dir(model, workdir)
+    files = [os.path.basename(f) for f in checkpoint_files(ckpt)]
     nbytes = sum(os.path.getsize(os.path.join(ckpt, f)) for f in files)
     storage = holders + joiners
     report: dict[str, Any] = {"model": model, "checkpoint_bytes": nbytes, "holders": holders, "joiners": joiners,

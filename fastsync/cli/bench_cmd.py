@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from fastsync.bench.hosts import MAX_HOSTS, MAX_NIC_GBPS
+from fastsync.bench.netns_cluster import MAX_HOSTS, MAX_NIC_GBPS
 from fastsync.cli._args import float_in, int_in, nonempty, seconds
 from fastsync.errors import ConfigError
 from fastsync.trace.progress import auto
@@ -174,8 +174,9 @@ def _run_on_hosts(args: argparse.Namespace, cfg, transports: list[str], progress
     is built, the rig removed afterwards whatever happens."""
     from fastsync.bench.cluster import calibrate, predict
     from fastsync.bench.harness import run_bench
-    from fastsync.bench.hosts import NO_DELAY_QDISC, HostRig, check_shape, netem_available, rig_unavailable
-    from fastsync.plan.hosts import HostMap
+    from fastsync.bench.netns import rig_unavailable
+    from fastsync.bench.netns_cluster import NO_DELAY_QDISC, HostRig, check_shape, netem_available
+    from fastsync.plan.shared_nic import HostMap
 
     t_hosts, e_hosts = args.hosts
     hosts = HostMap.spread(args.trainers, args.rollouts, t_hosts, e_hosts)

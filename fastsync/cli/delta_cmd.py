@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from fastsync.bench.hosts import MAX_NIC_GBPS
+from fastsync.bench.netns_cluster import MAX_NIC_GBPS
 from fastsync.cli._args import float_in, int_in
 
 
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from fastsync.bench.delta import DeltaBenchConfig, run_delta_bench
 
     if args.hosts:
-        from fastsync.bench.hosts import rig_unavailable
+        from fastsync.bench.netns import rig_unavailable
         from fastsync.errors import ConfigError
 
         why = rig_unavailable()

@@ -94,7 +94,7 @@ def run_lora_demo(*, model_dir: str, rank: int, tp: int = 2, dtype: str = "float
     from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
 
-    from fastsync.engines.vllm.host import VllmEngine
+    from fastsync.engines.vllm.handle import VllmEngine
     from fastsync.engines.vllm.lora_host import VllmLoraEngine
     from fastsync.sync import WeightSync
     from fastsync.sync.lora_sync import LoraSync, lora_matrices

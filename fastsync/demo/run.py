@@ -1,7 +1,7 @@
 """The end-to-end demo: trainer processes holding FSDP2 shards write into a live vLLM engine.
 
 One process hosts the vLLM engine (with the fastsync worker extension) and serves requests over
-the control plane (``fastsync.engines.vllm.host.serve``); ``num_trainers`` spawned processes
+the control plane (``fastsync.engines.vllm.remote.serve``); ``num_trainers`` spawned processes
 form a gloo world, shard an HF transformers-v5 model with FSDP2 ``fully_shard``, take a real
 training step (Adam on random tokens), and sync:
 
@@ -135,7 +135,7 @@ def trainer_main(rank: int, world: int, port: int, model_dir: str, opts: dict, o
     from torch.distributed.fsdp import fully_shard
 
     from fastsync.control import TCPStoreControl
-    from fastsync.engines.vllm.host import RemoteEngine
+    from fastsync.engines.vllm.remote import RemoteEngine
     from fastsync.demo.baseline import rank0_baseline
     from fastsync.sync import WeightSync
 
@@ -300,7 +300,8 @@ def run_demo(*, model_dir: str | None = None, preset: str = "small-qwen3-moe", n
     try:
         from vllm import LLM
 
-        from fastsync.engines.vllm.host import VllmEngine, serve
+        from fastsync.engines.vllm.handle import VllmEngine
+        from fastsync.engines.vllm.remote import serve
 
         t0 = time.perf_counter()
         steps.next(f"starting the vLLM engine (tp={tp})")

@@ -34,11 +34,9 @@ import torch
 
 from fastsync.errors import SyncError
 from fastsync.executor import delta_scan
-from fastsync.layout.box import box_numel, box_shape
-from fastsync.layout.types import FP8_BLOCK
+from fastsync.executor.delta_links import (align8, block_ids, chunk_spans, link_capacity, link_transfers,
+                                           stream_capacity, transfer_blocks, transfer_itemsize)
 from fastsync.plan.delta_sim import DELTA_CHUNK_ELEMS, HEADER_BYTES, MAX_SPARSE_CHUNK
-from fastsync.plan.replicate import sender_copies
-from fastsync.plan.types import Plan, Transfer
 
 __all__ = [
     "DELTA_CHUNK_ELEMS",
@@ -69,10 +67,6 @@ _KIND_NAMES = {v: k for k, v in KINDS.items()}
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _align8(n: int) -> int:
-    return -(-n // 8) * 8
-
-
 def _record_end(pos: int, payload: int, buf_bytes: int, index: int) -> int:
     """Where a record with ``payload`` bytes written at ``pos`` ends; refused if past the buffer."""
     end = pos + HEADER_BYTES + payload
@@ -84,45 +78,8 @@ def _record_end(pos: int, payload: int, buf_bytes: int, index: int) -> int:
 def _sparse_layout(m: int, k: int, size: int) -> tuple[int, int, int]:
     """Offsets of a sparse record's parts: chunk ids and counts (``a`` bytes each), ``k`` uint16
     positions (``b`` bytes), then ``k`` values; returns ``(a, b, payload)``."""
-    a, b, c = _align8(4 * m), _align8(2 * k), _align8(k * size)
+    a, b, c = align8(4 * m), align8(2 * k), align8(k * size)
     return a, b, 2 * a + b + c
-
-
-def chunk_spans(t: Transfer, itemsize: int, chunk_elems: int = DELTA_CHUNK_ELEMS) -> list[tuple[int, int]]:
-    """``(first element, element count)`` of each delta chunk of transfer ``t``."""
-    n = t.nbytes // itemsize
-    if t.transform == "fp8_block" or n <= chunk_elems:
-        return [(0, n)]
-    return [(a, min(chunk_elems, n - a)) for a in range(0, n, chunk_elems)]
-
-
-def stream_capacity(transfers: list[Transfer], itemsizes: list[int], chunk_elems: int = DELTA_CHUNK_ELEMS) -> int:
-    """Bytes of the largest stream these transfers can produce (every chunk dense)."""
-    total = HEADER_BYTES
-    for t, size in zip(transfers, itemsizes):
-        total += HEADER_BYTES  # slack for one ``sparse`` record's table and padding
-        for _, n in chunk_spans(t, size, chunk_elems):
-            total += HEADER_BYTES + _align8(n * size)
-    return total
-
-
-def block_ids(shape: tuple[int, ...]) -> torch.Tensor:
-    """Per element of a row-major box of ``shape``, the id of its 128x128 FP8 block (blocks over
-    the last two dims, leading dims are batch dims, ids row-major over (batch, block row, block col))."""
-    if len(shape) == 0:
-        return torch.zeros(1, dtype=torch.int64)
-    if len(shape) == 1:
-        shape = (1,) + tuple(shape)
-    rows, cols = shape[-2], shape[-1]
-    lead = 1
-    for s in shape[:-2]:
-        lead *= s
-    nr, nc = -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)
-    r = torch.arange(rows) // FP8_BLOCK
-    c = torch.arange(cols) // FP8_BLOCK
-    b = torch.arange(lead)
-    ids = (b.view(-1, 1, 1) * nr + r.view(1, -1, 1)) * nc + c.view(1, 1, -1)
-    return ids.reshape(-1)
 
 
 @dataclass(slots=True)
@@ -139,8 +96,8 @@ class Record:
 
 def encoded_bytes(n: int, k: int, itemsize: int) -> dict[str, int]:
     """Payload bytes of each element encoding for ``k`` changed of ``n`` elements."""
-    return {"dense": _align8(n * itemsize), "index": _align8(4 * k) + _align8(k * itemsize),
-            "bitmap": _align8(-(-n // 8)) + _align8(k * itemsize)}
+    return {"dense": align8(n * itemsize), "index": align8(4 * k) + align8(k * itemsize),
+            "bitmap": align8(-(-n // 8)) + align8(k * itemsize)}
 
 
 def encode_chunk(out_u8: torch.Tensor, pos: int, index: int, first: int, new: torch.Tensor, old: torch.Tensor,
@@ -161,11 +118,11 @@ def encode_chunk(out_u8: torch.Tensor, pos: int, index: int, first: int, new: to
         if k == 0:
             return pos, 0
     if changed_mask is None:
-        costs = {"dense": _align8(n * size)}
+        costs = {"dense": align8(n * size)}
     elif blocks is not None:
         changed_blocks = torch.unique(blocks[changed_mask])
         m = int(torch.isin(blocks, changed_blocks).sum())
-        costs = {"dense": _align8(n * size), "blocks": _align8(4 * changed_blocks.numel()) + _align8(m * size)}
+        costs = {"dense": align8(n * size), "blocks": align8(4 * changed_blocks.numel()) + align8(m * size)}
     else:
         costs = encoded_bytes(n, k, size)
     kind = min(costs, key=lambda name: (costs[name], name != "dense"))
@@ -178,7 +135,7 @@ def encode_chunk(out_u8: torch.Tensor, pos: int, index: int, first: int, new: to
     elif kind == "index":
         idx = changed_mask.nonzero().view(-1)
         body[: 4 * k].copy_(idx.to(torch.int32).view(torch.uint8))
-        off = _align8(4 * k)
+        off = align8(4 * k)
         body[off: off + k * size].copy_(new[idx].view(torch.uint8))
         count = k
     elif kind == "bitmap":
@@ -188,7 +145,7 @@ def encode_chunk(out_u8: torch.Tensor, pos: int, index: int, first: int, new: to
         weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
         packed = (bits.view(nb, 8) * weights).sum(dim=1, dtype=torch.int32).to(torch.uint8)
         body[:nb].copy_(packed)
-        off = _align8(nb)
+        off = align8(nb)
         body[off: off + k * size].copy_(new[changed_mask].view(torch.uint8))
         count = k
     else:  # blocks
@@ -196,7 +153,7 @@ def encode_chunk(out_u8: torch.Tensor, pos: int, index: int, first: int, new: to
         body[: 4 * nbk].copy_(changed_blocks.to(torch.int32).view(torch.uint8))
         order = _block_order(blocks)
         sel = order[torch.isin(blocks[order], changed_blocks)]
-        off = _align8(4 * nbk)
+        off = align8(4 * nbk)
         body[off: off + sel.numel() * size].copy_(new[sel].view(torch.uint8))
         count = nbk
     hdr = torch.tensor([index, first, n, KINDS[kind], count, payload, 0, 0], dtype=torch.int64)
@@ -330,7 +287,7 @@ def encode_scanned(out_u8: torch.Tensor, pos: int, index: int, r: Any, new: np.n
             bits[r.pos[first: first + k]] = True
             nb = -(-n // 8)
             body[:nb] = np.packbits(bits, bitorder="little")
-            off = _align8(nb)
+            off = align8(nb)
             body[off: off + k * size].view(new.dtype)[:] = r.val[first: first + k]
             count = k
         out_np[pos: pos + HEADER_BYTES].view(np.int64)[:] = (index, first, n, KINDS[kind], count, payload, 0, 0)
@@ -382,7 +339,7 @@ def decode_positions(kind: str, n: int, count: int, payload: torch.Tensor, items
         chunk, k = extra
         if not 0 < chunk <= MAX_SPARSE_CHUNK or k < 0:
             raise SyncError(f"{who}: sparse record with chunk size {chunk} and {k} elements")
-        a, b = _align8(4 * count), _align8(2 * k)
+        a, b = align8(4 * count), align8(2 * k)
         if payload.numel() < 2 * a + b + k * itemsize:
             raise SyncError(f"{who}: sparse record shorter than its {count} chunks and {k} elements")
         ids = payload[: 4 * count].view(torch.int32).to(torch.int64)
@@ -401,7 +358,7 @@ def decode_positions(kind: str, n: int, count: int, payload: torch.Tensor, items
         return None, payload[: n * itemsize]
     if kind == "index":
         idx = payload[: 4 * count].view(torch.int32).to(torch.int64)
-        off = _align8(4 * count)
+        off = align8(4 * count)
         if count and (int(idx.min()) < 0 or int(idx.max()) >= n):
             raise SyncError(f"{who}: index record points outside its {n} elements")
         vals = payload[off: off + count * itemsize]
@@ -413,7 +370,7 @@ def decode_positions(kind: str, n: int, count: int, payload: torch.Tensor, items
         idx = bits.nonzero().view(-1)
         if idx.numel() != count:
             raise SyncError(f"{who}: bitmap record sets {idx.numel()} bits, header says {count}")
-        off = _align8(nb)
+        off = align8(nb)
         vals = payload[off: off + count * itemsize]
     elif kind == "blocks":
         if blocks is None:
@@ -421,7 +378,7 @@ def decode_positions(kind: str, n: int, count: int, payload: torch.Tensor, items
         ids = payload[: 4 * count].view(torch.int32).to(torch.int64)
         order = _block_order(blocks)
         idx = order[torch.isin(blocks[order], ids)]
-        off = _align8(4 * count)
+        off = align8(4 * count)
         vals = payload[off: off + idx.numel() * itemsize]
         count = idx.numel()
     else:  # pragma: no cover - read_stream only yields known kinds
@@ -436,26 +393,3 @@ def int_view(t_u8: torch.Tensor, itemsize: int) -> torch.Tensor:
     return t_u8.view(_INT[itemsize])
 
 
-def transfer_blocks(t: Transfer) -> torch.Tensor | None:
-    """Per-element block ids of an ``fp8_block`` transfer's destination box, else None."""
-    return block_ids(box_shape(t.dst_box)) if t.transform == "fp8_block" else None
-
-
-def transfer_itemsize(t: Transfer) -> int:
-    """Bytes per destination element of ``t`` (from the plan alone)."""
-    return t.nbytes // max(1, box_numel(t.dst_box))
-
-
-def link_transfers(plan: Plan, src_rank: int, dst_rank: int) -> list[tuple[int, Transfer]]:
-    """``(flat index, transfer)`` sent from ``src_rank`` to ``dst_rank``, in plan order (the order
-    of a stream's records). With a fan-out plan, the copies trainer ``src_rank`` writes itself
-    (``plan/replicate.sender_copies``: flat indices, rank-offset destinations), as the dense
-    receive program numbers them."""
-    return [(i, t) for i, t in sender_copies(plan, src_rank) if t.dst_rank == dst_rank]
-
-
-def link_capacity(plan: Plan, src_rank: int, dst_rank: int, chunk_elems: int = DELTA_CHUNK_ELEMS) -> int:
-    """Worst-case stream bytes from ``src_rank`` to ``dst_rank``: what both sides size the
-    outbox and the inbox by, computed from the plan alone so they agree."""
-    ts = [t for _, t in link_transfers(plan, src_rank, dst_rank)]
-    return stream_capacity(ts, [transfer_itemsize(t) for t in ts], chunk_elems)

@@ -27,107 +27,18 @@ on the device and only the gathered rows cross to the host.
 from __future__ import annotations
 
 import zlib
-from bisect import bisect_right
-from itertools import accumulate
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
 from fastsync.executor.program import RecvProgram
+from fastsync.executor.sampling import (SAMPLE_BLOCK, SAMPLE_EVERY, residue, run_ends, salt, sampled_blocks,
+                                       sampled_ranges, sampled_runs)
 from fastsync.executor.verify_mode import VERIFY_MODES, VerifyMode, verify_mode
 
 __all__ = ["VERIFY_MODES", "VerifyMode", "verify_mode", "Digests", "sampled_blocks", "sampled_ranges", "sampled_runs",
-           "crc_update", "receiver_checksums", "compare_checksums", "storage_bytes", "storage_buffers", "gather_pieces"]
-
-#: the sample's block size and rate: block 0 and about one block in SAMPLE_EVERY of each transfer
-SAMPLE_BLOCK = 4 << 10
-SAMPLE_EVERY = 32
-_MASK = (1 << 64) - 1
-
-
-_STRIDE = 13  # odd: version -> residue is a bijection on any SAMPLE_EVERY consecutive versions
-
-
-def _salt(index: int) -> int:
-    """Transfer ``index``'s fixed offset of its phase (splitmix64 of the index)."""
-    z = (index * 0x9E3779B97F4A7C15 + 0x94D049BB133111EB) & _MASK
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
-    return (z ^ (z >> 31)) % SAMPLE_EVERY
-
-
-def _residue(version: int) -> int:
-    """The version's part of every phase: the one thing a version changes in a compiled sample."""
-    return (version * _STRIDE) % SAMPLE_EVERY
-
-
-def _phase(version: int, index: int) -> int:
-    """Which residue of :data:`SAMPLE_EVERY` transfer ``index``'s sampled blocks take in ``version``."""
-    return (_residue(version) + _salt(index)) % SAMPLE_EVERY
-
-
-def sampled_blocks(version: int, index: int, first: int, last: int) -> list[int]:
-    """The sampled blocks of transfer ``index`` in ``version`` among blocks ``first..last``:
-    block 0, then every :data:`SAMPLE_EVERY`-th block from a seeded phase."""
-    out = [0] if first == 0 else []
-    lo = max(first, 1)
-    k = lo + (_phase(version, index) - lo) % SAMPLE_EVERY
-    out.extend(range(k, last + 1, SAMPLE_EVERY))
-    return out
-
-
-def sampled_ranges(version: int, index: int, pos: int, n: int) -> list[tuple[int, int]]:
-    """The sampled byte ranges ``(lo, hi)`` of the ``n``-byte piece at stream offset ``pos`` of
-    transfer ``index`` in ``version``, relative to the piece (:func:`sampled_blocks` cut to it)."""
-    if not n:
-        return []
-    return [(max(pos, k * SAMPLE_BLOCK) - pos, min(pos + n, (k + 1) * SAMPLE_BLOCK) - pos)
-            for k in sampled_blocks(version, index, pos // SAMPLE_BLOCK, (pos + n - 1) // SAMPLE_BLOCK)]
-
-
-_ENDS: dict[int, tuple[Sequence[tuple[int, int]], list[int]]] = {}  # id(runs) -> (runs, their stream ends)
-_ENDS_MAX = 1 << 16
-
-
-def _run_ends(runs: Sequence[tuple[int, int]]) -> list[int]:
-    """Each run's stream end, laid end to end; cached per run list (a program's lists are replayed
-    every version; the cache holds the list, so its id stays its own)."""
-    hit = _ENDS.get(id(runs))
-    if hit is not None and hit[0] is runs:
-        return hit[1]
-    ends = list(accumulate(n for _, n in runs))
-    if len(runs) > 64:  # short lists cost less to sum than to cache
-        if len(_ENDS) >= _ENDS_MAX:
-            _ENDS.clear()
-        _ENDS[id(runs)] = (runs, ends)
-    return ends
-
-
-def sampled_runs(version: int, index: int, runs: Sequence[tuple[int, int]], pos: int = 0) -> list[tuple[int, int]]:
-    """The sampled bytes of ``runs`` (``(offset, length)`` byte runs of a buffer, laid end to end
-    from stream offset ``pos`` of transfer ``index``) as ``(offset, length)`` runs of that buffer,
-    in stream order: :func:`sampled_ranges` without a Python step per run. A box cut in thousands of
-    short rows is found by bisection at each sampled block, so the cost follows the sample, not
-    the number of runs."""
-    if not runs:
-        return []
-    ends = _run_ends(runs)
-    total = ends[-1]
-    if not total:
-        return []
-    out: list[tuple[int, int]] = []
-    for k in sampled_blocks(version, index, pos // SAMPLE_BLOCK, (pos + total - 1) // SAMPLE_BLOCK):
-        lo, hi = max(0, k * SAMPLE_BLOCK - pos), min(total, (k + 1) * SAMPLE_BLOCK - pos)
-        r = bisect_right(ends, lo)
-        while lo < hi:
-            start = ends[r] - runs[r][1]  # stream offset of run r
-            take = min(hi, ends[r]) - lo
-            if take > 0:
-                out.append((runs[r][0] + lo - start, take))
-                lo += take
-            r += 1
-    return out
+           "SAMPLE_BLOCK", "SAMPLE_EVERY", "crc_update", "receiver_checksums", "compare_checksums", "storage_bytes", "storage_buffers", "gather_pieces"]
 
 
 def storage_bytes(t: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -211,7 +122,7 @@ class _FeedSet:
         self.off, self.len, self.s, self.feed = off[keep], n[keep], s[keep], feed[keep]
         self.buf = np.asarray([b for _, b, _ in feeds], dtype=_I64)[self.feed]
         self.idx = np.asarray(self.index, dtype=_I64)
-        self.salt = np.asarray([_salt(i) for i in self.index], dtype=_I64)[self.feed]
+        self.salt = np.asarray([salt(i) for i in self.index], dtype=_I64)[self.feed]
         # about what all SAMPLE_EVERY residues of this set hold, compiled
         self._small = (n.size + int(n.sum()) // SAMPLE_BLOCK + len(feeds)) * 2 * 100 <= _SEL_BUDGET
         self._sel: dict[int, _Selection] = {}
@@ -263,7 +174,7 @@ class _FeedSet:
 
 
 def _total(runs: Sequence[tuple[int, int]]) -> int:
-    return sum(n for _, n in runs) if len(runs) <= 64 else _run_ends(runs)[-1]
+    return sum(n for _, n in runs) if len(runs) <= 64 else run_ends(runs)[-1]
 
 
 _SEL_BUDGET = 64 << 20  # bytes of compiled samples one feed set keeps
@@ -333,7 +244,7 @@ class Digests:
         if mode == "off" or not runs:
             return
         pos = self._pos.get(index, 0)
-        self._pos[index] = pos + _run_ends(runs)[-1]
+        self._pos[index] = pos + run_ends(runs)[-1]
         crc = self.crcs.get(index, 0)
         pick = runs if mode == "full" else sampled_runs(self.version, index, runs, pos)
         if base_u8.device.type != "cpu":  # only what is digested crosses to the host
@@ -379,7 +290,7 @@ class Digests:
             return out
 
         fs = _feedset(feeds, mask, pos_of)
-        sel = fs.selection(_residue(self.version))
+        sel = fs.selection(residue(self.version))
         crcs = self.crcs
         for i in fs.index:  # a feed with no sampled byte still has its digest (0: nothing read)
             crcs.setdefault(i, 0)

@@ -45,6 +45,7 @@ __all__ = [
     "scale_name",
     "padded_vocab",
     "rank_intervals",
+    "rank_pieces",
 ]
 
 VOCAB_PADDING = 64
@@ -131,12 +132,14 @@ def _intervals(ep: EngineParam, tp: int, tp_rank: int, ep_size: int, ep_rank: in
     return iv
 
 
-def rank_intervals(ep: EngineParam, *, tp: int, tp_rank: int, ep_size: int = 1,
-                   ep_rank: int = 0) -> list[list[tuple[int, int]]] | None:
+def rank_intervals(ep: EngineParam, *, tp: int, tp_rank: int, ep_size: int = 1, ep_rank: int = 0,
+                   vocab_pad: int = VOCAB_PADDING) -> list[list[tuple[int, int]]] | None:
     """Per dim, the global intervals of ``ep`` whose concatenation is rank ``tp_rank``'s local
     tensor (None: the rank holds none of it). Used to map a rank's recorded layout back to full
-    coordinates (``fastsync.engines.vllm.recorded_map``)."""
-    return _intervals(ep, tp, tp_rank, ep_size, ep_rank)
+    coordinates (``fastsync.engines.vllm.recorded_map``) and a trainer's pieces to the engine
+    ranks that hold them (``fastsync.layout.trainer``: Megatron pads the vocabulary to
+    ``vocab_pad``)."""
+    return _intervals(ep, tp, tp_rank, ep_size, ep_rank, vocab_pad)
 
 
 def _src_box(seg: Segment, inter: Box) -> Box:
@@ -166,7 +169,9 @@ def _expert_segments(ep: EngineParam, experts: tuple[int, int]) -> tuple[Segment
     return segs[bisect.bisect_left(starts, e0):bisect.bisect_left(starts, e1)]
 
 
-def _pieces(ep: EngineParam, iv: list[list[tuple[int, int]]]) -> tuple[tuple[int, ...], list[Piece]]:
+def rank_pieces(ep: EngineParam, iv: list[list[tuple[int, int]]]) -> tuple[tuple[int, ...], list[Piece]]:
+    """The local shape of the rank whose intervals are ``iv`` (:func:`rank_intervals`) and the
+    pieces of ``ep``'s segments that land in it, in local coordinates."""
     shape = tuple(sum(b - a for a, b in dim) for dim in iv)
     multi = [d for d, dim in enumerate(iv) if len(dim) > 1]
     assert len(multi) <= 1, (ep.name, iv)
@@ -276,7 +281,7 @@ def _tensors_for_param(ep: EngineParam, tp: int, tp_rank: int, ep_size: int, ep_
         shape = tuple(0 if k == d else n for k, n in enumerate(ep.shape))
         t = EngineTensor(ep.name, shape, ep.dtype or dtype, ())
         return [pad_tensor(t, _engine_pads(ep, tp, shape, moe_pad))]
-    shape, pieces = _pieces(ep, iv)
+    shape, pieces = rank_pieces(ep, iv)
     if quant == "fp8" and ep.quantizable:
         if moe_pad and ep.expert_dim is not None:
             raise ConfigError(f"engine tensor {ep.name!r}: padded FP8 MoE weights (moe_pad={moe_pad}) are not modelled")

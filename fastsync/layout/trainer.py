@@ -225,12 +225,12 @@ def megatron_layout(params: object, *, tp: int, pp: int = 1, ep: int = 1, dp: in
             tp_rank = i % tp
             rank = stage * stage_size + i
             if p.expert_dim is not None and ep > 1:
-                iv = eng._intervals(p, 1, 0, ep, i % ep)
+                iv = eng.rank_intervals(p, tp=1, tp_rank=0, ep_size=ep, ep_rank=i % ep)
             else:
-                iv = eng._intervals(p, tp, tp_rank, 1, 0, vocab_pad=128 * tp)
+                iv = eng.rank_intervals(p, tp=tp, tp_rank=tp_rank, vocab_pad=128 * tp)
             if iv is None:
                 continue
-            for piece in eng._pieces(p, iv)[1]:
+            for piece in eng.rank_pieces(p, iv)[1]:
                 add(rank, piece.src, piece.src_box)
     for name in nm.unused:
         stage = _stage_of(name, num_layers, pp)

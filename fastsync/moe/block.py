@@ -30,7 +30,8 @@ from fastsync.moe.experts import uses_default_swiglu, grouped_mm_available, grou
 from fastsync.moe.replay import RoutingReplay
 from fastsync.moe.te import require_te, swap_linears, te_import_error
 
-__all__ = ["ArchSpec", "SUPPORTED", "Backend", "resolve_backend", "FastExperts", "build_block", "install_block", "is_moe_block"]
+__all__ = ["ArchSpec", "SUPPORTED", "Backend", "resolve_backend", "FastExperts", "build_block", "install_block", "is_moe_block",
+           "ep_shard"]
 
 BACKENDS = ("auto", "torch", "grouped_mm", "te", "deepep")
 EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
@@ -146,7 +147,7 @@ class FastExperts(nn.Module):
                 setattr(self, key, value)
         for key, sub in hf._modules.items():
             self.add_module(key, sub)
-        self._hf_apply_gate = type(hf)._apply_gate
+        self.hf_apply_gate = type(hf)._apply_gate  # HF's activation, which fused_swiglu checks for
         self.fused_swiglu = uses_default_swiglu(self)
         self.has_bias = bool(getattr(hf, "has_bias", False))
         self.is_transposed = bool(getattr(hf, "is_transposed", False))
@@ -179,7 +180,7 @@ class FastExperts(nn.Module):
             self.register_load_state_dict_pre_hook(_slice_expert_shards)
 
     def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return self._hf_apply_gate(self, gate_up)
+        return self.hf_apply_gate(self, gate_up)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         if self.dispatch == "local":
@@ -217,6 +218,12 @@ def _slice_expert_shards(module: FastExperts, state_dict: dict, prefix: str, *ar
 
 
 # ---- the block ------------------------------------------------------------------------------------
+
+
+def ep_shard(p: torch.Tensor) -> tuple[int, int, int] | None:
+    """``(start, stop, full_dim0)`` when ``p`` is an expert-parallel shard a swapped block holds (rows
+    ``[start, stop)`` of dim 0 of the full HF tensor), else None."""
+    return getattr(p, "_fastsync_ep_shard", None)
 
 
 class FastSyncMoEBlock(nn.Module):

@@ -161,7 +161,7 @@ class _WeightedCombine(torch.autograd.Function):
 def uses_default_swiglu(experts: torch.nn.Module) -> bool:
     from transformers.integrations.moe import _default_apply_gate
 
-    gate_fn = getattr(experts, "_hf_apply_gate", None) or getattr(type(experts), "_apply_gate", None)
+    gate_fn = getattr(experts, "hf_apply_gate", None) or getattr(type(experts), "_apply_gate", None)
     act = getattr(experts, "act_fn", None)
     return gate_fn is _default_apply_gate and type(act).__name__ == "SiLUActivation"
 

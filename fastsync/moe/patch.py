@@ -22,7 +22,7 @@ from torch import nn
 
 from fastsync import plugins
 from fastsync.errors import MoEPatchError
-from fastsync.moe.block import FastExperts, FastSyncMoEBlock, install_block, is_moe_block, resolve_backend
+from fastsync.moe.block import FastExperts, FastSyncMoEBlock, ep_shard, install_block, is_moe_block, resolve_backend
 from fastsync.moe.replay import RoutingReplay
 
 __all__ = ["patch", "ep_shards", "expert_param_bytes"]
@@ -92,7 +92,7 @@ def patch(
 def ep_shards(model: nn.Module) -> dict[str, tuple[int, int, int]]:
     """{parameter name: (start, stop, full_dim0)} for expert parameters held as EP shards:
     this rank holds rows [start, stop) of dim 0 of the full HF tensor."""
-    return {n: p._fastsync_ep_shard for n, p in model.named_parameters() if hasattr(p, "_fastsync_ep_shard")}
+    return {n: s for n, p in model.named_parameters() if (s := ep_shard(p)) is not None}
 
 
 def expert_param_bytes(model: nn.Module) -> int:

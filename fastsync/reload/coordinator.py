@@ -45,7 +45,7 @@ from typing import Any
 from fastsync.errors import ConfigError, SyncError
 from fastsync.layout.limits import check_bytes
 from fastsync.layout.types import EngineLayout, TrainerLayout
-from fastsync.layout.wire import engine_tensors_from_json
+from fastsync.layout.engine_json import engine_tensors_from_json
 from fastsync.plan.types import Plan
 from fastsync.reload.plans import PlanCache
 from fastsync.reload.source import HolderRanks, engine_source_layout, merge_sources, params_of, target_layout

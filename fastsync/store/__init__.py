@@ -1,4 +1,4 @@
-"""The control store: fastsync's own small key/value server (``wire``: handshake on the job
+"""The control store: fastsync's own small key/value server (``kv``: handshake on the job
 secret, AES-GCM frames, checked chunked values) and a ``torch.distributed.Store`` over its
 connection (``torch_store``, for gloo rendezvous). :class:`fastsync.control.TCPStoreControl` is
 the interface the rest of fastsync uses."""

@@ -13,7 +13,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from fastsync.store.wire import ABSENT, ADD, CMPSET, DELETE, GET, NUMKEYS, SET
+from fastsync.store.kv import ABSENT, ADD, CMPSET, DELETE, GET, NUMKEYS, SET
 
 __all__ = ["TorchStore"]
 
@@ -26,7 +26,7 @@ def _b(v: object) -> bytes:
 
 class TorchStore(dist.Store):
     """``set``/``get``/``add``/``wait``/``check``/``compare_set``/``delete_key`` on a store
-    backend (:class:`~fastsync.store.wire.StoreClient` or the server's local one). ``get``
+    backend (:class:`~fastsync.store.kv.StoreClient` or the server's local one). ``get``
     and ``wait`` block at most the store's timeout, then raise (as torch's stores do)."""
 
     def __init__(self, backend: object, timeout_s: float) -> None:

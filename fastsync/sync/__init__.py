@@ -12,9 +12,9 @@ from typing import Any
 
 _EXPORTS = {
     "WeightSync": "weight_sync",
-    "EngineHandle": "weight_sync",
-    "SyncResult": "weight_sync",
-    "local_sources": "weight_sync",
+    "EngineHandle": "engine_handle",
+    "SyncResult": "engine_handle",
+    "local_sources": "local_sources",
     "PeftWeightSync": "peft_sync",
     "PeftSyncResult": "peft_sync",
     "WeightSender": "sender",

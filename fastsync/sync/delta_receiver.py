@@ -43,7 +43,8 @@ from fastsync.executor.delta import (
 from fastsync.executor.metrics import SyncMetrics
 from fastsync.executor.staging import Landing, alloc_touched, as_bytes
 from fastsync.protocol import delta_choice_key, delta_mode_key
-from fastsync.sync.receiver import DensePayload, Payload, WeightReceiver
+from fastsync.sync.payload import DensePayload, Payload
+from fastsync.sync.receiver import WeightReceiver
 from fastsync.transport.nixl.delta import DeltaInbox
 from fastsync.transport.nixl.delta_relay import DeltaRelay, stream_bytes
 

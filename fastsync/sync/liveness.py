@@ -34,7 +34,7 @@ from fastsync.control import ControlPlane, StoreUnreachable
 from fastsync.errors import FastSyncError, SyncError
 from fastsync.protocol import alive_key
 
-__all__ = ["Heartbeat", "PeerWatch", "HEARTBEAT_PERIOD_S", "STALE_AFTER_S", "wait_key"]
+__all__ = ["Heartbeat", "PeerWatch", "HEARTBEAT_PERIOD_S", "STALE_AFTER_S", "wait_key", "stop"]
 
 #: How often a rank beats.
 HEARTBEAT_PERIOD_S = 0.25
@@ -196,6 +196,15 @@ class PeerWatch:
             names = ", ".join(f"{role} rank {rank}{self._where(role, rank)}" for role, rank in gone)
             raise SyncError(f"{self.who}: {names} died{' ' + during if during else ''}: its process ended "
                             f"(its heartbeat connection to the control store closed)")
+
+
+def stop(heartbeat: Heartbeat | None, watch: PeerWatch | None) -> None:
+    """Stop a rank's heartbeat and its watch on its peers (either may be absent): what the
+    sender's and the receiver's ``close`` do before closing their transport."""
+    if heartbeat is not None:
+        heartbeat.stop()
+    if watch is not None:
+        watch.stop()
 
 
 def wait_key(control: ControlPlane, key: str, deadline: float, what: str, watch: PeerWatch | None) -> bytes:

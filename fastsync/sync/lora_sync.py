@@ -126,7 +126,7 @@ class LoraSync:
         from fastsync.layout.box import full_box
         from fastsync.plan.lora import lora_plan
         from fastsync.layout.types import Shard
-        from fastsync.layout.wire import engine_tensors_from_json
+        from fastsync.layout.engine_json import engine_tensors_from_json
         from fastsync.sync.sender import WeightSender
 
         mats = lora_matrices(self.model, self.adapter)

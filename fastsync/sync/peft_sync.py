@@ -8,7 +8,7 @@ has: ``...q_proj.base_layer.weight`` -> ``...q_proj.weight``), and a
 flipped per version). The base goes with the first :meth:`PeftWeightSync.sync` and again whenever
 ``sync(version, base=True)`` says it changed; every sync writes the adapter. Engines must be
 started with LoRA enabled (vLLM: ``enable_lora=True``, ``max_loras`` >= 2, ``max_lora_rank`` >= r)
-and their handles must offer ``lora()`` (``fastsync.engines.vllm.host.VllmEngine`` does).
+and their handles must offer ``lora()`` (``fastsync.engines.vllm.handle.VllmEngine`` does).
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from fastsync.errors import ConfigError, FastSyncError, PlanError, SyncError
 from fastsync.protocol import begun_key, flipped_key, receiver_info_key, sender_crc_key, sender_done_key
 from fastsync.sync.handshake import Versions, parse_begun
 from fastsync.sync.gather import OwnerGather
+from fastsync.sync import liveness
 from fastsync.sync.liveness import Heartbeat, PeerWatch, wait_key
 from fastsync.executor.metrics import SyncMetrics
 from fastsync.executor.pack import Packer
@@ -334,10 +335,7 @@ class WeightSender:
         return call
 
     def close(self) -> None:
-        if self.heartbeat is not None:
-            self.heartbeat.stop()
-            self.heartbeat = None
-        if self.watch is not None:
-            self.watch.stop()
+        liveness.stop(self.heartbeat, self.watch)
+        self.heartbeat = None
         self.transport.close()
 

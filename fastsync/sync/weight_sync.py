@@ -17,8 +17,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 import torch
 
@@ -29,77 +28,14 @@ from fastsync.sync.connect_options import ConnectOptions, StoreAddress
 from fastsync.sync.pause_modes import PAUSE_MODES, check_pause_mode
 from fastsync.sync.sync_options import check_sync_options
 from fastsync.protocol import delta_choice_key, setup_connected_key, setup_plan_key
+from fastsync.sync.engine_handle import EngineHandle, SyncResult
 from fastsync.sync.handshake import Versions
+from fastsync.sync.local_sources import local_sources, where
 from fastsync.layout.limits import MAX_WORLD_SIZE, check_count
 from fastsync.layout.types import EngineLayout, ParamSpec, TrainerLayout
 from fastsync.plan.types import Plan
 
 __all__ = ["WeightSync", "EngineHandle", "SyncResult", "local_sources"]
-
-
-class EngineHandle(Protocol):
-    """What WeightSync needs from an inference engine (see ``fastsync.engines.vllm.host``)."""
-
-    def describe(self, options: dict | None = None) -> list[dict]: ...
-
-    def connect(self, plan_json: str, options: dict) -> list[dict]: ...
-
-    def begin_update(self, version: int, timeout_s: float = 60.0) -> int: ...
-
-    def wait_update(self, token: int, timeout_s: float = 60.0) -> list[dict]: ...
-
-    def version(self) -> int: ...
-
-
-@dataclass(slots=True)
-class SyncResult:
-    """One sync as trainer rank ``rank`` saw it. ``seconds``: from the call until every engine
-    this rank writes to flipped (on rank 0: until every engine finished post-processing)."""
-
-    version: int
-    rank: int
-    seconds: float
-    metrics: dict
-    engines: list[list[dict]] = field(default_factory=list)
-
-    @property
-    def fallback(self) -> dict:
-        """Tensors and bytes the engines took through their own loader (vLLM's ``load_weights``)
-        instead of in place, summed over the engine ranks that said (trainer rank 0 hears them)."""
-        ranks = [r.get("fallback") for e in self.engines for r in e if isinstance(r, dict) and r.get("fallback")]
-        return {"tensors": sum(f["tensors"] for f in ranks), "bytes": sum(f["bytes"] for f in ranks),
-                "names": sorted({n for f in ranks for n in f.get("names", [])})[:8], "engine_ranks": len(ranks)}
-
-
-def _where(t: torch.Tensor) -> tuple[int, tuple[int, ...], torch.dtype]:
-    """Where a registered tensor's bytes are: address, shape, dtype."""
-    return t.data_ptr(), tuple(t.shape), t.dtype
-
-
-def local_sources(module: torch.nn.Module, names: Sequence[str], *, rank: int = 0,
-                  world_size: int = 1) -> dict[str, torch.Tensor]:
-    """This rank's local tensor of each parameter: the DTensor's local shard (FSDP2: the memory
-    the optimizer updates in place), a ZeRO-3 parameter's partition (``ds_tensor``, checked
-    against ``zero3:world_size``) or the plain tensor itself. No copies."""
-    from torch.distributed.tensor import DTensor
-
-    from fastsync.layout.deepspeed import zero3_sources
-
-    state = module.state_dict(keep_vars=True)
-    out: dict[str, torch.Tensor] = {}
-    for n in names:
-        if n not in state:
-            raise LayoutError(f"trainer model has no parameter {n!r}")
-        t = state[n]
-        if hasattr(t, "ds_tensor"):
-            out.update(zero3_sources({n: t}, rank, world_size))
-            continue
-        local = t.to_local() if isinstance(t, DTensor) else t
-        local = local.data if isinstance(local, torch.nn.Parameter) else local.detach()
-        if not local.is_contiguous():
-            raise LayoutError(f"trainer parameter {n!r}: local shard is not contiguous; cannot be sent without a copy")
-        out[n] = local
-    return out
 
 
 class WeightSync:
@@ -287,7 +223,7 @@ class WeightSync:
 
     def _describe_engines(self) -> tuple[EngineLayout, dict[str, str]]:
         from fastsync.layout.namemap import DEFAULT_ENGINE
-        from fastsync.layout.wire import engine_tensors_from_json
+        from fastsync.layout.engine_json import engine_tensors_from_json
 
         tensors: dict[int, dict] = {}
         replica_of: dict[int, int] = {}
@@ -355,7 +291,7 @@ class WeightSync:
         shards: dict[str, list[Shard]] = layout.shards_on(self.rank)
         # what the sender registers: a sync refuses to send once the model's memory is elsewhere
         self._registered = (None if self._layout is not None or self.model is None else
-                            {n: _where(t) for n, t in sources.items()})
+                            {n: where(t) for n, t in sources.items()})
         kw = dict(rank=self.rank, plan=plan, sources=sources, shards=shards, control=self.control,
                   transport=self.transport, transport_options=self.transport_options, timeout_s=self.timeout_s)
         if self.delta:
@@ -468,7 +404,7 @@ class WeightSync:
             now = local_sources(self.model, names, rank=self.rank, world_size=self.world_size)
         except LayoutError as e:
             raise SyncError(f"trainer rank {self.rank}: the model changed since set-up ({e}); call setup() again") from e
-        moved = [n for n in names if n not in now or _where(now[n]) != self._registered[n]]
+        moved = [n for n in names if n not in now or where(now[n]) != self._registered[n]]
         if moved:
             raise SyncError(
                 f"trainer rank {self.rank}: {len(moved)} parameter(s) of the model are no longer the memory set-up "

@@ -31,7 +31,7 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "verl",
 
 def _hosts(n: int) -> list[str]:
     """``--hosts n`` where the host rig can be made here, else nothing (one Ray node), saying why."""
-    from fastsync.bench.hosts import rig_unavailable
+    from fastsync.bench.netns import rig_unavailable
 
     why = rig_unavailable()
     if why is not None:

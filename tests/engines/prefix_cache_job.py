@@ -31,7 +31,7 @@ def main(ckpt: str) -> None:
 
     from fastsync.control import TCPStoreControl
     from fastsync.demo.run import engine_kwargs, hf_greedy
-    from fastsync.engines.vllm.host import VllmEngine
+    from fastsync.engines.vllm.handle import VllmEngine
     from fastsync.layout.trainer import fsdp_layout
     from fastsync.layout.types import ParamSpec
     from fastsync.sync import WeightSync

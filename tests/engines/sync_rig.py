@@ -30,7 +30,7 @@ class SyncRig:
 
         from fastsync.control import TCPStoreControl
         from fastsync.demo.run import engine_kwargs
-        from fastsync.engines.vllm.host import VllmEngine
+        from fastsync.engines.vllm.handle import VllmEngine
         from fastsync.layout.box import box_slices
         from fastsync.layout.trainer import fsdp_layout
         from fastsync.layout.types import ParamSpec

@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from fastsync.engines.vllm.host import raise_worker_errors  # noqa: E402
+from fastsync.host.replies import raise_worker_errors  # noqa: E402
 from fastsync.engines.vllm.layout import (  # noqa: E402
     LiveParam,
     check_against,
@@ -18,7 +18,7 @@ from fastsync.engines.vllm.layout import (  # noqa: E402
 )
 from fastsync.errors import ConfigError, FastSyncError, LayoutError, SyncError  # noqa: E402
 from fastsync.layout.engine import engine_tensors_for_rank  # noqa: E402
-from fastsync.layout.wire import engine_tensors_from_json, engine_tensors_to_json  # noqa: E402
+from fastsync.layout.engine_json import engine_tensors_from_json, engine_tensors_to_json  # noqa: E402
 from fastsync.layout.namemap import get_name_map  # noqa: E402
 from fastsync.models.inventory import inventory_from_config  # noqa: E402
 from fastsync.demo.checkpoints import tiny_config  # noqa: E402

@@ -147,7 +147,7 @@ def test_base_weights_through_weight_sync_into_the_lora_engine(rig):
     new base serves without an adapter and under a synced adapter, then the original comes back."""
     import copy
 
-    from fastsync.engines.vllm.host import VllmEngine
+    from fastsync.engines.vllm.handle import VllmEngine
     from fastsync.sync import WeightSync
 
     llm, eng = rig["llm"], rig["engine"]
@@ -198,7 +198,7 @@ def test_weight_sync_of_a_peft_model_sends_the_base_once_and_the_adapter_every_v
     cannot already hold it) goes with the first version only, the adapter with every version; the
     engine's tokens without an adapter equal the base's, with the synced version the PEFT model's.
     ``base=True`` sends the base again (here: the checkpoint's, for whatever runs next)."""
-    from fastsync.engines.vllm.host import VllmEngine
+    from fastsync.engines.vllm.handle import VllmEngine
     from fastsync.sync import WeightSync
     from fastsync.sync.peft_sync import PeftWeightSync
 

@@ -127,7 +127,7 @@ def test_moe_pads_follow_vllm_cpu_pad_moe_intermediate():
 def test_padded_shapes_sync_into_real_vllm(which, tmp_path):
     from vllm import LLM
 
-    from fastsync.engines.vllm.host import VllmEngine
+    from fastsync.engines.vllm.handle import VllmEngine
 
     cls, arch, kw = MODELS[which]
     d = Path(tmp_path) / which
@@ -171,7 +171,7 @@ def test_padded_shapes_sync_into_real_vllm(which, tmp_path):
         if which in MOE_PADDED:  # bit for bit, padding included (zeros, as vLLM pads)
             _assert_bytes_equal_reference(llm, described[0], full)
             # peer reload's fallback: vLLM's own loader into the padded staging, then the same repack
-            from fastsync.engines.vllm.host import raise_worker_errors
+            from fastsync.host.replies import raise_worker_errors
 
             raise_worker_errors(llm.collective_rpc("fastsync_load_checkpoint", args=(str(d), 2)), "load checkpoint")
             orig = transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
@@ -191,9 +191,9 @@ def _assert_bytes_equal_reference(llm, described: dict, full: dict) -> None:
     memory of the others) equal the plan's reference built from the trainer's full weights, with
     zeros in the padding."""
 
-    from fastsync.engines.vllm.host import raise_worker_errors
+    from fastsync.host.replies import raise_worker_errors
     from fastsync.executor.staging import tensor_digest
-    from fastsync.layout.wire import engine_tensors_from_json
+    from fastsync.layout.engine_json import engine_tensors_from_json
     from fastsync.bench.local import reference_engine_tensors
 
     tensors = engine_tensors_from_json(described["tensors"])

@@ -46,7 +46,7 @@ class Rig:
         import transformers
         from vllm import LLM
 
-        from fastsync.engines.vllm.host import VllmEngine
+        from fastsync.engines.vllm.handle import VllmEngine
 
         d = tmp / "awkward-qwen3"
         torch.manual_seed(0)

@@ -44,7 +44,7 @@ class Rig:
         import transformers
         from vllm import LLM
 
-        from fastsync.engines.vllm.host import VllmEngine
+        from fastsync.engines.vllm.handle import VllmEngine
 
         self.dir = str(build_tiny_checkpoint(preset, os.path.join(tmp, preset)))
         t0 = time.perf_counter()

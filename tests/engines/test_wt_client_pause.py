@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from fastsync.control import TCPStoreControl  # noqa: E402
-from fastsync.engines.vllm.weight_transfer import connect_key, error_text, staged_key, version_key  # noqa: E402
+from fastsync.engines.vllm.wt_keys import connect_key, error_text, staged_key, version_key  # noqa: E402
 from fastsync.engines.vllm.wt_client import ClientEngine  # noqa: E402
 from fastsync.engines.vllm.wt_pause import check_pauser, pauser_for  # noqa: E402
 from fastsync.errors import ConfigError, SyncError  # noqa: E402

@@ -152,7 +152,7 @@ def test_the_device_gather_gives_the_host_bytes():
     want = Digests(4, lambda _i: "sample", uniform="sample")
     want.feed_batch(bufs, feeds)
     fs = V._feedset(feeds, None, lambda idx, totals: [0] * len(idx))
-    sel = fs.selection(V._residue(4))
+    sel = fs.selection(V.residue(4))
     got: dict[int, int] = {}
     views = [memoryview(V.gather_pieces(t, *sel.device_runs(b, t.device))) for b, t in enumerate(bufs)]
     for i, b, lo, hi in sel.gathered():

@@ -38,7 +38,7 @@ def two(tmp_path_factory):
     import transformers
     from vllm import LLM
 
-    from fastsync.engines.vllm.host import VllmEngine
+    from fastsync.engines.vllm.handle import VllmEngine
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # two engines on one host: no shared pinning
@@ -55,7 +55,7 @@ def two(tmp_path_factory):
 
 
 def _check_engines(two, full, version: int, what: str) -> None:
-    from fastsync.engines.vllm.host import raise_worker_errors
+    from fastsync.host.replies import raise_worker_errors
 
     want_bytes = reference_digest(full, two["described"])
     want_tokens = hf_greedy(two["hf"], PROMPTS, 6)

@@ -1,5 +1,5 @@
 """The host rig for tests: hosts as network namespaces the test makes and removes (see
-``fastsync.bench.hosts``). Tests skip, saying why, where namespaces cannot be made."""
+``fastsync.bench.netns_cluster``). Tests skip, saying why, where namespaces cannot be made."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from fastsync.bench.hosts import HostRig, rig_unavailable
+from fastsync.bench.netns import rig_unavailable
+from fastsync.bench.netns_cluster import HostRig
 
 
 @pytest.fixture

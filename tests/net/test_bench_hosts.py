@@ -60,7 +60,8 @@ def test_bad_cluster_flags_are_refused_before_anything_starts(capsys: pytest.Cap
     assert "--nic-gbps" in capsys.readouterr().err
     assert main([*base, "--latency-ms", "1"]) == 2
     assert "--latency-ms needs --hosts" in capsys.readouterr().err
-    from fastsync.bench.hosts import netem_available, rig_unavailable
+    from fastsync.bench.netns import rig_unavailable
+    from fastsync.bench.netns_cluster import netem_available
 
     if rig_unavailable() is None and not netem_available():  # this project's VMs: no delaying qdisc at all
         assert main([*base, "--hosts", "2:2", "--latency-ms", "1"]) == 2

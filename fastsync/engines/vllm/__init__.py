@@ -4,8 +4,8 @@
 * ``layout``: read a live vLLM model's parameters and check them against the name map.
 * ``extension``: ``FastSyncWorkerExtension`` (``worker_extension_cls``) — describe, connect,
   begin/finish/update, version, inside every vLLM worker.
-* ``host``: ``VllmEngine`` (in-process ``LLM``), ``RemoteEngine`` + ``serve`` (another process,
-  over the control plane) — the handles ``fastsync.WeightSync`` drives.
+* ``handle``: ``VllmEngine`` (in-process ``LLM``); ``remote``: ``RemoteEngine`` + ``serve`` (another
+  process, over the control plane) — the handles ``fastsync.WeightSync`` drives.
 * ``backend`` / ``weight_transfer`` / ``weight_transfer_trainer``: fastsync as a backend of vLLM's
   own weight-transfer API (``--weight-transfer-config '{"backend": "fastsync"}'``), worker and
   trainer side, registered through the ``vllm.general_plugins`` entry point.
@@ -28,11 +28,9 @@ _EXPORTS = {
     "EngineLanding": "worker_state",
     "EXTENSION": "extension",
     "ensure_amx_permission": "extension",
-    "VllmEngine": "host",
-    "RemoteEngine": "host",
-    "serve": "host",
-    "raise_worker_errors": "host",
-    "error_reply": "host",
+    "VllmEngine": "handle",
+    "RemoteEngine": "remote",
+    "serve": "remote",
     "register_weight_transfer": "backend",
 }
 

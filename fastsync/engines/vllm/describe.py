@@ -22,7 +22,7 @@ from fastsync.engines.vllm.lora_record import lora_layers_unwrapped
 from fastsync.engines.vllm.reload import ensure_staging
 from fastsync.engines.vllm.worker_state import WorkerState
 from fastsync.errors import ConfigError
-from fastsync.layout.wire import engine_tensors_to_json
+from fastsync.layout.engine_json import engine_tensors_to_json
 
 __all__ = ["LAYOUT_ENV", "LAYOUT_MODES", "describe_worker", "record_layout"]
 

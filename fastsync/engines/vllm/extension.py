@@ -27,7 +27,7 @@ live expert tensors). Those parameters are listed at ``fastsync_describe``, with
 Fence: a ``collective_rpc`` runs inside the engine-core loop, so no forward pass runs while
 ``fastsync_finish`` (or ``fastsync_update``) is in progress; between ``fastsync_begin`` and
 ``fastsync_finish`` the host must not schedule generation (``VllmEngine`` in
-``fastsync.engines.vllm.host`` keeps both inside one call). Atomicity: a sync that does not
+``fastsync.engines.vllm.handle`` keeps both inside one call). Atomicity: a sync that does not
 complete (a trainer died, a transfer is missing, the deadline passed) is rolled back: in-place
 parameters are restored from their snapshot, prepacked ones were never touched, and the worker
 keeps serving the last complete version.

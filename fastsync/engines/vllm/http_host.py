@@ -24,7 +24,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from fastsync.engines.vllm.host import one_version, raise_worker_errors
+from fastsync.host.replies import one_version, raise_worker_errors
 from fastsync.errors import SyncError
 
 __all__ = ["HttpVllmEngine"]

@@ -83,7 +83,7 @@ class LoraWorkerMixin:
     def _fastsync_lora_describe(self, options: dict) -> dict:
         from vllm.distributed import get_tensor_model_parallel_rank
 
-        from fastsync.layout.wire import engine_tensors_to_json
+        from fastsync.layout.engine_json import engine_tensors_to_json
 
         unknown = set(options) - {"rank", "rank_offset"}
         if unknown or "rank" not in options:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import glob
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -87,6 +88,19 @@ class ReloadWorkerMixin:
 
         return _result(run)
 
+    def _fastsync_reload_start(self, parse: Callable[[dict], Any], options: dict) -> tuple[Any, Any, Any, int]:
+        """What both ends of a peer reload start from: this worker's engine session, its worker
+        state, the options as they crossed (``parse``: ``ReloadSendOptions.parse`` or
+        ``ReloadReceiveOptions.parse``) and its engine rank in the reload's plan. Several engines
+        in one plan (identical replicas, fed through relay chains): an engine's workers are engine
+        ranks ``rank_offset + tp_rank``. Refused for a model with fallback tensors, which peer
+        reload does not carry."""
+        session = self._fastsync_session()  # type: ignore[attr-defined]
+        st = session.binding.state
+        _refuse_fallback(st, "peer reload")
+        opts = parse(options)
+        return session, st, opts, opts.rank_offset + st.tp_rank
+
     def fastsync_reload_send(self, plan_json: str, options: dict) -> dict:
         """A holder writes its shards to the joining engines (``ReloadSendOptions``, as it crossed)."""
         return _result(lambda: self._fastsync_reload_send(plan_json, dict(options)))
@@ -96,10 +110,7 @@ class ReloadWorkerMixin:
         from fastsync.reload.source import local_shards
         from fastsync.sync.sender import WeightSender
 
-        session = self._fastsync_session()  # type: ignore[attr-defined]
-        st = session.binding.state
-        _refuse_fallback(st, "peer reload")
-        opts = ReloadSendOptions.parse(options)
+        session, st, opts, rank = self._fastsync_reload_start(ReloadSendOptions.parse, options)
         want = opts.weight_version
         if session.version != want:
             raise SyncError(f"holder engine rank {st.rank} serves version {session.version}, the joining engine asked for "
@@ -108,7 +119,6 @@ class ReloadWorkerMixin:
             raise SyncError(f"holder engine rank {st.rank} holds no plain copy of its prepacked weights (it was loaded "
                             "by vLLM's own loader); fill it through fastsync once (a sync, a reload or "
                             "fastsync_load_checkpoint) to make it a holder")
-        rank = opts.rank_offset + st.tp_rank
         plain = plain_tensors(st)
         shards, buffer_of = local_shards(st.expected, rank)
         sources = {p: plain[t] for p, t in buffer_of.items()}
@@ -137,15 +147,9 @@ class ReloadWorkerMixin:
         return _result(lambda: self._fastsync_reload_receive(plan_json, dict(options)))
 
     def _fastsync_reload_receive(self, plan_json: str, options: dict) -> dict:
-        session = self._fastsync_session()  # type: ignore[attr-defined]
-        st = session.binding.state
-        _refuse_fallback(st, "peer reload")
-        opts = ReloadReceiveOptions.parse(options)
+        session, st, opts, rank = self._fastsync_reload_start(ReloadReceiveOptions.parse, options)
         want, hv, timeout = opts.weight_version, opts.handshake_version, opts.timeout_s
         t0 = time.perf_counter()
-        # several joining engines in one plan (identical replicas, fed through relay chains): this
-        # one's workers are engine ranks rank_offset + tp_rank of it
-        rank = opts.rank_offset + st.tp_rank
         # an engine holding only dummy weights has nothing worth restoring: no in-place snapshot
         got = session.connect(plan_json, opts.connect(), initial_version=0, snapshot=bool(getattr(st, "plain", False)),
                               rank=rank)

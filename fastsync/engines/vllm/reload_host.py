@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fastsync.engines.vllm.host import VllmEngine
+from fastsync.engines.vllm.handle import VllmEngine
 
 __all__ = ["VllmReloadEngine", "engine_pids"]
 

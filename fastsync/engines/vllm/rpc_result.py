@@ -1,6 +1,6 @@
 """How a fastsync worker RPC returns: an exception escaping ``collective_rpc`` would kill the
 engine, so every worker method runs its body through :func:`call_result`, which turns an exception
-into an error reply the host (``host.py``) re-raises with its type and message."""
+into an error reply the engine handle (``handle.py``) re-raises with its type and message."""
 
 from __future__ import annotations
 

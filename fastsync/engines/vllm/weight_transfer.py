@@ -24,10 +24,10 @@ name-map checks, staging of prepacked CPU weights, repacks and rollback are the 
 2. ``start_weight_update``: the fence opens: refuses when not connected, and snapshots the
    parameters that are written in place (so a failed update can restore them) while no write
    is in flight yet. Staged receive (the trainers' ``FastSyncTrainerInitInfo(staged=True)``):
-   opens the version trainer rank 0 published under :func:`open_key` (vLLM's call carries
+   opens the version trainer rank 0 published under :func:`wt_keys.open_key` (vLLM's call carries
    none) and returns; a thread of this worker drives the receive into staging and shadow
    memory, off the live model, while the engine keeps generating, and publishes under
-   :func:`staged_key` when every write landed (or why not). The trainer pauses the engine only
+   :func:`wt_keys.staged_key` when every write landed (or why not). The trainer pauses the engine only
    after that, and ``update_weights`` is then the flip alone.
 3. ``update_weights({"version": V})``: opens version V (the trainers write only after this),
    drives the transport until every planned write landed (with a deadline), verifies when asked,
@@ -70,16 +70,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from fastsync.control import DEFAULT_HOST, TCPStoreControl
-from fastsync.engines.vllm.wt_keys import (  # noqa: F401 - public here too, as before
-    connect_key,
-    connected_key,
-    describe_key,
-    error_text,
-    open_key,
-    raise_error_text,
-    staged_key,
-    version_key,
-)
+from fastsync.engines.vllm import wt_keys
 from fastsync.engines.vllm.binding import VllmBinding
 from fastsync.engines.vllm.describe import describe_worker
 from fastsync.errors import ConfigError, SyncError
@@ -90,13 +81,6 @@ __all__ = [
     "FastSyncWeightTransferEngine",
     "FastSyncWeightTransferInitInfo",
     "FastSyncWeightTransferUpdateInfo",
-    "describe_key",
-    "connect_key",
-    "connected_key",
-    "version_key",
-    "open_key",
-    "staged_key",
-    "error_text",
 ]
 
 log = logging.getLogger(__name__)
@@ -199,7 +183,7 @@ class FastSyncWeightTransferEngine(WeightTransferEngine[FastSyncWeightTransferIn
         # the job secret comes from this process's environment, never from the request
         control = TCPStoreControl.client(init_info.control_port, host=init_info.control_host,
                                          prefix=init_info.control_prefix)
-        pending = describe_key(rank)
+        pending = wt_keys.describe_key(rank)
         try:
             desc, session = self._describe(init_info.rank_offset + self._dp_index * self._world)
             modes, why_not = engine_pause_modes()
@@ -207,22 +191,22 @@ class FastSyncWeightTransferEngine(WeightTransferEngine[FastSyncWeightTransferIn
                         version=session.version, attempted=session.held(), pause_modes=list(modes),
                         pause_modes_why=why_not)
             control.set(pending, json.dumps(desc))
-            pending = connected_key(rank)
-            raw = control.get(connect_key(), init_info.timeout_s, what="trainer rank 0 (plan)")
+            pending = wt_keys.connected_key(rank)
+            raw = control.get(wt_keys.connect_key(), init_info.timeout_s, what="trainer rank 0 (plan)")
             if raw.startswith(b"err:"):
-                raise_error_text(raw, f"engine rank {rank}: the trainers refused the set-up")
+                wt_keys.raise_error_text(raw, f"engine rank {rank}: the trainers refused the set-up")
             got = json.loads(raw)
             result = session.connect(got["plan"], got["options"])
             control.set(pending, json.dumps(result))
         except BaseException as e:
             try:
-                control.set(pending, error_text(e))  # the trainer reports this, not a timeout
+                control.set(pending, wt_keys.error_text(e))  # the trainer reports this, not a timeout
             except Exception:
                 pass
             control.close()
             # a set-up refused before connecting leaves the previous one (if any) working: its
             # receiver is replaced only by a successful connect
-            if pending == connected_key(rank) and (self._session is None or not self._session.connected):
+            if pending == wt_keys.connected_key(rank) and (self._session is None or not self._session.connected):
                 self._connected = False
             raise
         if self._control is not None:  # the previous trainer set-up's store
@@ -265,10 +249,10 @@ class FastSyncWeightTransferEngine(WeightTransferEngine[FastSyncWeightTransferIn
             session.prepare()  # the in-place snapshot, taken while nothing is being written
             return
         assert self._control is not None
-        raw = self._control.get(open_key(), 10.0, what="trainer rank 0 (the version to stage)")
+        raw = self._control.get(wt_keys.open_key(), 10.0, what="trainer rank 0 (the version to stage)")
         got = json.loads(raw)
         version, timeout_s = int(got["version"]), float(got["timeout_s"])
-        control, key, rank = self._control, staged_key(self._rank, version), session.rank
+        control, key, rank = self._control, wt_keys.staged_key(self._rank, version), session.rank
 
         def publish(error: BaseException | None, received_s: float) -> None:
             # once the receive ended: the trainer pauses only after every rank said so
@@ -276,7 +260,7 @@ class FastSyncWeightTransferEngine(WeightTransferEngine[FastSyncWeightTransferIn
                 if error is None:
                     control.set(key, json.dumps({"rank": rank, "received_s": received_s}), timeout_s=5.0)
                 else:
-                    control.set(key, error_text(error), timeout_s=5.0)
+                    control.set(key, wt_keys.error_text(error), timeout_s=5.0)
             except Exception as e:  # the trainer's deadline reports it
                 log.warning("engine rank %d: staged version %d not published: %s", rank, version, e)
 
@@ -292,7 +276,7 @@ class FastSyncWeightTransferEngine(WeightTransferEngine[FastSyncWeightTransferIn
         session = self._state("update_weights")
         assert self._control is not None
         version = update_info.version
-        key = version_key(self._rank, version)
+        key = wt_keys.version_key(self._rank, version)
         try:
             if self._flipped is not None:
                 raise SyncError(f"engine rank {session.rank}: this update session already flipped to version "
@@ -310,7 +294,7 @@ class FastSyncWeightTransferEngine(WeightTransferEngine[FastSyncWeightTransferIn
             got["update_s"] = time.perf_counter() - t0
         except BaseException as e:
             try:
-                self._control.set(key, error_text(e), timeout_s=2.0)
+                self._control.set(key, wt_keys.error_text(e), timeout_s=2.0)
             except Exception:
                 pass
             if self._last_worker:
@@ -348,9 +332,8 @@ class FastSyncWeightTransferEngine(WeightTransferEngine[FastSyncWeightTransferIn
         log.warning("engine rank %d: staged version %s abandoned: %s", session.rank, version, why)
         if self._control is not None:
             try:
-                self._control.set(version_key(self._rank, version),
-                                  error_text(SyncError(f"engine rank {session.rank}: version {version} abandoned: "
-                                                       f"{why}")), timeout_s=2.0)
+                abandoned = SyncError(f"engine rank {session.rank}: version {version} abandoned: {why}")
+                self._control.set(wt_keys.version_key(self._rank, version), wt_keys.error_text(abandoned), timeout_s=2.0)
             except Exception:
                 pass
 

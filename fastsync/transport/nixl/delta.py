@@ -32,7 +32,7 @@ from fastsync.errors import ConfigError, SyncError, TransportError
 from fastsync.protocol import inbox_key, nixl_meta_key, nixl_send_key
 import fastsync.transport.nixl.notes as notes
 from fastsync.transport.nixl.teardown import quiesce, release
-from fastsync.transport.nixl.writes import PreparedWrite, rebind, settle
+from fastsync.transport.nixl.writes import PreparedWrite, mem_of, rebind, settle
 
 __all__ = ["DeltaOutbox", "DeltaInbox", "page_bytes"]
 
@@ -47,8 +47,6 @@ def page_bytes(capacity: int, max_pages: int = 64) -> int:
     return max(_MIN_PAGE, -(-per // 64) * 64)
 
 
-def _mem(t: torch.Tensor) -> tuple[str, int]:
-    return ("DRAM", 0) if t.device.type == "cpu" else ("VRAM", t.device.index or 0)
 
 
 class DeltaOutbox:
@@ -77,9 +75,9 @@ class DeltaOutbox:
         bufs = [b for b in outboxes.values() if b.numel()]
         self._reg = None
         if bufs:
-            mem = _mem(bufs[0])[0]
+            mem = mem_of(bufs[0])[0]
             try:
-                self._reg = agent.register_memory([(b.data_ptr(), b.numel(), _mem(b)[1], "") for b in bufs], mem)
+                self._reg = agent.register_memory([(b.data_ptr(), b.numel(), mem_of(b)[1], "") for b in bufs], mem)
             except Exception as e:
                 raise TransportError(f"nixl delta: trainer rank {rank}: registering outboxes failed: {e}") from e
         for d, box in outboxes.items():
@@ -89,7 +87,7 @@ class DeltaOutbox:
                 raise TransportError(f"nixl delta: engine rank {d} holds a {size}-byte inbox for trainer rank {rank}, "
                                      f"whose outbox is {box.numel()} bytes: the two sides disagree on the plan")
             page = page_bytes(size) if page is None else page
-            lmem, ldev = _mem(box)
+            lmem, ldev = mem_of(box)
             handles = []
             for off in range(0, size, page):
                 n = min(page, size - off)
@@ -182,7 +180,7 @@ class DeltaInbox:
         self.rank = rank
         self.inboxes = inboxes
         self.poll_sleep_s = poll_sleep_s
-        addrs = {str(s): [b.data_ptr(), b.numel(), *_mem(b)] for s, b in inboxes.items()}
+        addrs = {str(s): [b.data_ptr(), b.numel(), *mem_of(b)] for s, b in inboxes.items()}
         control.set(inbox_key(rank), json.dumps(addrs))
         self._got: dict[int, set[int]] = {}
         self._expect: dict[int, int | None] = {}

@@ -42,13 +42,11 @@ import fastsync.transport.nixl.notes as notes
 from fastsync.transport.nixl.chain import ChainHop
 from fastsync.transport.nixl.delta import page_bytes
 from fastsync.transport.nixl.teardown import release
-from fastsync.transport.nixl.writes import PreparedWrite
+from fastsync.transport.nixl.writes import PreparedWrite, mem_of
 
 __all__ = ["DeltaRelay", "stream_bytes"]
 
 
-def _mem(t: torch.Tensor) -> tuple[str, int]:
-    return ("DRAM", 0) if t.device.type == "cpu" else ("VRAM", t.device.index or 0)
 
 
 def stream_bytes(buf: torch.Tensor) -> int:
@@ -72,7 +70,7 @@ class DeltaRelay(ChainHop):
         super().__init__(control, rank, prog.upstream, timeout_s, key=key, refuse=refuse)
         self._tr, self.prog = transport, prog
         self.sources, self.relay_inboxes = sources, relay_inboxes
-        addrs = {str(s): [b.data_ptr(), b.numel(), *_mem(b)] for s, b in relay_inboxes.items()}
+        addrs = {str(s): [b.data_ptr(), b.numel(), *mem_of(b)] for s, b in relay_inboxes.items()}
         control.set(relay_inbox_key(rank), json.dumps(addrs))
         self._agent: Any = None  # the agent the handles below were prepared on
         self._handles: dict[tuple[int, int], list[PreparedWrite]] = {}  # (child, origin) -> one per page
@@ -115,7 +113,7 @@ class DeltaRelay(ChainHop):
                                          f"bytes, engine rank {self.rank}'s stream {src.numel()}: the two sides "
                                          "disagree on the plan")
                 page = page_bytes(size)
-                lmem, ldev = _mem(src)
+                lmem, ldev = mem_of(src)
                 handles = []
                 for off in range(0, size, page):
                     n = min(page, size - off)

@@ -28,7 +28,12 @@ from typing import Any
 
 from fastsync.errors import TransportError
 
-__all__ = ["PreparedWrite", "settle", "rebind", "is_disconnect"]
+__all__ = ["PreparedWrite", "settle", "rebind", "is_disconnect", "mem_of", "reconnect_peer"]
+
+
+def mem_of(t: Any) -> tuple[str, int]:
+    """Where a tensor's bytes are, as NIXL names memory: ``("DRAM", 0)`` or ``("VRAM", device)``."""
+    return ("DRAM", 0) if t.device.type == "cpu" else ("VRAM", t.device.index or 0)
 
 
 def is_disconnect(e: BaseException) -> bool:

@@ -227,7 +227,7 @@ class CpuRig:
     def __init__(self, model_dir: str, tmp_dir: str, *, num_trainers: int = 2, dtype: str = "float32",
                  env: dict[str, str] | None = None, start_timeout_s: float = 300.0, hosts: Any = None,
                  rank_cls: type = TrainerRank) -> None:
-        """``hosts``: a ``fastsync.bench.hosts.HostRig`` of 2 hosts: a real two-node Ray cluster,
+        """``hosts``: a ``fastsync.bench.netns_cluster.HostRig`` of 2 hosts: a real two-node Ray cluster,
         the trainer ranks (and this driver) on host 0, the engine on host 1, the control store on
         host 0's address. ``rank_cls``: the trainer ranks' class (a benchmark's subclass)."""
         import ray

@@ -1,4 +1,4 @@
-"""The control store's wire: a small key/value server that only talks to holders of the job secret.
+"""The control store: a small key/value server that only talks to holders of the job secret.
 
 Handshake (fixed sizes, nothing read from the peer decides an allocation)::
 

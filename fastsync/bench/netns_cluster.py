@@ -20,7 +20,7 @@ namespaces the rig made; host ``i`` is ``198.18.0.{i+1}``. Names carry the owner
 (``fsrig<pid>-h<i>``, ``fsrig<pid>-sw``). Teardown removes the namespaces (their veths and qdiscs
 go with them) and kills what the rig started in them; a guardian process (its own session, so a
 killed process group does not take it down) does the same when the owner dies without cleaning
-up, and :func:`sweep_stale` removes rigs whose owner pid is gone. Nothing else is touched.
+up, and :func:`~fastsync.bench.netns.sweep_stale` removes rigs whose owner pid is gone. Nothing else is touched.
 
 On one kernel, UCX reaches a process in another namespace through shared memory and CMA unless it
 is held to TCP, so processes run with ``UCX_TLS=tcp,self`` (checked: a sync then crosses the
@@ -41,56 +41,31 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
-import re
-import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from fastsync.bench import netns
 from fastsync.errors import ConfigError
 
-__all__ = ["HostRig", "Host", "rig_unavailable", "sweep_stale", "run_in_host", "PREFIX", "MAX_HOSTS",
-           "MAX_NIC_GBPS", "NO_DELAY_QDISC", "check_shape", "netem_available", "host_env"]
+__all__ = ["HostRig", "Host", "MAX_HOSTS", "MAX_NIC_GBPS", "NO_DELAY_QDISC", "check_shape", "netem_available", "host_env"]
 
-PREFIX = "fsrig"
 NIC = "nic0"
 SUBNET = "198.18.0"
 MAX_HOSTS = 64
 MAX_NIC_GBPS = 400.0  # tbf on a veth is CPU-bound far below this; larger values are a typo
-_CLONE_NEWNET = 0x40000000
-_NAME_RE = re.compile(rf"^{PREFIX}(\d+)-")
-
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
 
 
 def _tc(ns: str, *args: str) -> None:
     r = subprocess.run(["tc", "-n", ns, *args], capture_output=True, text=True, timeout=30)
     if r.returncode:
         raise ConfigError(f"host rig: tc {' '.join(args)} in namespace {ns} failed: {r.stderr.strip()}")
-
-
-def rig_unavailable() -> str | None:
-    """Why no rig can be built here (a sentence naming what is missing), or None when it can."""
-    for tool in ("ip", "tc"):
-        if subprocess.run(["which", tool], capture_output=True).returncode:
-            return f"'{tool}' (iproute2) is not installed"
-    if not os.path.exists("/proc/self/ns/net"):
-        return "this kernel has no network namespaces"
-    probe = f"{PREFIX}{os.getpid()}-probe"
-    r = _ip("netns", "add", probe, check=False)
-    if r.returncode:
-        return f"cannot create network namespaces (needs CAP_NET_ADMIN, e.g. root): {r.stderr.strip()}"
-    _ip("netns", "delete", probe, check=False)
-    return None
 
 
 _NETEM: list[bool] = []
@@ -104,13 +79,13 @@ NO_DELAY_QDISC = ("which this kernel does not have (CONFIG_NET_SCH_NETEM is not 
 def netem_available() -> bool:
     """Whether this kernel has the ``netem`` qdisc (latency); probed once in a scratch namespace."""
     if not _NETEM:
-        probe = f"{PREFIX}{os.getpid()}-netem"
+        probe = f"{netns.PREFIX}{os.getpid()}-netem"
         ok = False
-        if _ip("netns", "add", probe, check=False).returncode == 0:
+        if netns.ip("netns", "add", probe, check=False).returncode == 0:
             r = subprocess.run(["tc", "-n", probe, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
                                capture_output=True, timeout=30)
             ok = r.returncode == 0
-            _ip("netns", "delete", probe, check=False)
+            netns.ip("netns", "delete", probe, check=False)
         _NETEM.append(ok)
     return _NETEM[0]
 
@@ -127,44 +102,6 @@ def check_shape(num_hosts: int, nic_gbps: float, latency_ms: float = 0.0, loss_p
         raise ConfigError(f"host rig: loss_pct must be in 0..100, got {loss_pct!r}")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _namespaces() -> list[str]:
-    r = _ip("netns", "list", check=False)
-    return [line.split()[0] for line in r.stdout.splitlines() if line.strip()]
-
-
-def _remove(names: Sequence[str]) -> None:
-    """Kill every process inside ``names`` and delete the namespaces (veths and qdiscs go too)."""
-    for ns in names:
-        pids = [p for p in _ip("netns", "pids", ns, check=False).stdout.split() if p != str(os.getpid())]
-        for pid in pids:  # never this process: a Ray driver may have moved into a host (enter_for_good)
-            with contextlib.suppress(ProcessLookupError, ValueError, PermissionError):
-                os.kill(int(pid), signal.SIGKILL)
-    for ns in names:
-        _ip("netns", "delete", ns, check=False)
-
-
-def sweep_stale(prefix: str = PREFIX) -> list[str]:
-    """Remove rigs left by owners that died (names ``<prefix><pid>-...`` whose pid is gone);
-    returns the namespaces removed. Rigs of live owners, and every other namespace, are kept."""
-    stale = []
-    for ns in _namespaces():
-        m = re.match(rf"^{re.escape(prefix)}(\d+)-", ns)
-        if m and not _alive(int(m.group(1))):
-            stale.append(ns)
-    _remove(stale)
-    return stale
-
-
 @dataclass(frozen=True, slots=True)
 class Host:
     index: int
@@ -173,57 +110,12 @@ class Host:
     nic: str = NIC
 
 
-_libc: Any = None
-
-
-def _setns(path: str) -> None:
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if _libc.setns(fd, _CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns({path}): {os.strerror(err)}")
-    finally:
-        os.close(fd)
-
-
 def host_env(host: Host, base: dict[str, str] | None = None) -> dict[str, str]:
     """Environment of a process on ``host``: NIXL/UCX held to TCP on its NIC, gloo on its NIC."""
     env = dict(os.environ if base is None else base)
     env.update({"FASTSYNC_NET_DEVICES": host.nic, "UCX_NET_DEVICES": host.nic, "UCX_TLS": "tcp,self",
                 "GLOO_SOCKET_IFNAME": host.nic, "FASTSYNC_HOST_ADDR": host.addr})
     return env
-
-
-_CLONE_NEWNS = 0x00020000
-_MS_REC, _MS_SLAVE, _MNT_DETACH = 0x4000, 0x80000, 2
-
-
-def _own_sysfs() -> None:
-    """A private mount namespace with a sysfs of this process's network namespace (what ``ip
-    netns exec`` does): UCX finds network devices under ``/sys/class/net``, which otherwise
-    still lists the devices of the namespace the process came from."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(_CLONE_NEWNS) != 0:
-        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS) failed")
-    if libc.mount(None, b"/", None, _MS_REC | _MS_SLAVE, None) != 0:  # our mounts never leave this process
-        raise OSError(ctypes.get_errno(), "making / a slave mount failed")
-    libc.umount2(b"/sys", _MNT_DETACH)
-    if libc.mount(b"sysfs", b"/sys", b"sysfs", 0, None) != 0:
-        raise OSError(ctypes.get_errno(), "mounting sysfs for the host's network namespace failed")
-
-
-def run_in_host(ns: str, env: dict[str, str], target: Callable[..., Any], *args: Any) -> Any:
-    """A process entry point (e.g. a ``multiprocessing`` target) that first moves this process into
-    the network namespace ``ns`` (with a sysfs of its own, as ``ip netns exec`` gives) and takes
-    ``env``, then calls ``target(*args)``. Call it before any thread or socket exists in the
-    process: threads started later inherit the namespace."""
-    _setns(f"/run/netns/{ns}")
-    _own_sysfs()
-    os.environ.update(env)
-    return target(*args)
 
 
 class HostRig:
@@ -240,16 +132,16 @@ class HostRig:
         if not 1.0 <= queue_ms <= 1000.0:
             raise ConfigError(f"host rig: queue_ms (the NIC queue, in ms of line rate) must be in [1, 1000], got {queue_ms}")
         self.queue_ms = float(queue_ms)
-        why = rig_unavailable()
+        why = netns.rig_unavailable()
         if why is not None:
             raise ConfigError(f"host rig: {why}")
         if latency_ms and not netem_available():
             raise ConfigError(f"host rig: latency_ms needs the 'netem' qdisc (sch_netem), {NO_DELAY_QDISC}; run with "
                               "latency_ms=0 (--latency-ms 0) or on a kernel with netem")
-        sweep_stale()
+        netns.sweep_stale()
         self.nic_gbps, self.latency_ms, self.loss_pct = float(nic_gbps), float(latency_ms), float(loss_pct)
         self.owner = os.getpid()
-        self.tag = f"{PREFIX}{self.owner}-{os.urandom(2).hex()}"
+        self.tag = f"{netns.PREFIX}{self.owner}-{os.urandom(2).hex()}"
         self.switch = f"{self.tag}-sw"
         self.hosts = [Host(i, f"{self.tag}-h{i}", f"{SUBNET}.{i + 1}") for i in range(num_hosts)]
         self._procs: list[subprocess.Popen] = []
@@ -268,28 +160,28 @@ class HostRig:
     def _start_guard(self) -> None:
         """A process in its own session that removes this rig when our end of its stdin closes
         (we exited, cleanly or not) and the rig is still there."""
-        code = ("import sys; sys.stdin.read(); from fastsync.bench.hosts import _remove, _namespaces; "
-                f"_remove([n for n in _namespaces() if n.startswith({self.tag + '-'!r})])")
+        code = ("import sys; sys.stdin.read(); from fastsync.bench.netns import namespaces, remove_namespaces; "
+                f"remove_namespaces([n for n in namespaces() if n.startswith({self.tag + '-'!r})])")
         self._guard = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                                        env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
 
     def _build(self) -> None:
         sw = self.switch
-        _ip("netns", "add", sw)
-        _ip("-n", sw, "link", "add", "br0", "type", "bridge")
-        _ip("-n", sw, "link", "set", "br0", "up")
-        _ip("-n", sw, "link", "set", "lo", "up")
+        netns.ip("netns", "add", sw)
+        netns.ip("-n", sw, "link", "add", "br0", "type", "bridge")
+        netns.ip("-n", sw, "link", "set", "br0", "up")
+        netns.ip("-n", sw, "link", "set", "lo", "up")
         for h in self.hosts:
-            _ip("netns", "add", h.ns)
+            netns.ip("netns", "add", h.ns)
             port = f"p{h.index}"
             # both ends are created inside the rig's namespaces: nothing appears in the caller's
-            _ip("-n", sw, "link", "add", port, "type", "veth", "peer", "name", h.nic, "netns", h.ns)
-            _ip("-n", sw, "link", "set", port, "master", "br0")
-            _ip("-n", sw, "link", "set", port, "up")
-            _ip("-n", h.ns, "link", "set", "lo", "up")
-            _ip("-n", h.ns, "addr", "add", f"{h.addr}/24", "dev", h.nic)
-            _ip("-n", h.ns, "link", "set", h.nic, "up")
+            netns.ip("-n", sw, "link", "add", port, "type", "veth", "peer", "name", h.nic, "netns", h.ns)
+            netns.ip("-n", sw, "link", "set", port, "master", "br0")
+            netns.ip("-n", sw, "link", "set", port, "up")
+            netns.ip("-n", h.ns, "link", "set", "lo", "up")
+            netns.ip("-n", h.ns, "addr", "add", f"{h.addr}/24", "dev", h.nic)
+            netns.ip("-n", h.ns, "link", "set", h.nic, "up")
             self._shape(h.ns, h.nic, self.latency_ms, self.loss_pct)  # host -> switch
             self._shape(sw, port, 0.0, self.loss_pct)  # switch -> host: the NIC's receive side
         self._wait_links()
@@ -335,7 +227,7 @@ class HostRig:
         deadline = time.monotonic() + timeout_s
         for h in self.hosts:
             while True:
-                out = _ip("-n", h.ns, "-j", "link", "show", "dev", h.nic).stdout
+                out = netns.ip("-n", h.ns, "-j", "link", "show", "dev", h.nic).stdout
                 if json.loads(out)[0].get("operstate") in ("UP", "UNKNOWN"):
                     break
                 if time.monotonic() > deadline:
@@ -355,11 +247,11 @@ class HostRig:
         there (a listening store keeps serving host ``i`` after the block)."""
         own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
         try:
-            _setns(f"/run/netns/{self.hosts[i].ns}")
+            netns.setns(f"/run/netns/{self.hosts[i].ns}")
             yield self.hosts[i]
         finally:
             try:
-                _setns(f"/proc/self/fd/{own}")
+                netns.setns(f"/proc/self/fd/{own}")
             finally:
                 os.close(own)
 
@@ -376,7 +268,7 @@ class HostRig:
 
     def nic_bytes(self, i: int) -> tuple[int, int]:
         """``(tx_bytes, rx_bytes)`` counted on host ``i``'s NIC since it was made."""
-        out = json.loads(_ip("-n", self.hosts[i].ns, "-s", "-j", "link", "show", "dev", NIC).stdout)[0]
+        out = json.loads(netns.ip("-n", self.hosts[i].ns, "-s", "-j", "link", "show", "dev", NIC).stdout)[0]
         stats = out["stats64"]
         return int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])
 
@@ -432,7 +324,7 @@ class HostRig:
         """Move this whole process (its calling thread, and threads it starts later) into host
         ``i``'s namespace, e.g. a Ray driver that must reach the rig's addresses. Call before the
         process starts threads that need the network."""
-        _setns(f"/run/netns/{self.hosts[i].ns}")
+        netns.setns(f"/run/netns/{self.hosts[i].ns}")
 
     def names(self) -> list[str]:
         return [self.switch] + [h.ns for h in self.hosts]
@@ -447,7 +339,7 @@ class HostRig:
         for p in self._procs:
             with contextlib.suppress(Exception):
                 p.wait(timeout=10)
-        _remove([n for n in _namespaces() if n.startswith(self.tag + "-")])
+        netns.remove_namespaces([n for n in netns.namespaces() if n.startswith(self.tag + "-")])
         if self._guard is not None:
             with contextlib.suppress(Exception):
                 self._guard.stdin.close()  # the guardian finds nothing left and exits

@@ -1,4 +1,4 @@
-"""The simulator on hosts that share a NIC (``fastsync.plan.hosts``): placement, per-host bytes,
+"""The simulator on hosts that share a NIC (``fastsync.plan.shared_nic``): placement, per-host bytes,
 TCP-like fair sharing, gloo's binomial broadcast, and bad input named."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 
 from fastsync.bench.model import build_bench_model
 from fastsync.errors import ConfigError
-from fastsync.plan.hosts import HostMap, fair_share_seconds, flow_bytes, host_traffic, rank0_on_hosts, simulate_on_hosts
+from fastsync.plan.shared_nic import HostMap, fair_share_seconds, flow_bytes, host_traffic, rank0_on_hosts, simulate_on_hosts
 
 
 def test_spread_places_blocks_and_refuses_what_does_not_divide() -> None:

@@ -13,7 +13,9 @@ import pytest
 pytest.importorskip("torch")
 
 from fastsync.control import TCPStoreControl  # noqa: E402
-from fastsync.engines.vllm.host import RemoteEngine, VllmEngine, error_reply, raise_worker_errors, serve  # noqa: E402
+from fastsync.engines.vllm.handle import VllmEngine  # noqa: E402
+from fastsync.engines.vllm.remote import RemoteEngine, serve  # noqa: E402
+from fastsync.host.replies import error_reply, raise_worker_errors  # noqa: E402
 from fastsync.errors import ConfigError, LayoutError, SyncError  # noqa: E402
 
 
