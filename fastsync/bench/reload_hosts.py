@@ -22,6 +22,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import statistics
+import shutil
 import subprocess
 import sys
 import threading
@@ -67,7 +68,10 @@ def _engine_main(conn: Any, ckpt: str, name: str) -> None:
                 t0 = time.perf_counter()
                 local = _download(url, files)
                 t1 = time.perf_counter()
-                eng.load_checkpoint(local, version)
+                try:
+                    eng.load_checkpoint(local, version)
+                finally:  # the download is this engine's own copy: remove it (it left a folder per run)
+                    shutil.rmtree(local, ignore_errors=True)
                 got = {"download_s": t1 - t0, "load_s": time.perf_counter() - t1}
             elif method == "first_request":
                 got = first_request_s(eng)
