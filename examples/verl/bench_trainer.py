@@ -36,7 +36,9 @@ def bench_model(size_bytes: int, seed: int, kind: str = "dense") -> torch.nn.Mod
         import transformers
 
         h, e, i, v = _MOE["hidden_size"], _MOE["num_experts"], _MOE["moe_intermediate_size"], _MOE["vocab_size"]
-        per_layer = 4 * (3 * e * h * i + e * h + h * 72 * (5 + 1 + 1) + 5 * 72 * h + 2 * h + 2 * 72)
+        d, q, kv = _MOE["head_dim"], _MOE["num_attention_heads"], _MOE["num_key_value_heads"]
+        # experts, router, q/k/v and o projections, two norms, q/k norms (fp32 bytes)
+        per_layer = 4 * (3 * e * h * i + e * h + h * d * (q + 2 * kv) + q * d * h + 2 * h + 2 * d)
         layers = max(1, (size_bytes - 4 * 2 * v * h) // per_layer)
         config = transformers.Qwen3MoeConfig(**_MOE, num_hidden_layers=int(layers))
         return transformers.Qwen3MoeForCausalLM(config).float()

@@ -24,8 +24,10 @@ from fastsync.sync.weight_sync import SyncResult, WeightSync
 
 __all__ = ["PeftWeightSync", "PeftSyncResult", "base_view", "is_peft_model"]
 
-#: name parts of PEFT's own parameters (adapter matrices, DoRA magnitudes, prompt encoders)
-_ADAPTER_PARTS = (".lora_", ".modules_to_save.", ".original_module.", ".prompt_encoder.")
+#: name parts of PEFT's own parameters (adapter matrices, DoRA magnitudes, prompt encoders): left out
+_ADAPTER_PARTS = (".lora_", ".prompt_encoder.")
+#: name parts of PEFT's modules_to_save copies: refused (the base view cannot stand for them)
+_SAVED_PARTS = (".modules_to_save.", ".original_module.")
 
 
 def is_peft_model(model: Any) -> bool:
@@ -40,7 +42,7 @@ def base_view(peft_model: Any) -> torch.nn.Module:
     base = peft_model.get_base_model()
     root = torch.nn.Module()
     for name, p in base.named_parameters():
-        if any(part in f".{name}" for part in (".modules_to_save.", ".original_module.")):
+        if any(part in f".{name}" for part in _SAVED_PARTS):
             raise ConfigError(f"PEFT parameter {name!r}: modules_to_save are not supported by the LoRA sync "
                               "(sync a merged model with WeightSync(model.merge_and_unload()) instead)")
         if any(part in f".{name}" for part in _ADAPTER_PARTS):
