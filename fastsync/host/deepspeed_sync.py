@@ -12,6 +12,11 @@ Trainer rank 0 serves the control store; its port and the job secret reach the o
 DeepSpeed's own ``torch.distributed`` group (``share_over_torch``). A partition DeepSpeed moved
 since set-up (offloaded and reloaded) is re-registered before the next sync, all ranks agreeing.
 Nothing here imports DeepSpeed: only the parameters' ``ds_*`` attributes are read.
+
+A PEFT LoRA module (OpenRLHF's ``--ds.lora.rank``) is sent merged, under the base checkpoint's
+names, as an engine without LoRA serves it (``fastsync.host.lora_merge``): each rank merges the
+current adapters into its own slice of every targeted weight before each sync (a collective: the
+adapters are gathered); unsupported PEFT settings are refused by name at construction.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from typing import Any
 
 from fastsync.errors import ConfigError, LayoutError
 from fastsync.host.control import node_address, share_over_torch
+from fastsync.host.lora_merge import MergedLoraSources
+from fastsync.sync.peft_sync import is_peft_model
 from fastsync.sync.weight_sync import EngineHandle, SyncResult, WeightSync
 from fastsync.executor.verify_mode import verify_mode
 
@@ -54,6 +61,9 @@ class DeepSpeedWeightSync:
         self.delta, self.fanout, self.name = delta, fanout, name
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.control_host = control_host or node_address()
+        # a PEFT policy goes merged; its refusals come here, before anything is planned
+        self.merged = (MergedLoraSources(module, rank=self.rank, world_size=self.world_size)
+                       if is_peft_model(module) else None)
         self.control: Any = None
         self.ws: WeightSync | None = None
         self.version = 0
@@ -85,8 +95,10 @@ class DeepSpeedWeightSync:
         if self.ws is not None:
             self.ws.close()
             self.ws = None
-        # the module describes itself (fastsync_trainer_layout): zero3:N partitions, or whole parameters
-        ws = WeightSync(self.module, rank=self.rank, world_size=self.world_size, control=self.control.with_prefix(name),
+        # the module describes itself (fastsync_trainer_layout): zero3:N partitions, or whole parameters;
+        # a PEFT module is described by its merged view
+        layout, sources = self.merged.plan() if self.merged is not None else (None, None)
+        ws = WeightSync(None if self.merged is not None else self.module, layout=layout, sources=sources, rank=self.rank, world_size=self.world_size, control=self.control.with_prefix(name),
                         engines=self.engines if self.rank == 0 else [], transport=self.transport,
                         timeout_s=self.timeout_s, name=name, control_port=self.control.port, verify=self.verify,
                         delta=self.delta, fanout=self.fanout)
@@ -115,6 +127,8 @@ class DeepSpeedWeightSync:
             self.setup()
         self.version = self.version + 1 if version is None else version
         assert self.ws is not None
+        if self.merged is not None:
+            self.merged.refresh()  # collective: this version's adapters merged into the staging slices
         return self.ws.sync(self.version)
 
     def close(self) -> None:
