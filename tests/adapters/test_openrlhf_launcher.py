@@ -141,7 +141,8 @@ def test_adapter_reaches_fastsync_through_one_module_and_public_names():
     assert bad == []
 
 
-def _trainer(monkeypatch, *, fastsync: dict | None = None, colocate_ipc: bool = False, ds_tp: int = 1):
+def _trainer(monkeypatch, *, fastsync: dict | None = None, colocate_ipc: bool = False, ds_tp: int = 1,
+             ds_4bit: bool = False):
     """FastSyncActorPPOTrainer with the attributes OpenRLHF's (CUDA-only) __init__ sets, and
     OpenRLHF's own broadcast replaced by a recorder."""
     monkeypatch.syspath_prepend(str(STANDIN))
@@ -150,7 +151,8 @@ def _trainer(monkeypatch, *, fastsync: dict | None = None, colocate_ipc: bool = 
     calls: list[str] = []
     monkeypatch.setattr(tr._OriginalTrainer, "broadcast_to_vllm", lambda self: calls.append("openrlhf"))
     args = SimpleNamespace(vllm=SimpleNamespace(enable_prefix_caching=False),
-                           ds=SimpleNamespace(zero_stage=3, tensor_parallel_size=ds_tp, lora=SimpleNamespace(rank=0)),
+                           ds=SimpleNamespace(zero_stage=3, tensor_parallel_size=ds_tp, lora=SimpleNamespace(rank=0),
+                                              load_in_4bit=ds_4bit),
                            fastsync=SimpleNamespace(**(fastsync or {})))
     t = tr.FastSyncActorPPOTrainer.__new__(tr.FastSyncActorPPOTrainer)
     t.strategy, t.args, t.use_cuda_ipc = SimpleNamespace(args=args), args, colocate_ipc
@@ -177,5 +179,8 @@ def test_unsupported_deepspeed_setting_is_refused_by_option_name(monkeypatch):
 
     t, calls = _trainer(monkeypatch, ds_tp=2)
     with pytest.raises(ConfigError, match=r"--ds.tensor_parallel_size 2.*--fastsync.disable"):
+        t.broadcast_to_vllm()
+    t, calls = _trainer(monkeypatch, ds_4bit=True)  # --ds.lora.rank goes merged; a 4-bit base does not
+    with pytest.raises(ConfigError, match=r"--ds.load_in_4bit.*--fastsync.disable"):
         t.broadcast_to_vllm()
     assert calls == []  # no silent fall-through to OpenRLHF's broadcast

@@ -10,6 +10,11 @@ workers only: it imports DeepSpeed through OpenRLHF's ``ppo_actor``).
   ``PolicyModelActor`` class) rebinds ``ppo_actor.ActorPPOTrainer`` (and, with
   ``--fastsync.moe``, ``ppo_actor.Actor``) inside its own Ray worker before OpenRLHF builds them.
 
+With ``--ds.lora.rank R`` the actor is a PEFT model: ``DeepSpeedWeightSync`` sends it merged
+(``W + lora_alpha/r * B @ A`` under the base names, each rank its own slice of each targeted weight;
+``fastsync.host.lora_merge``), so the engines, started without LoRA as OpenRLHF starts them, serve
+the trained policy. Unsupported PEFT settings are refused by name at the first sync.
+
 ``--train.colocate_all`` with the ``nccl`` sync backend keeps OpenRLHF's CUDA-IPC path (trainer
 and engine share each GPU, so there is no network hop for fastsync to spread out; a same-device
 IPC copy is already the floor), and says so in the log.
@@ -72,10 +77,9 @@ class FastSyncActorPPOTrainer(_OriginalTrainer):  # type: ignore[misc, valid-typ
         if tp > 1:
             raise ConfigError(f"fastsync_openrlhf: --ds.tensor_parallel_size {tp} (DeepSpeed AutoTP) is not planned "
                               "by fastsync yet; run with --fastsync.disable to keep OpenRLHF's broadcast")
-        lora = getattr(getattr(ds, "lora", None), "rank", 0) or 0
-        if lora > 0:
-            raise ConfigError(f"fastsync_openrlhf: --ds.lora.rank {lora}: LoRA weights are not synced by fastsync "
-                              "yet; run with --fastsync.disable")
+        if getattr(ds, "load_in_4bit", False):
+            raise ConfigError("fastsync_openrlhf: --ds.load_in_4bit (a 4-bit base) is not synced by fastsync; "
+                              "run with --fastsync.disable")
         if getattr(self.actor, "is_vlm", False):
             raise ConfigError("fastsync_openrlhf: vision-language actors are not synced by fastsync yet; "
                               "run with --fastsync.disable")
