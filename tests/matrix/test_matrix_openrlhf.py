@@ -20,7 +20,15 @@ with ``--fastsync.moe auto`` each block is fastsync's. Either way every MoE engi
 the plan's reference, and the engine's greedy tokens the trainer's. One more engine serves both
 MoE cells (its versions continue); it and the two MoE trainer ranks join the dense rig's Ray when
 that is up (holding no Ray CPU or GPU: the dense actors hold them all, idle by then), else they are
-a rig of their own (``-k moe``: about a minute)."""
+a rig of their own (``-k moe``: about a minute).
+
+The LoRA cell (``test_openrlhf_lora``, OpenRLHF's ``--ds.lora.rank 8`` on q/k/v/o/gate/up/down):
+the dense rig's trainer ranks rebuild their policy as OpenRLHF's ``Actor`` with LoRA (a PEFT model,
+ZeRO-3), the adapters train (nonzero after the first AdamW step, different after each), and the
+adapter's ``broadcast_to_vllm`` sends the merged policy into both engines (started without LoRA,
+as OpenRLHF starts them): every engine tensor's bytes must equal PEFT's ``merge_and_unload()`` of
+the gathered trainer model, and the engines' greedy tokens the trainer's PEFT model's own. It runs
+last on the dense rig (its trainer ranks keep the LoRA policy)."""
 
 from __future__ import annotations
 
@@ -162,7 +170,7 @@ def _actor_build():
     """The trainer-rank call that builds the policy as OpenRLHF's ``PolicyModelActor`` does, shipped
     by value through ``__ray_call__`` (see :func:`_calls`)."""
 
-    def build_actor(self, model_dir: str, opts: dict) -> dict:
+    def build_actor(self, model_dir: str, opts: dict, lora: dict | None = None) -> dict:
         import deepspeed
         import torch
         import openrlhf.utils.utils as openrlhf_utils
@@ -183,12 +191,14 @@ def _actor_build():
         to_dtype = openrlhf_utils.convert_to_torch_dtype
         openrlhf_utils.convert_to_torch_dtype = lambda _dtype: torch.float32
         try:  # ppo_actor.Actor: OpenRLHF's, or with --fastsync.moe the adapter's swap after it
-            actor = ppo_actor.Actor(model_dir, attn_implementation="sdpa", param_dtype="bf16", ds_config=config)
+            actor = ppo_actor.Actor(model_dir, attn_implementation="sdpa", param_dtype="bf16", ds_config=config,
+                                    **(lora or {}))
         finally:
             openrlhf_utils.convert_to_torch_dtype = to_dtype
         partitioned = all(hasattr(p, "ds_id") for p in actor.model.parameters())
+        trained = [p for p in actor.model.parameters() if p.requires_grad]  # with LoRA: the adapters only
         self.engine, self.opt, _, _ = deepspeed.initialize(
-            model=actor.model, optimizer=torch.optim.AdamW(actor.model.parameters(), lr=0.02), config=config)
+            model=actor.model, optimizer=torch.optim.AdamW(trained, lr=0.02), config=config)
         self.model_dir = model_dir
         from fastsync.moe.block import FastSyncMoEBlock
 
@@ -296,3 +306,82 @@ def test_openrlhf_moe(moe_rig, moe):
         assert digest["version"] == version + step, digest.get("version")
         assert_digest(digest["tensors"], want_bytes, f"moe {moe} step {step}")
         assert _tokens(m, m.engine, MOE_PROMPTS) == want, f"moe {moe} step {step}: tokens differ from the trainer's"
+
+
+#: OpenRLHF's Actor arguments for ``--ds.lora.rank 8 --ds.lora.alpha 16 --ds.lora.target_modules ...``
+LORA = {"lora_rank": 8, "lora_alpha": 16, "lora_dropout": 0.0,
+        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+
+
+def _lora_reference():
+    """The trainer-rank call (by value, see :func:`_calls`) that gathers the PEFT policy (collective)
+    and, on rank 0, returns its greedy tokens (PEFT's own forward, adapters unmerged) and
+    ``merge_and_unload()``'s weights."""
+
+    def reference(self, lora: dict, prompts: list, max_tokens: int):
+        import deepspeed
+        import peft
+        import torch
+        import transformers
+
+        from fastsync_rigs.openrlhf_cpu import hf_greedy
+
+        params = list(self.engine.module.named_parameters())
+        with deepspeed.zero.GatheredParameters([p for _, p in params]):
+            full = {n: p.data.clone() for n, p in params} if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        base = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(self.model_dir),
+                                                             dtype=torch.float32)
+        config = peft.LoraConfig(task_type="CAUSAL_LM", r=lora["lora_rank"], lora_alpha=lora["lora_alpha"],
+                                 target_modules=lora["target_modules"], lora_dropout=0.0, bias="none")
+        ref = peft.get_peft_model(base, config)
+        ref.load_state_dict(full, strict=True)
+        tokens = hf_greedy(ref.eval(), prompts, max_tokens)
+        merged = {n: t.clone() for n, t in ref.merge_and_unload().state_dict().items()}
+        lora_b = [t for n, t in full.items() if ".lora_B." in n]
+        return {"tokens": tokens, "merged": merged, "lora_b_zero": all(bool((t == 0).all()) for t in lora_b),
+                "num_lora_b": len(lora_b)}
+
+    return reference
+
+
+def test_openrlhf_lora(rig):
+    """``--ds.lora.rank 8``: the merged policy reaches both engines, two steps (see the module doc)."""
+    import argparse
+
+    from matrix_support import CELLS
+
+    from fastsync_openrlhf.config import FastSyncOptions, add_arguments
+    from fastsync_rigs.openrlhf_cpu import MAX_TOKENS, PROMPTS
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    opts = {k.split(".", 1)[1]: v for k, v in vars(ap.parse_args([])).items()}
+    FastSyncOptions(**opts).validate()
+    opts["control_host"] = rig.control_host
+    build, _, _, _ = _calls()
+    ray, version = rig.ray, 10 * (len(CELLS) + 1)  # after every dense cell's block on these engines
+    ray.get([t.close.remote() for t in rig.trainers], timeout=60)  # the previous cell's session
+    ray.get([t.__ray_call__.remote(_actor_build(), rig.model_dir, opts, LORA) for t in rig.trainers], timeout=300)
+    ray.get([t.make_trainer.remote(rig.engines, opts) for t in rig.trainers], timeout=120)
+    ray.get([t.__ray_call__.remote(build, version - 1) for t in rig.trainers], timeout=300)
+    for step in range(2):
+        rig.train_step(seed=version + step)  # a real ZeRO-3 AdamW step of the adapters (the base is frozen)
+        ref = ray.get([t.__ray_call__.remote(_lora_reference(), LORA, PROMPTS, MAX_TOKENS)
+                       for t in rig.trainers], timeout=300)[0]
+        assert ref["num_lora_b"] == 2 * 7 and not ref["lora_b_zero"], "the adapters are zero: the check has no teeth"
+        want_bytes = reference_digest(ref["merged"], rig.described)
+        targeted = {n for n in want_bytes if n.split(".")[-2] in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+        assert len(targeted) == 4 * 2, sorted(targeted)  # vLLM's fused names, 2 layers
+        if step:  # the engines hold the first step's merge: the adapters moved, the frozen base did not
+            stale = ray.get(rig.engines[0]._rpc.remote("fastsync_digest"), timeout=60)[0]["tensors"]
+            moved = {n for n in want_bytes if stale[n] != want_bytes[n]}
+            assert moved == targeted, sorted(moved ^ targeted)
+        got = rig.broadcast_to_vllm()
+        assert [g["version"] for g in got] == [version + step] * 2
+        for i, e in enumerate(rig.engines):
+            digest = ray.get(e._rpc.remote("fastsync_digest"), timeout=60)[0]
+            assert digest["version"] == version + step, (i, digest.get("version"))
+            assert_digest(digest["tensors"], want_bytes, f"lora step {step}, engine {i}")
+            assert _tokens(rig, e) == ref["tokens"], f"lora step {step}, engine {i}: tokens differ from the PEFT model's"
