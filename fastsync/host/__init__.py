@@ -13,7 +13,8 @@ so adapters stay glue. Framework-agnostic: nothing here imports verl, OpenRLHF o
 * ``path_choice``: in place or full copy, decided once per session by trainer rank 0
   (``publish_capability``, ``decide_path``, ``read_path``).
 * ``deepspeed_sync``: ``DeepSpeedWeightSync``, the trainer side for a DeepSpeed job (every rank writes
-  its ZeRO partitions; re-registered when DeepSpeed moved one).
+  its ZeRO partitions; re-registered when DeepSpeed moved one). A PEFT LoRA module goes merged
+  (``lora_merge``: ``MergedLoraSources``, each rank merging the adapters into its own slices).
 * ``local_shards``: a trainer rank's FSDP2 shards under the host's names, copied into registered
   views before every sync (``renamed_shard_layout``, ``copy_local_shards``).
 * ``patching``: a host's hook points found by name and wrapped once (``resolve``, ``wrap``,
