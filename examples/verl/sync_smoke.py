@@ -2,8 +2,12 @@
 vLLM server (``vLLMHttpServer`` / AsyncLLM on the real vLLM CPU engine), driven by verl's
 ``CheckpointEngineManager.update_weights`` with ``checkpoint_engine.backend=fastsync``.
 
-    python examples/verl/sync_smoke.py [--preset tiny-qwen3 | --model DIR] [--moe-swap] [--syncs 2]
-                                       [--verify full] [--hosts 2] [--json]
+    python examples/verl/sync_smoke.py [--preset tiny-qwen3 | --model DIR] [--moe-swap] [--lora R]
+                                       [--syncs 2] [--verify full] [--hosts 2] [--json]
+
+``--lora R``: the trainer is a PEFT LoRA actor (rank R on every projection) under verl's
+``actor_rollout_ref.model.lora.merge=True``; each rank merges the adapter into its own shards
+(``fastsync_verl.lora_merge``), the reference tokens are the PEFT model's own.
 
 ``--model DIR``: your own Hugging Face checkpoint (config.json + safetensors; dense or MoE) instead
 of a preset, to see before a run whether fastsync syncs it in place (the JSON's ``inplace``,

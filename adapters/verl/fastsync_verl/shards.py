@@ -122,7 +122,8 @@ class AdapterDropped:
                 "checkpoint-engine path hands over its base weights without the adapter (verl 0.9: "
                 "update_weights calls get_per_tensor_param() with base_sync_done=False and drops peft_config), "
                 "so the rollout would never see the trained adapter. Set actor_rollout_ref.model.lora.merge=True "
-                "(verl merges the adapter into full tensors, sent by fastsync's full-tensor path), or run "
+                "(each FSDP2 rank then sends its own shards with the adapter merged locally: fastsync_verl.lora_merge; "
+                "LoRA layers a local merge cannot stand for take verl's merged full tensors), or run "
                 "fastsync's WeightSync(peft_model) / LoraSync, which syncs the adapter into the engines' LoRA slots")
 
 
