@@ -2,8 +2,12 @@
 vLLM server (``vLLMHttpServer`` / AsyncLLM on the real vLLM CPU engine), driven by verl's
 ``CheckpointEngineManager.update_weights`` with ``checkpoint_engine.backend=fastsync``.
 
-    python examples/verl/sync_smoke.py [--preset tiny-qwen3 | --model DIR] [--moe-swap] [--syncs 2]
-                                       [--verify full] [--hosts 2] [--json]
+    python examples/verl/sync_smoke.py [--preset tiny-qwen3 | --model DIR] [--moe-swap] [--lora R]
+                                       [--syncs 2] [--verify full] [--hosts 2] [--json]
+
+``--lora R``: the trainer is a PEFT LoRA actor (rank R on every projection) under verl's
+``actor_rollout_ref.model.lora.merge=True``; each rank merges the adapter into its own shards
+(``fastsync_verl.lora_merge``), the reference tokens are the PEFT model's own.
 
 ``--model DIR``: your own Hugging Face checkpoint (config.json + safetensors; dense or MoE) instead
 of a preset, to see before a run whether fastsync syncs it in place (the JSON's ``inplace``,
@@ -82,7 +86,7 @@ class Trainer:
     """One FSDP2 trainer rank with the fastsync backend, as verl's actor worker holds it."""
 
     def __init__(self, rank: int, world: int, gloo_port: int, model_dir: str, timeout_s: float,
-                 kwargs: dict, control_host: str = "127.0.0.1", moe_swap: bool = False) -> None:
+                 kwargs: dict, control_host: str = "127.0.0.1", moe_swap: bool = False, lora: int = 0) -> None:
         import types
 
         import torch
@@ -117,16 +121,23 @@ class Trainer:
             from fastsync import patch_moe
 
             self.swapped = len(patch_moe(self.model, ep_group=None, backend="auto"))
+        self.lora = lora
+        if lora:  # a PEFT LoRA actor (verl's lora.merge=True): every projection, B random so the merge shows
+            self.model = _peft(self.model, lora)
         mesh = init_device_mesh("cpu", (world,))
-        for layer in self.model.model.layers:
+        for layer in (self.model.base_model.model.model.layers if lora else self.model.model.layers):
             fully_shard(layer, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=0.02)
         self.engine = CheckpointEngineRegistry.new("fastsync", is_master=rank == 0, bucket_size=1 << 20,
                                                    control_host=control_host, timeout_s=timeout_s, **kwargs)
         self.fake = types.SimpleNamespace(  # stand-in for verl's FSDPEngine: what get_per_tensor_param reads
-            module=self.model, _uses_fsdp2_cpu_offload_policy=False, _is_offload_param=False, _qat_enabled=False,
-            model_config=types.SimpleNamespace(lora={}, hf_config=self.model.config))
+            # (LoRA: True skips verl's whole-module staging onto a GPU, load_fsdp_model_to_gpu; none here)
+            module=self.model, _uses_fsdp2_cpu_offload_policy=bool(lora), _is_offload_param=False, _qat_enabled=False,
+            model_config=types.SimpleNamespace(lora={"merge": True} if lora else {}, hf_config=self.model.config))
+        if lora:  # verl's own merged export, lazy (it merges and gathers only when iterated)
+            self.fake._merged_lora_per_tensor_param = types.MethodType(FSDPEngine._merged_lora_per_tensor_param,
+                                                                      self.fake)
         self.full_tensor_calls = 0
         self.iterated = False
 
@@ -149,10 +160,23 @@ class Trainer:
         return metrics
 
     def reference(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]] | None:
-        from fastsync.demo.run import _full_state, _reference
+        from fastsync.demo.run import _full_state, _reference, hf_greedy
 
         full = _full_state(self.model)  # a collective: every rank calls it (not part of the sync)
+        if self.lora:  # the trainer's PEFT model itself (adapter unmerged, LoRA forward), on rank 0
+            return hf_greedy(self._peft_copy(full), prompts, max_tokens) if self.rank == 0 else None
         return _reference(self.model_dir, full, prompts, max_tokens, "float32") if self.rank == 0 else None
+
+    def _peft_copy(self, full: dict):
+        """A copy of the trainer's PEFT model holding the gathered ``full`` state (rank 0)."""
+        import torch
+        import transformers
+
+        config = transformers.AutoConfig.from_pretrained(self.model_dir)  # float32, as the trainer holds it
+        base = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        pm = _peft(base, self.lora)
+        pm.load_state_dict(full)
+        return pm.eval()
 
     def counts(self) -> dict:
         return {"full_tensor_calls": self.full_tensor_calls, "iterated": self.iterated,
@@ -166,12 +190,30 @@ class Trainer:
         from fastsync.demo.run import _full_state
 
         full = _full_state(self.model)
+        if self.lora and self.rank == 0:  # the weights the engine should hold: PEFT's own merge
+            full = self._peft_copy(full).merge_and_unload().state_dict()
         end = getattr(self.engine, "_end", None)
         inplace = getattr(end, "inplace", None)
         if self.rank != 0 or inplace is None:
             return None
         out = {int(w["rank"]): reference_digests(full, w["tensors"]) for e in inplace.ws.engine_info for w in e}
         return {"tensors": out, "version": inplace.ws.version, "fallback": inplace.last_fallback}
+
+
+def _peft(model, r: int):
+    """``model`` under PEFT LoRA rank ``r`` on q/k/v/o and gate/up/down (alpha 2r), B random and
+    nonzero (seeded: every rank the same; a fresh adapter's B = 0 would hide a wrong merge)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    pm = get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    g = torch.Generator().manual_seed(r)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if ".lora_B." in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return pm
 
 
 class TrainerGroup:
@@ -270,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
                          "read only (the smoke works on links to its files)")
     ap.add_argument("--moe-swap", action="store_true",
                     help="the trainer swaps its MoE blocks for fastsync's (fastsync_verl.moe) before FSDP2 wraps it")
+    ap.add_argument("--lora", type=int, default=0, metavar="R",
+                    help="the trainer is a PEFT LoRA actor (rank R on every projection, B random) with verl's "
+                         "actor_rollout_ref.model.lora.merge=True: each rank merges the adapter into its own shards")
     ap.add_argument("--verify", choices=("off", "sample", "full"), default="full",
                     help="engine_kwargs.fastsync.verify: the engine ranks check the trainers' digests before the flip")
     ap.add_argument("--syncs", type=int, default=2)
@@ -446,8 +491,8 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
     launched = [s.launch_server.remote(*master) for s in servers]
     gloo = _free_port()
     trainer_cls = ray.remote(num_cpus=0)(Trainer).options(**a.place(0))
-    trainers = [trainer_cls.remote(r, trainers_n, gloo, model_dir, a.timeout_s, a.kwargs, a.control_host, a.moe_swap)
-                for r in range(trainers_n)]
+    trainers = [trainer_cls.remote(r, trainers_n, gloo, model_dir, a.timeout_s, a.kwargs, a.control_host, a.moe_swap,
+                                   a.lora) for r in range(trainers_n)]
     ray.get(launched, timeout=600)
     worker_cls = ray.remote(num_cpus=0)(rollout_worker_cls())
     port = _free_port()  # one rollout worker per engine worker (verl: one per GPU), rank 0 the leader
@@ -525,7 +570,7 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
             pass
     stall = round(statistics.median(s["stall_s"] for s in syncs[1:] or syncs), 4)
     return {"bytes_equal": all(s.get("bytes_equal") is True for s in syncs),
-            "verify": a.verify, "model": a.model or a.preset, "moe_blocks_swapped": counts[0]["moe_blocks_swapped"],
+            "verify": a.verify, "model": a.model or a.preset, "lora": a.lora, "moe_blocks_swapped": counts[0]["moe_blocks_swapped"],
             "fallback": syncs[-1].get("fallback"),
             "match": all(s["match"] for s in syncs), "changed": all(s["changed"] for s in syncs),
             "inplace": all(s["path"] == "inplace" for s in syncs),

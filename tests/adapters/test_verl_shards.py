@@ -30,7 +30,7 @@ import fastsync_verl  # noqa: E402,F401
 from fastsync.errors import ConfigError  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # spawn hands sys.path to the children
-from verl_shards_job import A, _lora_refusal, _model, _step, _trainer  # noqa: E402
+from verl_shards_job import A, LORA_TARGETS, _lora_refusal, _model, _peft_model, _step, _trainer  # noqa: E402
 
 
 def _free_port() -> int:
@@ -134,6 +134,43 @@ def test_moe_full_copy_path_sends_verls_unfused_names() -> None:
         assert "model.moe.mlp.experts.4.down_proj.weight" in dict(received)
         for (n, t), (_, w) in zip(received, expected):
             assert torch.equal(t, w), n
+
+
+@pytest.mark.slow
+def test_merged_lora_actor_sends_its_shards_merged_locally() -> None:
+    """verl's ``lora.merge=True`` on a PEFT actor (tiny Llama with awkward sizes, LoRA r=8 on
+    q/k/v/o and gate/up/down, B random and nonzero), FSDP2 over 2 ranks: each rank sends its own
+    rows of every base weight with the adapter merged on that rank, under verl's merged-export
+    names; no rank gathers a base weight (``full_tensor()`` 0); only the adapters' A matrices
+    are gathered (FSDP2 splits B's rows as it splits W's); the bytes that land are PEFT's own
+    ``merge_and_unload()`` weights, bit for bit, after each of 2 steps."""
+    import copy
+
+    from verl.utils.fsdp_utils import normalize_peft_param_name
+
+    reports, got = _run("on+lora")
+    want = _peft_model(7)
+    a_bytes = sum(p.nbytes for n, p in want.named_parameters() if ".lora_A." in n)
+    assert a_bytes == 2 * (6 * 8 * 40 + 8 * 75) * 4  # 2 layers; o_proj's input is 5 x 8, down_proj's 75
+    for k, (step, received) in enumerate(zip(reports, got), start=1):
+        _step(want, k)
+        assert not [r for r in step if "error" in r], step
+        assert all(r["type"] == "ShardedWeights" and r["iterated"] is False for r in step), step
+        assert [r["full_tensor"] for r in step] == [0, 0]  # no rank gathered any parameter with full_tensor()
+        for i, r in enumerate(step):
+            assert r["metrics"][f"fastsync/trainer{i}/from_shards"] == 1.0
+            assert r["metrics"][f"fastsync/trainer{i}/lora_gathered_bytes"] == a_bytes  # A only, never W nor B
+        merged = copy.deepcopy(want).merge_and_unload().state_dict()
+        # verl's merged export names: the PEFT model's state dict through normalize_peft_param_name
+        assert [n for n, _ in received] == list(normalize_peft_param_name(want.state_dict())) == list(merged)
+        assert not [n for n, _ in received if "lora" in n or "base_layer" in n]
+        for n, t in received:
+            assert torch.equal(t, merged[n]), n
+        base = want.state_dict()
+        assert all(not torch.equal(merged[n], base["base_model.model." + n.replace(f"{t}.", f"{t}.base_layer.")])
+                   for n in merged for t in LORA_TARGETS if f".{t}." in n)  # the adapter changed every target
+        sent = [r["metrics"][f"fastsync/trainer{i}/sent_bytes"] for i, r in enumerate(step)]
+        assert min(sent) > 0 and sum(sent) == sum(t.nbytes for t in merged.values()), sent
 
 
 def test_bad_trainer_shards_value_is_refused_naming_the_key() -> None:

@@ -87,17 +87,42 @@ def test_smoke_writes_in_place_into_verls_vllm_server(tmp_path) -> None:
         assert nic["trainer_host_tx"] >= 0.9 * res["model_bytes"], (s, res["model_bytes"])
 
 
+def _awkward_dense(out) -> str:
+    """A dense Qwen3 checkpoint with awkward sizes (hidden 96, not a multiple of 64; intermediate
+    100; vocab 211; 6 query heads over 2 KV heads of 32), saved in bfloat16."""
+    import torch
+    import transformers
+
+    cfg = transformers.Qwen3Config(vocab_size=211, hidden_size=96, intermediate_size=100, num_hidden_layers=2,
+                                   num_attention_heads=6, num_key_value_heads=2, head_dim=32,
+                                   max_position_embeddings=512, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+    return str(out)
+
+
 @pytest.mark.slow
 def test_staged_keep_carries_a_request_across_the_flip_with_its_versions(tmp_path) -> None:
-    """``engine_kwargs.fastsync.staged=true, pause_mode=keep``: the writes land while verl's server
+    """The trainer is a PEFT LoRA actor under verl's ``lora.merge=True`` (issue 38): r=8 on
+    q/k/v/o and gate/up/down, B random and nonzero, on a checkpoint with awkward sizes. Each
+    FSDP2 rank merges the adapter into its own rows of every base weight and writes them in
+    place: no rank gathers a base weight (``full_tensor()`` 0, verl's merged export never
+    iterated), every engine tensor's bytes equal PEFT's own ``merge_and_unload()`` through the
+    plan's reference, and the server's greedy tokens equal the trainer's PEFT model's (LoRA
+    forward, adapter unmerged) after each sync.
+
+    ``engine_kwargs.fastsync.staged=true, pause_mode=keep``: the writes land while verl's server
     keeps generating, the pause is only the flip, and a 500-token request in flight at the second
     sync stays in the engine: its tokens before the flip are the old weights' greedy continuation,
     those after it the new weights' (a fresh request on prompt + the tokens before), and verl's
     record of it (``TokenOutput.extra_fields``) carries both versions with the first token index
     of the new one and verl's own ``min_global_steps`` / ``max_global_steps``."""
     hosts = _hosts(2)  # the trainers on host 0, verl's server and rollout worker on host 1
-    res = _run(tmp_path, "--syncs", "2", "--staged", "--pause-mode", "keep", *hosts)
+    model = _awkward_dense(tmp_path / "awkward-dense")
+    res = _run(tmp_path, "--model", model, "--lora", "8", "--syncs", "2", "--staged", "--pause-mode", "keep", *hosts)
     assert res["match"] is True and res["changed"] is True and res["inplace"] is True
+    assert res["lora"] == 8 and res["trainer_full_tensor_calls"] == 0 and res["verl_generator_iterated"] is False
+    assert res["bytes_equal"] is True and all(s["engine_tensors_checked"] > 0 for s in res["syncs"]), res["syncs"]
     assert res["pause_mode"] == "keep" and res["staged"] is True
     inflight = res["inflight"]
     assert inflight["stop_reason"] == "completed" and inflight["tokens"] == 500, inflight  # kept, not aborted

@@ -27,6 +27,31 @@ def _model(seed: int, moe: bool = False) -> torch.nn.Module:
     return m
 
 
+#: LoRA targets of the PEFT case: every attention and MLP projection
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _peft_model(seed: int, use_rslora: bool = False) -> torch.nn.Module:
+    """A tiny Llama with awkward sizes (vocab 203, hidden 40, intermediate 75, 5 heads of 8 over 1
+    KV head: k/v_proj have 8 rows) under PEFT LoRA r=8 on q/k/v/o and gate/up/down, B random and
+    nonzero (a freshly initialised adapter has B = 0, which would hide a wrong merge)."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=203, hidden_size=40, intermediate_size=75, num_hidden_layers=2,
+                                   num_attention_heads=5, num_key_value_heads=1, head_dim=8,
+                                   tie_word_embeddings=False)
+    base = transformers.LlamaForCausalLM(cfg)
+    pm = get_peft_model(base, LoraConfig(r=8, lora_alpha=12, lora_dropout=0.1, target_modules=LORA_TARGETS,
+                                         use_rslora=use_rslora))
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if ".lora_B." in n:
+                p.normal_(0.0, 0.5)
+    return pm
+
+
 def _step(m: torch.nn.Module, k: int) -> None:
     with torch.no_grad():
         for p in m.parameters():  # on local shards under FSDP2: what an optimizer step does
@@ -37,7 +62,8 @@ def _trainer(rank: int, port: int, conn, mode: str) -> None:
     import os
 
     moe = mode.endswith("+moe")  # a MoE model: packed experts, which verl un-fuses on export
-    mode = mode.removesuffix("+moe")
+    lora = mode.endswith("+lora")  # a PEFT LoRA actor with verl's lora.merge=True
+    mode = mode.removesuffix("+moe").removesuffix("+lora")
     import types
 
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -64,16 +90,19 @@ def _trainer(rank: int, port: int, conn, mode: str) -> None:
     DTensor.full_tensor = counted
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=A)
-        m = _model(7, moe)
-        for layer in m.model.layers:
+        m = _peft_model(7) if lora else _model(7, moe)
+        for layer in (m.base_model.model.model.layers if lora else m.model.layers):
             fully_shard(layer)
         fully_shard(m)
         engine = CheckpointEngineRegistry.new("fastsync", is_master=rank == 0, bucket_size=1 << 20,
                                               control_host="127.0.0.1", timeout_s=30, trainer_shards=mode)
         fake = types.SimpleNamespace(  # stand-in for FSDPEngine: what get_per_tensor_param reads
-            module=m, _uses_fsdp2_cpu_offload_policy=False, _is_offload_param=False, _qat_enabled=False,
-            model_config=types.SimpleNamespace(lora={}, hf_config=types.SimpleNamespace(
+            # LoRA: True skips verl's whole-module staging onto the GPU (load_fsdp_model_to_gpu); none here
+            module=m, _uses_fsdp2_cpu_offload_policy=lora, _is_offload_param=False, _qat_enabled=False,
+            model_config=types.SimpleNamespace(lora={"merge": True} if lora else {}, hf_config=types.SimpleNamespace(
                 model_type="qwen3_moe", num_experts=5) if moe else types.SimpleNamespace(model_type="llama")))
+        if lora:  # verl's own merged export (lazy: it merges and gathers only when iterated)
+            fake._merged_lora_per_tensor_param = types.MethodType(FSDPEngine._merged_lora_per_tensor_param, fake)
         for k in (1, 2):
             _step(m, k)
             conn.send(engine.prepare())

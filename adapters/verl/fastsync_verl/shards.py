@@ -10,7 +10,12 @@ iterates exactly like verl's generator (any other backend sees no difference) an
 FSDP2 module. fastsync's backend then reads each parameter's DTensor placement and local shard and
 never iterates it: no ``full_tensor()`` on any rank.
 
-Where the shards cannot serve (FSDP1, LoRA adapters, QAT, a parameter that is not
+A PEFT LoRA actor whose export verl merges (``actor_rollout_ref.model.lora.merge=True``: the
+checkpoint-engine call then returns verl's merged full tensors and no ``peft_config``) goes from
+its shards too, each rank merging the adapter into its own rows of every LoRA-targeted weight
+(``fastsync_verl.lora_merge``); an unmerged LoRA actor is refused (:class:`AdapterDropped`).
+
+Where the shards cannot serve (FSDP1, LoRA layers a local merge cannot stand for, QAT, a parameter that is not
 Shard(d)/Replicate), :meth:`ShardedWeights.refusal` says why and the backend falls back to
 iterating the full tensors (logged), or raises if ``engine_kwargs.fastsync.trainer_shards`` is
 ``"on"``.
@@ -34,6 +39,7 @@ from typing import Any
 import torch
 
 from fastsync import ConfigError, resolve_hook_point, wrap_hook_point
+from fastsync_verl.lora_merge import lora_refusal
 
 __all__ = ["ShardedWeights", "AdapterDropped", "install", "SUPPORTED_VERL"]
 
@@ -50,11 +56,14 @@ class ShardedWeights:
     """verl's lazy full-tensor generator plus the FSDP2 module it would gather from."""
 
     def __init__(self, full: Any, module: Any, *, refusal: str | None = None,
-                 packed_experts: str | None = None) -> None:
+                 packed_experts: str | None = None, lora_merged: bool = False) -> None:
         self._full = full
         self.module = module
         self._refusal = refusal
         self._packed = packed_experts
+        #: a PEFT LoRA actor whose export verl merges (lora.merge=True): the shards go with the
+        #: adapter merged locally (``fastsync_verl.lora_merge.MergedShards``)
+        self.lora_merged = lora_merged
         self.iterated = False  # True once anything asked for the full tensors
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -113,7 +122,8 @@ class AdapterDropped:
                 "checkpoint-engine path hands over its base weights without the adapter (verl 0.9: "
                 "update_weights calls get_per_tensor_param() with base_sync_done=False and drops peft_config), "
                 "so the rollout would never see the trained adapter. Set actor_rollout_ref.model.lora.merge=True "
-                "(verl merges the adapter into full tensors, sent by fastsync's full-tensor path), or run "
+                "(each FSDP2 rank then sends its own shards with the adapter merged locally: fastsync_verl.lora_merge; "
+                "LoRA layers a local merge cannot stand for take verl's merged full tensors), or run "
                 "fastsync's WeightSync(peft_model) / LoraSync, which syncs the adapter into the engines' LoRA slots")
 
 
@@ -123,8 +133,10 @@ def _why_not(engine: Any, module: Any) -> str | None:
     if fsdp_version(module) != 2:
         return f"FSDP{fsdp_version(module)} module (local shards are DTensors only with FSDP2)"
     inner = getattr(module, "_fsdp_wrapped_module", module)
-    if hasattr(inner, "peft_config"):
-        return "LoRA adapters (verl merges or sends adapters, not the sharded base weights)"
+    if hasattr(inner, "peft_config"):  # verl's merged export (lora.merge=True): merged shard by shard
+        why = lora_refusal(inner)
+        if why is not None:
+            return f"LoRA adapters that cannot be merged into the local shards: {why}"
     if getattr(engine, "_qat_enabled", False):
         return "QAT is enabled (verl quantises the full tensors on export)"
     return None
@@ -164,8 +176,9 @@ def install() -> None:
                 return AdapterDropped(full, peft), peft
             if peft is not None or kwargs.get("layered_summon") or args:
                 return full, peft  # adapter paths: verl's own tensors, untouched
+            lora = hasattr(getattr(self.module, "_fsdp_wrapped_module", self.module), "peft_config")
             return ShardedWeights(full, self.module, refusal=_why_not(self, self.module),
-                                  packed_experts=_packed_experts(self, self.module)), peft
+                                  packed_experts=_packed_experts(self, self.module), lora_merged=lora), peft
 
         return get_per_tensor_param
 

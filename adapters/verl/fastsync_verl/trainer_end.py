@@ -22,6 +22,7 @@ from verl.workers.rollout.utils import ensure_async_iterator
 from fastsync import ConfigError, ControlPlane, TrainerLayout, copy_local_shards, renamed_shard_layout
 from fastsync import FullCopySender, decide_path, read_path, shard_views
 from fastsync_verl.inplace import POLICY_KEY, InplaceTrainer
+from fastsync_verl.lora_merge import MergedShards
 from fastsync_verl.shards import ShardedWeights
 
 __all__ = ["TrainerEnd"]
@@ -43,6 +44,7 @@ class TrainerEnd:
         self.inplace: InplaceTrainer | None = None
         self.sources: dict[str, torch.Tensor] = {}  # in place: this rank's shards, registered
         self._local_names: dict[str, str] = {}  # HF name -> state_dict name
+        self.merged: MergedShards | None = None  # a merged LoRA actor's shards (lora.merge=True)
 
     async def send(self, weights: Iterable[tuple[str, torch.Tensor]], module: Any, why: str | None,
                    version: int) -> dict[str, float]:
@@ -52,6 +54,8 @@ class TrainerEnd:
             self.mode = await asyncio.to_thread(self._decide, why, version)
         version = o.adopt_version(max(version, int(self.mode["version"])))  # in place: above what engines hold
         o.last_path = self.mode["mode"]
+        if module is not None and isinstance(weights, ShardedWeights) and weights.lora_merged:
+            module = self._merged_shards(module)
         if self.mode["mode"] == "inplace":
             if module is None:
                 raise ConfigError(f"fastsync trainer rank {rank}: trainer rank 0 chose the in-place path but this "
@@ -123,6 +127,8 @@ class TrainerEnd:
              f"fastsync/trainer{r}/send_s": time.perf_counter() - t1, f"fastsync/trainer{r}/from_shards": float(from_shards)}
         if inplace:
             m[f"fastsync/trainer{r}/inplace"] = 1.0
+        if from_shards and self.merged is not None:  # the adapters' A (and B where needed), never a base weight
+            m[f"fastsync/trainer{r}/lora_gathered_bytes"] = float(self.merged.adapter_gathered_bytes)
         self.owner.last_metrics = m
         return m
 
@@ -136,16 +142,28 @@ class TrainerEnd:
                                          verify=o.verify, staging_bytes=o.staging_bytes)
         return self.sender
 
+    def _merged_shards(self, module: Any) -> MergedShards:
+        """A PEFT LoRA actor's shards with the adapter merged on this rank (verl's lora.merge=True),
+        built once per session."""
+        if self.merged is None or self.merged.model is not module:
+            self.merged = MergedShards(module, self.rank, self.num_trainers)
+        return self.merged
+
     def _layout(self, module: Any) -> TrainerLayout:
         """The trainer layout from the DTensor placements under verl's HF names; remembers which
         state_dict entry holds each local shard."""
+        names = module.hf_names() if isinstance(module, MergedShards) else ShardedWeights(None, module).hf_names()
         layout, self._local_names = renamed_shard_layout(
-            module, self.rank, self.num_trainers, ShardedWeights(None, module).hf_names(),
-            description="FSDP2 DTensor shards handed over by verl's actor ranks")
+            module, self.rank, self.num_trainers, names,
+            description="FSDP2 DTensor shards handed over by verl's actor ranks"
+            + (", LoRA merged on each rank" if isinstance(module, MergedShards) else ""))
         return layout
 
     def _copy_shards(self, module: Any, sources: dict[str, torch.Tensor]) -> None:
-        copy_local_shards(module, self._local_names, sources, self.rank)
+        if isinstance(module, MergedShards):  # base shards, then each LoRA layer's delta rows (gathers A)
+            module.copy_local(self._local_names, sources)
+        else:
+            copy_local_shards(module, self._local_names, sources, self.rank)
 
     def close(self) -> None:
         for end in (self.sender, self.inplace):
