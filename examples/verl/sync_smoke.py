@@ -472,7 +472,9 @@ def run(a, model_dir: str, prompts: list[list[int]], extension: str, trainers_n:
                             skip_tokenizer_init=False, enable_prefix_caching=False, checkpoint_engine=ce,
                             engine_kwargs={"vllm": {"worker_extension_cls": extension,
                                                     "kv_cache_memory_bytes": 64 << 20}})
-    model = HFModelConfig(path=model_dir)
+    # a LoRA actor's config as a user writes it (model.lora.rank / merge): verl's server then starts vLLM
+    # without enable_lora, and fastsync's rollout side must take the in-place path for it
+    model = HFModelConfig(path=model_dir, lora={"rank": a.lora, "merge": True} if a.lora else {})
     t0 = time.perf_counter()
     # verl's own server class, created as vLLMReplica.launch_servers does: one per node of the replica
     # (named vllm_server_{replica}_{node}), node rank 0 running AsyncLLM, the others vLLM headless

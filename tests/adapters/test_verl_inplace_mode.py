@@ -54,7 +54,12 @@ def test_capability_names_what_blocks_the_in_place_path(shim) -> None:
     lora = _adapter()
     lora.model_config.lora = {"rank": 8}
     ok, why, _, _ = capability(lora)
-    assert not ok and "LoRA" in why
+    assert not ok and "LoRA adapter (rank 8, lora.merge=False)" in why  # verl serves it from a LoRA slot
+    lora.model_config.lora = {}
+    lora.model_config.lora_rank = 8  # verl's older key, same rule
+    assert not capability(lora)[0]
+    lora.model_config.lora = {"rank": 8, "merge": True}  # merged: vLLM without LoRA, base names, in place
+    assert capability(lora) == (True, "", True, 1)
 
 
 def test_adopted_version_moves_the_master_on() -> None:

@@ -154,9 +154,12 @@ def capability(adapter: Any) -> tuple[bool, str, bool, int]:
     disagg = getattr(cfg, "disaggregation", None)
     if disagg is not None and getattr(disagg, "enabled", False):
         return False, "rollout.disaggregation (PD) is enabled", False, 0
+    # verl's own rule (vLLMHttpServer.lora_as_adapter): a LoRA rank without lora.merge=True serves the
+    # adapter in a vLLM LoRA slot, which verl loads itself; merged, the engine holds base names only
     lora = getattr(getattr(adapter, "model_config", None), "lora", None) or {}
-    if int(lora.get("rank", 0) or 0) > 0 or int(getattr(adapter.model_config, "lora_rank", 0) or 0) > 0:
-        return False, "LoRA adapters: verl loads them through its own path", False, 0
+    rank = int(lora.get("rank", 0) or 0) or int(getattr(adapter.model_config, "lora_rank", 0) or 0)
+    if rank > 0 and not lora.get("merge", False):
+        return False, f"LoRA adapter (rank {rank}, lora.merge=False): verl loads it into vLLM's LoRA slot itself", False, 0
     leader = bool(getattr(adapter, "_has_server", False))
     # a replica across nodes (verl's nnodes > 1): the servers on node ranks > 0 run vLLM headless and
     # their engine workers belong to node rank 0's engine (vLLM's multi-node executor), so the leader
