@@ -71,6 +71,7 @@ class LoraState:
     retired: list[tuple[int, int]] = field(default_factory=list)  # older versions still registered
     last: dict = field(default_factory=dict)
     thread: Any = None  # the open version's background receive
+    error: BaseException | None = None  # how that receive failed (it rolled the version back already)
 
 
 class LoraWorkerMixin:
@@ -137,8 +138,15 @@ class LoraWorkerMixin:
             raise SyncError(f"engine rank {st.rank}: LoRA version {version} begun while {st.open} is open")
         rx = st.receiver
         rx.begin(version)
-        st.open, deadline = version, time.monotonic() + timeout_s
-        st.thread = threading.Thread(target=rx.wait, args=(deadline,), name=f"fastsync-lora-{version}", daemon=True)
+        st.open, st.error, deadline = version, None, time.monotonic() + timeout_s
+
+        def receive() -> None:
+            try:
+                rx.wait(deadline)
+            except BaseException as e:  # noqa: BLE001 - e.g. the trainer died: finish raises it
+                st.error = e
+
+        st.thread = threading.Thread(target=receive, name=f"fastsync-lora-{version}", daemon=True)
         st.thread.start()
         return {"rank": st.rank, "version": version}
 
@@ -158,6 +166,9 @@ class LoraWorkerMixin:
                     rx.expire()
                     st.thread.join(5.0)
                 st.thread = None
+            if st.error is not None:  # the receive failed and rolled back: its reason, not "no version open"
+                err, st.error = st.error, None
+                raise err
             rx.finish()  # raises SyncError naming what is missing when incomplete
         except BaseException as e:
             rx.abort(f"{type(e).__name__}: {e}")
