@@ -14,7 +14,7 @@ version leaves the previous one serving; every wait has a deadline.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -22,6 +22,7 @@ import torch
 
 from fastsync.control import ControlPlane
 from fastsync.errors import ConfigError, LayoutError, SyncError
+from fastsync.layout.limits import check_bytes
 from fastsync.layout.lora import peft_source_name
 from fastsync.layout.types import ParamSpec
 from fastsync.sync.connect_options import StoreAddress
@@ -97,7 +98,8 @@ class LoraSync:
 
     def __init__(self, model: torch.nn.Module, *, control: ControlPlane, rank: int = 0, world_size: int = 1,
                  engines: Sequence[LoraEngineHandle] = (), transport: str = "nixl", timeout_s: float = 60.0,
-                 adapter: str = "default", control_port: int | None = None, name: str = "lora") -> None:
+                 adapter: str = "default", control_port: int | None = None, name: str = "lora",
+                 max_chunk_bytes: int | None = None) -> None:
         if not 0 <= rank < world_size:
             raise ConfigError(f"trainer rank {rank} outside world size {world_size}")
         if engines and rank != 0:
@@ -106,9 +108,12 @@ class LoraSync:
             raise ConfigError("trainer rank 0 needs the engine handles (engines=[...])")
         if not name or "/" in name:
             raise ConfigError(f"name must be a non-empty string without '/', got {name!r}")
+        if max_chunk_bytes is not None:
+            check_bytes("max_chunk_bytes", max_chunk_bytes)
         self.model, self.rank, self.world_size = model, rank, world_size
         self.control, self.engines, self.transport = control, list(engines), transport
         self.timeout_s, self.adapter, self.name = float(timeout_s), adapter, name
+        self.max_chunk_bytes = max_chunk_bytes  # write batches at most this (WeightSender's cap); None: its default
         self.control_port = control_port if control_port is not None else getattr(control, "port", None)
         self.sender: Any = None
         self.plan: Any = None
@@ -163,7 +168,8 @@ class LoraSync:
             h.lora_connect(plan_json, options)
         sender = WeightSender(rank=0, plan=plan, sources=self.sources,
                               shards={n: [Shard(0, full_box(p.shape), 0)] for n, p in params.items()},
-                              control=ctl, transport=self.transport, timeout_s=self.timeout_s)
+                              control=ctl, transport=self.transport, timeout_s=self.timeout_s,
+                              max_chunk_bytes=self.max_chunk_bytes)
         try:
             sender.setup()
         except BaseException:
@@ -171,9 +177,11 @@ class LoraSync:
             raise
         self.sender, self.plan, self._scaling = sender, plan, {n: s for n, (_, s) in mats.items()}
 
-    def sync(self, version: int, *, timeout_s: float | None = None) -> LoraSyncResult:
+    def sync(self, version: int, *, timeout_s: float | None = None,
+             on_chunk: Callable[[int], None] | None = None) -> LoraSyncResult:
         """Every trainer rank (the gather is a collective); trainer rank 0 writes and returns once
-        every engine serves ``version``. SyncError when any refused: they keep the previous one."""
+        every engine serves ``version``. SyncError when any refused: they keep the previous one.
+        ``on_chunk(k)``: called on trainer rank 0 after write batch ``k`` is posted (``WeightSender.sync``)."""
         if version <= self.version:
             raise SyncError(f"trainer rank {self.rank}: LoRA version {version} is not newer than {self.version}")
         t0 = time.perf_counter()
@@ -201,7 +209,7 @@ class LoraSync:
                 break
         if err is None:
             try:
-                self.sender.sync(version, timeout_s=timeout)
+                self.sender.sync(version, timeout_s=timeout, on_chunk=on_chunk)
             except BaseException as e:
                 err = e
         results = []
