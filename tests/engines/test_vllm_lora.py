@@ -5,14 +5,17 @@ head_dim 32; intermediate 344), LoRA on q/k/v/o and gate/up/down, r = 8 then r =
 a scaling that is not a power of two). Three adapter versions per rank; after each, the engine's
 greedy tokens with the synced version equal the trainer's PEFT model's, and every slot tensor
 equals, byte for byte, what vLLM's own ``add_lora`` of that version saved to disk puts in
-another slot. A version whose writes never come is refused and the previous one keeps serving.
+another slot. A version whose writes never come is refused and the previous one keeps serving, and
+so is one whose trainer process is killed after writing part of it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import time
+from pathlib import Path
 
 import pytest
 
@@ -27,6 +30,8 @@ from fastsync.errors import SyncError  # noqa: E402
 from fastsync.sync.lora_sync import LoraSync  # noqa: E402
 
 pytestmark = pytest.mark.slow
+
+KILL_JOB = str(Path(__file__).with_name("lora_kill_trainer.py"))
 
 PROMPTS = [[5, 6, 7, 8], [100, 200, 300], [11, 42, 99, 7, 123]]
 MAX_TOKENS = 6
@@ -138,6 +143,93 @@ def test_missing_writes_keep_the_previous_version_serving(rig):
     ls.sync(v + 2)
     assert _engine_greedy(llm, eng.request()) == hf_greedy(pm, PROMPTS, MAX_TOKENS)
     ls.close()
+
+
+def _serve(conn, eng, proc, deadline: float) -> tuple:
+    """Run the trainer process's engine calls (``lora_kill_trainer.ParentEngine``) on ``eng``
+    until it says something else, and return that; bounded by ``deadline``."""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not conn.poll(left):
+            raise AssertionError(f"the trainer process said nothing in time (exit code {proc.poll()})")
+        msg = conn.recv()
+        if msg[0] == "crash":
+            raise AssertionError(f"the trainer process failed:\n{msg[1]}")
+        if msg[0] != "call":
+            return msg
+        _, method, args = msg
+        try:
+            conn.send(("ok", getattr(eng, method)(*args)))
+        except Exception as e:  # noqa: BLE001 - raised again in the trainer process, as over any RPC
+            conn.send(("err", e))
+
+
+def test_a_trainer_killed_mid_version_leaves_the_previous_adapter_serving(rig):
+    """A trainer PROCESS (``lora_kill_trainer.py``: LoraSync with its own NIXL sender, the engine
+    reached through calls back into this process) syncs version v, then is SIGKILLed once part of
+    v + 1 is in the engine's staging (batch 0 drained, batch 1 posted, of several). The engine
+    refuses v + 1 within its deadline, naming the dead trainer, keeps serving v (same tokens), and
+    a restarted trainer's v + 2 serves the PEFT model's tokens with slot bytes equal vLLM's own load."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    from multiprocessing.connection import Connection
+
+    from vllm.lora.request import LoRARequest
+
+    llm, eng = rig["llm"], rig["engine"]
+    v = eng.served + 1
+    spec = {"dir": rig["dir"], "r": 8, "alpha": 16, "targets": TARGETS, "seeds": [31, 32], "port": rig["control"].port,
+            "name": "lorakill", "version": v, "timeout_s": 20.0, "max_chunk_bytes": 16 << 10}
+    mine, theirs = socket.socketpair()
+    proc = subprocess.Popen([sys.executable, KILL_JOB, json.dumps({**spec, "fd": theirs.fileno()})],
+                            pass_fds=(theirs.fileno(),))
+    theirs.close()
+    conn = Connection(mine.detach())
+    try:
+        deadline = time.monotonic() + 120.0
+        msg = _serve(conn, eng, proc, deadline)
+        assert msg[:2] == ("synced", v) and msg[2] >= 3, msg  # several write batches per version
+        pm = _peft_model(rig["dir"], 8)
+        _new_version(pm, seed=31)
+        before = _engine_greedy(llm, eng.request())
+        assert eng.served == v and before == hf_greedy(pm, PROMPTS, MAX_TOKENS)
+        conn.send(("go",))
+        msg = _serve(conn, eng, proc, deadline)
+        assert msg[0] == "chunk" and 1 <= msg[1] < msg[2] - 1, msg  # part of v + 1 written, not all
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(10.0) == -signal.SIGKILL  # reaped
+        t0 = time.monotonic()
+        with pytest.raises(SyncError) as refused:
+            eng.lora_finish(v + 1, spec["timeout_s"])
+        waited = time.monotonic() - t0
+        assert waited < spec["timeout_s"] + 6.0, waited  # by its deadline (plus finish's 5 s join), not hanging
+        assert f"version {v + 1}" in str(refused.value) and "trainer rank 0" in str(refused.value), refused.value
+        assert eng.served == v
+        assert _engine_greedy(llm, eng.request()) == before
+        # the trainer restarts: a fresh LoraSync (same name, same control prefix), the next version
+        ls = LoraSync(pm, control=rig["control"], engines=[eng], name="lorakill", timeout_s=60.0)
+        ls.setup()
+        try:
+            _new_version(pm, seed=33)
+            ls.sync(v + 2)
+            got = _engine_greedy(llm, eng.request())
+            assert got == hf_greedy(pm, PROMPTS, MAX_TOKENS) and got != before
+            path = str(rig["tmp"] / "killed-then-v2")
+            pm.save_pretrained(path)
+            assert llm.llm_engine.add_lora(LoRARequest("ref-kill", 900, path))
+            cmp = eng.lora_compare(eng.lora_id(v + 2), 900)
+            assert all(c["equal"] for c in cmp), f"slot bytes differ from vLLM's load: {cmp}"
+            assert llm.llm_engine.remove_lora(900)
+        finally:
+            ls.close()
+        print(f"\nkilled trainer: refused within {waited:.2f} s: {refused.value}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10.0)
+        conn.close()
 
 
 def test_base_weights_through_weight_sync_into_the_lora_engine(rig):
