@@ -35,13 +35,15 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/fastsync demo
 
+# PYTEST_ARGS: extra pytest options, e.g. `make test PYTEST_ARGS="--junitxml=runs/suite.xml"` (every test's time)
+PYTEST_ARGS ?=
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # The edit-test loop: the unit tests only. Tests that start engines, Ray or many processes carry
 # @pytest.mark.slow and are left out (`make test`, what CI runs, runs them). Under 3 minutes on 2 cores.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 plan: $(STAMP)
 	$(BIN)/fastsync plan --model kimi-k2 --trainer fsdp:256 --rollout vllm:tp8,dp4,ep,replicas4 --nic-gbps 400 --dtype-out fp8
