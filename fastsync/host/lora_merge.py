@@ -37,7 +37,8 @@ from fastsync.layout.types import ParamSpec, TrainerLayout
 from fastsync.sync.local_sources import local_sources
 from fastsync.sync.peft_sync import base_view, is_peft_model
 
-__all__ = ["MergedLoraSources", "LoraTarget", "check_mergeable", "lora_targets", "merged_slice"]
+__all__ = ["MergedLoraSources", "LoraTarget", "check_mergeable", "lora_config_refusal", "lora_targets",
+           "merged_slice"]
 
 #: LoraConfig settings whose merged model is not ``W + scaling * B @ A`` on the base names, with
 #: what each does; a truthy value is refused
@@ -73,21 +74,29 @@ def _active_adapter(peft_model: Any) -> str:
     return str(active[0])
 
 
+def lora_config_refusal(config: Any, adapter: str) -> str | None:
+    """Why adapter ``adapter``'s PEFT config merges into something other than ``W + scaling * B @ A``
+    on the base names (the PEFT type, or the ``LoraConfig`` setting and what it does), or None.
+    The one rule for every merged LoRA sync: ``DeepSpeedWeightSync`` here, verl's per-shard merge."""
+    kind = str(getattr(getattr(config, "peft_type", None), "value", getattr(config, "peft_type", None)))
+    if kind != "LORA":
+        return f"PEFT adapter {adapter!r} is {kind}, not LoRA"
+    for key, why in _REFUSED_SETTINGS.items():
+        value = getattr(config, key, None)
+        if value:
+            return f"PEFT adapter {adapter!r}: LoraConfig.{key}={value!r} ({why})"
+    return None
+
+
 def check_mergeable(peft_model: Any) -> str:
     """The active adapter's name; ConfigError naming the PEFT setting when its merge is not
     ``W + scaling * B @ A`` (see the module doc)."""
     if not is_peft_model(peft_model):
         raise ConfigError(f"merged LoRA sync needs a PEFT model, got {type(peft_model).__name__}")
     adapter = _active_adapter(peft_model)
-    config = peft_model.peft_config[adapter]
-    kind = str(getattr(getattr(config, "peft_type", None), "value", getattr(config, "peft_type", None)))
-    if kind != "LORA":
-        raise ConfigError(f"PEFT adapter {adapter!r} is {kind}: only LoRA adapters are merged")
-    for key, why in _REFUSED_SETTINGS.items():
-        value = getattr(config, key, None)
-        if value:
-            raise ConfigError(f"PEFT adapter {adapter!r}: LoraConfig.{key}={value!r} ({why}) is not supported by the "
-                              "merged LoRA sync")
+    why = lora_config_refusal(peft_model.peft_config[adapter], adapter)
+    if why is not None:
+        raise ConfigError(f"{why}: not supported by the merged LoRA sync")
     return adapter
 
 

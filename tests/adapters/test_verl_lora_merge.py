@@ -96,3 +96,14 @@ def test_lora_bias_is_refused_naming_the_layer() -> None:
     pm = get_peft_model(transformers.Qwen2ForCausalLM(cfg), LoraConfig(r=8, target_modules=["q_proj"], lora_bias=True))
     why = lora_refusal(pm)
     assert why is not None and "q_proj" in why and "lora_bias=True" in why, why
+
+
+def test_config_settings_are_refused_by_the_core_rule() -> None:
+    """The LoraConfig settings whose merge is not W + scaling * B @ A are fastsync's one rule
+    (``fastsync.lora_config_refusal``, also DeepSpeedWeightSync's): layer_replication shares a
+    layer between positions of the stack, which a per-shard merge would merge twice."""
+    pm = get_peft_model(_llama(), LoraConfig(r=8, target_modules=TARGETS))
+    assert lora_refusal(pm) is None
+    pm.peft_config["default"].layer_replication = [[0, 1], [0, 1]]
+    why = lora_refusal(pm)
+    assert why is not None and "LoraConfig.layer_replication=[[0, 1], [0, 1]]" in why, why

@@ -140,5 +140,5 @@ def test_non_linear_targets_merged_or_disabled_adapters_and_other_peft_types_are
         with pytest.raises(ConfigError, match="adapters are disabled"):
             MergedLoraSources(pm, rank=0, world_size=1)
     ia3 = peft.get_peft_model(_Tiny(), peft.IA3Config(target_modules=["q", "up"], feedforward_modules=["up"]))
-    with pytest.raises(ConfigError, match="is IA3: only LoRA"):
+    with pytest.raises(ConfigError, match="is IA3, not LoRA: not supported by the merged LoRA sync"):
         MergedLoraSources(ia3, rank=0, world_size=1)

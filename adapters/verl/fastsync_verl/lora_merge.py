@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from fastsync import ConfigError, copy_local_shards, trainer_layout_from_module
+from fastsync import ConfigError, copy_local_shards, lora_config_refusal, trainer_layout_from_module
 
 __all__ = ["MergedShards", "lora_refusal"]
 
@@ -69,14 +69,15 @@ def _adapters(m: Any) -> list[str]:
 def lora_refusal(peft_model: Any) -> str | None:
     """Why a PEFT model's FSDP2 shards cannot be sent with the LoRA adapter merged locally, or
     None. Names the PEFT type, module and adapter that cannot be merged shard by shard."""
+    from peft import LoraConfig
     from peft.tuners.lora import Linear as LoraLinear
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils.other import AuxiliaryTrainingWrapper
 
-    for ad, cfg in peft_model.peft_config.items():
-        kind = str(getattr(getattr(cfg, "peft_type", None), "value", getattr(cfg, "peft_type", None)))
-        if kind != "LORA":
-            return f"PEFT adapter {ad!r} is {kind}, not LoRA"
+    refused = [why for ad, cfg in peft_model.peft_config.items()  # fastsync's rule for any merged LoRA sync
+               if (why := lora_config_refusal(cfg, ad)) is not None and not isinstance(cfg, LoraConfig)]
+    if refused:  # a PEFT method other than LoRA
+        return refused[0]
     for name, m in peft_model.named_modules():
         if isinstance(m, AuxiliaryTrainingWrapper):
             return (f"PEFT module {name!r} is a {type(m).__name__} (modules_to_save / trainable tokens: a trained "
@@ -85,6 +86,10 @@ def lora_refusal(peft_model: Any) -> str | None:
             why = _unsupported_layer(name, m, LoraLinear)
             if why is not None:
                 return why
+    for ad, cfg in peft_model.peft_config.items():  # settings no single layer shows (layer_replication, ...)
+        why = lora_config_refusal(cfg, ad)
+        if why is not None:
+            return why
     return None
 
 
