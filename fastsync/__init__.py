@@ -120,6 +120,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "replicated_layout": ("fastsync.layout.trainer", "replicated_layout"),
     "local_sources": ("fastsync.sync.local_sources", "local_sources"),
     "lora_config_refusal": ("fastsync.host.lora_merge", "lora_config_refusal"),
+    "lora_delta": ("fastsync.host.lora_merge", "lora_delta"),
     "zero3_sources": ("fastsync.layout.deepspeed", "zero3_sources"),
     "get_name_map": ("fastsync.layout.namemap", "get_name_map"),
     "ParamSpec": ("fastsync.layout.types", "ParamSpec"),

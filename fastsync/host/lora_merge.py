@@ -37,8 +37,8 @@ from fastsync.layout.types import ParamSpec, TrainerLayout
 from fastsync.sync.local_sources import local_sources
 from fastsync.sync.peft_sync import base_view, is_peft_model
 
-__all__ = ["MergedLoraSources", "LoraTarget", "check_mergeable", "lora_config_refusal", "lora_targets",
-           "merged_slice"]
+__all__ = ["MergedLoraSources", "LoraTarget", "check_mergeable", "lora_config_refusal", "lora_delta",
+           "lora_targets", "merged_slice"]
 
 #: LoraConfig settings whose merged model is not ``W + scaling * B @ A`` on the base names, with
 #: what each does; a truthy value is refused
@@ -145,6 +145,16 @@ def _shape(p: torch.Tensor) -> tuple[int, ...]:
 MIN_ROWS = 64
 
 
+def lora_delta(lora_b: torch.Tensor, lora_a: torch.Tensor, scaling: float) -> torch.Tensor:
+    """PEFT's ``Linear.get_delta_weight`` on rows of B and columns of A: ``(B @ A) * scaling`` in B's
+    dtype, 16-bit adapters on CPU computed in float32 and cast back, as PEFT does. The one delta of
+    every merged LoRA sync (:func:`merged_slice` here, verl's per-shard merge)."""
+    dtype = lora_b.dtype
+    if lora_b.device.type == "cpu" and dtype in (torch.float16, torch.bfloat16):
+        return ((lora_b.float() @ lora_a.float()) * scaling).to(dtype)
+    return (lora_b @ lora_a.to(dtype)) * scaling
+
+
 def merged_slice(base_flat: torch.Tensor, start: int, shape: tuple[int, int], lora_a: torch.Tensor,
                  lora_b: torch.Tensor, scaling: float, out: torch.Tensor) -> None:
     """Write elements ``[start, start + len(base_flat))`` of the row-major merged weight into
@@ -160,10 +170,7 @@ def merged_slice(base_flat: torch.Tensor, start: int, shape: tuple[int, int], lo
     lo = max(0, min(row0, rows - MIN_ROWS))
     hi = max(row1, min(rows, lo + MIN_ROWS))
     device = base_flat.device
-    a, b = lora_a.to(device), lora_b[lo:hi].to(device)
-    wide = device.type == "cpu" and b.dtype in (torch.float16, torch.bfloat16)  # PEFT's get_delta_weight
-    delta = (b.float() @ a.float()) * scaling if wide else (b @ a.to(b.dtype)) * scaling
-    delta = delta.to(b.dtype).reshape(-1)
+    delta = lora_delta(lora_b[lo:hi].to(device), lora_a.to(device), scaling).reshape(-1)
     off = start - lo * cols
     torch.add(base_flat, delta[off:off + num], out=out[:num])
 

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from fastsync import ConfigError, copy_local_shards, lora_config_refusal, trainer_layout_from_module
+from fastsync import ConfigError, copy_local_shards, lora_config_refusal, lora_delta, trainer_layout_from_module
 
 __all__ = ["MergedShards", "lora_refusal"]
 
@@ -199,18 +199,9 @@ class MergedShards:
                     continue  # no shard of W here; the gathers above still had to run
                 (r0, r1), (c0, c1) = mine[0]
                 dst = sources[where[layer.name]]
-                delta = _delta(b if aligned else b[r0:r1], a[:, c0:c1], layer.module.scaling[ad])
+                delta = lora_delta(b if aligned else b[r0:r1], a[:, c0:c1], layer.module.scaling[ad])
                 dst.add_(delta)  # in W's dtype, as PEFT's W.data += delta
         self.adapter_gathered_bytes = gathered
-
-
-def _delta(b: torch.Tensor, a: torch.Tensor, scaling: float) -> torch.Tensor:
-    """PEFT's ``Linear.get_delta_weight`` on rows of B and columns of A: ``(B @ A) * scaling``,
-    half precision on CPU computed in float32 and cast back, as PEFT does."""
-    dtype = b.dtype
-    up = b.device.type == "cpu" and dtype in (torch.float16, torch.bfloat16)
-    out = (b.float() @ a.float() if up else b @ a) * scaling
-    return out.to(dtype) if up else out
 
 
 def _whole(t: Any) -> tuple[torch.Tensor, int]:
