@@ -98,7 +98,8 @@ class DeepSpeedWeightSync:
         # the module describes itself (fastsync_trainer_layout): zero3:N partitions, or whole parameters;
         # a PEFT module is described by its merged view
         layout, sources = self.merged.plan() if self.merged is not None else (None, None)
-        ws = WeightSync(None if self.merged is not None else self.module, layout=layout, sources=sources, rank=self.rank, world_size=self.world_size, control=self.control.with_prefix(name),
+        ws = WeightSync(None if self.merged is not None else self.module, layout=layout, sources=sources,
+                        rank=self.rank, world_size=self.world_size, control=self.control.with_prefix(name),
                         engines=self.engines if self.rank == 0 else [], transport=self.transport,
                         timeout_s=self.timeout_s, name=name, control_port=self.control.port, verify=self.verify,
                         delta=self.delta, fanout=self.fanout)
