@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -41,8 +42,12 @@ def _hosts(n: int) -> list[str]:
 
 
 def _run(tmp_path, *args: str) -> dict:
-    out = subprocess.run([sys.executable, SCRIPT, "--json", *args], capture_output=True, text=True,
-                         timeout=1200, cwd=tmp_path, env={**os.environ, "TMPDIR": str(tmp_path)})
+    # the job's TMPDIR is a short folder of its own, not tmp_path: vLLM's ZMQ IPC sockets go there as
+    # <TMPDIR>/<uuid4>, and a socket path has at most 107 bytes (under make test's workers tmp_path
+    # alone is over 70). Removed afterwards, as tmp_path would be.
+    with tempfile.TemporaryDirectory(prefix="fs-verl-", ignore_cleanup_errors=True) as tmp:
+        out = subprocess.run([sys.executable, SCRIPT, "--json", *args], capture_output=True, text=True,
+                             timeout=1200, cwd=tmp_path, env={**os.environ, "TMPDIR": tmp})
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     assert lines, (out.stdout[-3000:], out.stderr[-3000:])
     res = json.loads(lines[-1])

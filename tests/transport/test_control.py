@@ -104,6 +104,16 @@ time.sleep(120)
 """
 
 
+def _wait_stopped(pid: int, timeout_s: float = 10.0) -> None:
+    """Until ``pid`` is stopped (state T): kill(SIGSTOP) returns before a process that is running
+    on the other core has stopped, and in that window it can still answer (seen on a loaded
+    2-core machine: a reply 0.2 ms after the kill)."""
+    deadline = time.monotonic() + timeout_s
+    while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline, f"process {pid} did not stop within {timeout_s} s of SIGSTOP"
+        time.sleep(0.001)
+
+
 def test_a_store_that_stops_answering_is_a_named_error_within_the_call_deadline_then_reconnects() -> None:
     """A partitioned store (here: its process stopped) never hangs a caller past its deadline:
     the request raises StoreUnreachable naming store and key, and once the store answers again the
@@ -121,6 +131,7 @@ def test_a_store_that_stops_answering_is_a_named_error_within_the_call_deadline_
         c = TCPStoreControl.client(port, secret=secret, timeout_s=30)
         assert c.try_get("k", timeout_s=2) == b"v"
         os.kill(p.pid, signal.SIGSTOP)
+        _wait_stopped(p.pid)
         t0 = time.monotonic()
         with pytest.raises(StoreUnreachable, match=rf"no answer from the store at 127.0.0.1:{port} \(request for "
                                                    r"key 'fs/k'\) within 0.5 s"):
