@@ -35,15 +35,20 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/fastsync demo
 
-# PYTEST_ARGS: extra pytest options, e.g. `make test PYTEST_ARGS="--junitxml=runs/suite.xml"` (every test's time)
+# PYTEST_ARGS: extra pytest options, e.g. `make test PYTEST_ARGS="--junitxml=runs/suite.xml"` (every test's time).
+# TEST_WORKERS: pytest-xdist processes; each takes whole modules (--dist loadfile), so a module's
+# engines, Ray cluster and rigs still start once. One test at a time left part of a 2-core machine
+# idle (an engine's core and worker import vLLM one after the other); two workers keep both cores
+# busy (docs/benchmarks.md#the-test-suite). TEST_WORKERS=0 runs in this process, one test after another.
 PYTEST_ARGS ?=
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The edit-test loop: the unit tests only. Tests that start engines, Ray or many processes carry
 # @pytest.mark.slow and are left out (`make test`, what CI runs, runs them). Under 3 minutes on 2 cores.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
 
 plan: $(STAMP)
 	$(BIN)/fastsync plan --model kimi-k2 --trainer fsdp:256 --rollout vllm:tp8,dp4,ep,replicas4 --nic-gbps 400 --dtype-out fp8
