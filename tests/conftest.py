@@ -59,30 +59,13 @@ def one_torch_thread() -> Iterator[None]:
 
 
 @pytest.fixture
-def in_process_engine(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict]:
-    """For a TP=1 ``vllm.LLM`` started by the test: the arguments (and environment, for engines a
-    helper such as ``run_demo`` starts) that run its engine core and worker in this process
-    (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the uni executor, as vLLM's own API tests run theirs).
-    The same CPUWorker, model runner and fastsync worker extension, without spawning two processes
-    that each import vLLM again: an engine start here drops from 16-22 s to under 2 s. Not for a
-    test of what needs the core in its own process (requests stepping while a sync runs, pause
-    modes, killed engines). Threads unpinned (``nobind``): vLLM would bind this process's own.
-    Afterwards vLLM's process group is torn down, and torch's thread count and this process's
-    environment (vLLM's worker writes to it) are as before."""
-    environ = dict(os.environ)
-    threads = torch.get_num_threads()
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    try:
-        yield {"distributed_executor_backend": "uni"}
-    finally:
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+def in_process_engine() -> Iterator[dict]:
+    """``fastsync_rigs.in_process.in_process_vllm`` for one test: TP=1 engines whose core and worker
+    run in this process."""
+    from fastsync_rigs.in_process import in_process_vllm
 
-        cleanup_dist_env_and_memory()
-        torch.set_num_threads(threads)
-        for k in set(os.environ) - set(environ):
-            del os.environ[k]
-        os.environ.update(environ)
+    with in_process_vllm() as kw:
+        yield kw
 
 
 def _free_port() -> int:
