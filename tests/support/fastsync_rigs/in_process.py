@@ -19,16 +19,21 @@ def in_process_vllm() -> Iterator[dict]:
     processes that each import vLLM again: an engine start here drops from 16-22 s to under 3 s.
     Not for a test of what needs the core in its own process (requests stepping while a sync runs,
     pause modes, killed engines). Threads unpinned (``nobind``): vLLM would bind this process's
-    own. At the end (after the engines are shut down) vLLM's process group is torn down, and
-    torch's thread count and this process's environment (vLLM's worker writes to it) are as before."""
+    own. At the end (after the engines are shut down) vLLM's cache of its environment variables is
+    dropped, its process group torn down, and torch's thread count and this process's environment
+    (vLLM's worker writes to it) are as before."""
     environ = dict(os.environ)
     threads = torch.get_num_threads()
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind")
     try:
         yield {"distributed_executor_backend": "uni"}
     finally:
+        from vllm import envs
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
+        # an engine core in this process freezes vLLM's environment variables (enable_envs_cache):
+        # unfrozen, so an engine started later reads VLLM_ENABLE_V1_MULTIPROCESSING=1 again
+        envs.disable_envs_cache()
         cleanup_dist_env_and_memory()
         torch.set_num_threads(threads)
         for k in set(os.environ) - set(environ):
