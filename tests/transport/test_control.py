@@ -108,8 +108,10 @@ def _wait_stopped(pid: int, timeout_s: float = 10.0) -> None:
     """Until ``pid`` is stopped (state T): kill(SIGSTOP) returns before a process that is running
     on the other core has stopped, and in that window it can still answer (seen on a loaded
     2-core machine: a reply 0.2 ms after the kill)."""
+    import psutil  # a vLLM dependency, as the engine handles use it for a process's state
+
     deadline = time.monotonic() + timeout_s
-    while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+    while psutil.Process(pid).status() != psutil.STATUS_STOPPED:
         assert time.monotonic() < deadline, f"process {pid} did not stop within {timeout_s} s of SIGSTOP"
         time.sleep(0.001)
 
