@@ -58,6 +58,16 @@ def one_torch_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+@pytest.fixture
+def in_process_engine() -> Iterator[dict]:
+    """``fastsync_rigs.in_process.in_process_vllm`` for one test: TP=1 engines whose core and worker
+    run in this process."""
+    from fastsync_rigs.in_process import in_process_vllm
+
+    with in_process_vllm() as kw:
+        yield kw
+
+
 def _free_port() -> int:
     import socket
 
