@@ -21,11 +21,12 @@ def in_process_vllm() -> Iterator[dict]:
     Not for a test of what needs the core in its own process (requests stepping while a sync runs,
     pause modes, killed engines). Threads unpinned (``nobind``): vLLM would bind this process's
     own. At the end (after the engines are shut down) vLLM's cache of its environment variables is
-    dropped, its process group torn down, and torch's thread count and this process's environment
+    dropped, its process group torn down, and torch's thread count (and ``torch.set_num_threads``,
+    which vLLM's worker replaces) and this process's environment
     (vLLM's worker writes to it) are as before. vLLM's kernel-override scan is kept off modules it
     cannot read (``_scan_readable_modules_only``)."""
     environ = dict(os.environ)
-    threads = torch.get_num_threads()
+    threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind")
     try:
         with _scan_readable_modules_only():
@@ -38,6 +39,9 @@ def in_process_vllm() -> Iterator[dict]:
         # unfrozen, so an engine started later reads VLLM_ENABLE_V1_MULTIPROCESSING=1 again
         envs.disable_envs_cache()
         cleanup_dist_env_and_memory()
+        # vLLM's CPUWorker.init_device replaces torch.set_num_threads for its whole process with a
+        # warning that does nothing: put back, so later tests in this process can set threads
+        torch.set_num_threads = set_num_threads
         torch.set_num_threads(threads)
         for k in set(os.environ) - set(environ):
             del os.environ[k]
