@@ -27,7 +27,10 @@ def test_engine_in_this_process_generates_and_leaves_the_process_as_it_was(tmp_p
     from fastsync_rigs.in_process import in_process_vllm
 
     ckpt = str(build_tiny_checkpoint("tiny-qwen3", tmp_path / "ckpt"))
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
     environ, threads, set_num_threads = dict(os.environ), torch.get_num_threads(), torch.set_num_threads
+    bases = CPUWorker.__bases__
     before = _children()
     with in_process_vllm() as kw:
         llm = LLM(**engine_kwargs(ckpt, 1, "float32"), **kw)
@@ -36,9 +39,11 @@ def test_engine_in_this_process_generates_and_leaves_the_process_as_it_was(tmp_p
                            SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 4
         assert torch.set_num_threads is not set_num_threads  # vLLM's CPUWorker replaced it here
+        assert CPUWorker.__bases__ != bases  # and added fastsync's worker extension to its bases
         llm.llm_engine.engine_core.shutdown()
         del llm
     assert torch.set_num_threads is set_num_threads and torch.get_num_threads() == threads
+    assert CPUWorker.__bases__ == bases  # a later engine with another extension passes vLLM's clash check
     assert dict(os.environ) == environ
     from vllm import envs
 

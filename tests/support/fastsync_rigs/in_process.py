@@ -22,10 +22,13 @@ def in_process_vllm() -> Iterator[dict]:
     pause modes, killed engines). Threads unpinned (``nobind``): vLLM would bind this process's
     own. At the end (after the engines are shut down) vLLM's cache of its environment variables is
     dropped, its process group torn down, and torch's thread count (and ``torch.set_num_threads``,
-    which vLLM's worker replaces) and this process's environment
+    which vLLM's worker replaces), ``CPUWorker``'s bases (vLLM adds the worker extension to them) and
+    this process's environment
     (vLLM's worker writes to it) are as before. vLLM's kernel-override scan is kept off modules it
     cannot read (``_scan_readable_modules_only``)."""
-    environ = dict(os.environ)
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    environ, bases = dict(os.environ), CPUWorker.__bases__
     threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind")
     try:
@@ -42,6 +45,9 @@ def in_process_vllm() -> Iterator[dict]:
         # vLLM's CPUWorker.init_device replaces torch.set_num_threads for its whole process with a
         # warning that does nothing: put back, so later tests in this process can set threads
         torch.set_num_threads = set_num_threads
+        # vLLM appends the engine's worker_extension_cls to CPUWorker's bases for the process: a
+        # later engine with another extension here would fail vLLM's clash check on them
+        CPUWorker.__bases__ = bases
         torch.set_num_threads(threads)
         for k in set(os.environ) - set(environ):
             del os.environ[k]
