@@ -34,18 +34,19 @@ if SUPPORT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
 #: one worker on a four-minute module while the other has nothing left. A name that no longer
 #: exists only loses its place; every module runs either way.
 LONGEST_FIRST = (
-    "tests/adapters/test_verl_smoke.py", "tests/engines/test_vllm_recorded.py",
-    "tests/engines/test_vllm_weight_transfer_serve.py", "tests/net/test_bench_hosts.py",
-    "tests/matrix/test_matrix_openrlhf.py", "tests/engines/test_vllm_sync.py", "tests/engines/test_vllm_padded.py",
-    "tests/test_readme_commands.py", "tests/reload/test_peer_reload_vllm.py", "tests/moe/test_moe_cli.py",
-    "tests/bench/test_reload_bench.py", "tests/adapters/test_verl_backend.py", "tests/matrix/test_matrix_verl.py",
-    "tests/engines/test_vllm_lora.py", "tests/matrix/test_matrix_weight_sync.py", "tests/test_wheel.py",
-    "tests/engines/test_vllm_fallback.py", "tests/adapters/test_verl_backend_ray.py",
-    "tests/transport/test_security.py", "tests/net/test_ray_hosts.py", "tests/bench/test_weight_transfer_bench.py",
-    "tests/adapters/test_verl_shards.py", "tests/bench/test_bench_cli.py", "tests/net/test_link_cut.py",
-    "tests/gpu/test_gpu_check.py", "tests/adapters/test_openrlhf_ray.py",
-    "tests/engines/test_vllm_weight_transfer_api.py", "tests/engines/test_vllm_pause_modes.py",
-    "tests/route/test_router_vllm_serve.py", "tests/sync/test_delta_mp.py",
+    "tests/adapters/test_verl_smoke.py", "tests/matrix/test_matrix_openrlhf.py",
+    "tests/engines/test_vllm_weight_transfer_serve.py", "tests/matrix/test_matrix_verl.py",
+    "tests/net/test_bench_hosts.py", "tests/engines/test_vllm_sync.py", "tests/engines/test_vllm_recorded.py",
+    "tests/moe/test_moe_cli.py", "tests/adapters/test_verl_backend_ray.py",
+    "tests/adapters/test_verl_backend.py", "tests/test_readme_commands.py", "tests/net/test_ray_hosts.py",
+    "tests/reload/test_peer_reload_vllm.py", "tests/bench/test_reload_bench.py",
+    "tests/engines/test_vllm_lora.py", "tests/bench/test_weight_transfer_bench.py",
+    "tests/route/test_router_vllm_serve.py", "tests/adapters/test_verl_shards.py",
+    "tests/gpu/test_gpu_check.py", "tests/transport/test_security.py", "tests/test_wheel.py",
+    "tests/engines/test_vllm_fallback.py", "tests/adapters/test_openrlhf_ray.py",
+    "tests/bench/test_bench_cli.py", "tests/engines/test_vllm_pause_modes.py",
+    "tests/matrix/test_matrix_bench.py", "tests/sync/test_delta_mp.py", "tests/net/test_link_cut.py",
+    "tests/net/test_foreign_host.py", "tests/bench/test_bench_failures.py",
 )
 
 

@@ -14,6 +14,7 @@ four runs, two on one node and two across hosts; one engine start each is about 
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import subprocess
@@ -44,8 +45,15 @@ def _hosts(n: int) -> list[str]:
 def _run(tmp_path, *args: str) -> dict:
     # the job's TMPDIR is a short folder of its own, not tmp_path: vLLM's ZMQ IPC sockets go there as
     # <TMPDIR>/<uuid4>, and a socket path has at most 107 bytes (under make test's workers tmp_path
-    # alone is over 70). Removed afterwards, as tmp_path would be.
+    # alone is over 70). Removed afterwards, as tmp_path would be. torch inductor's cache and
+    # precompiled headers (under <TMPDIR>/torchinductor_<user>) are a link to where every other
+    # process of the suite keeps them: in a TMPDIR of their own each run's engine workers built
+    # them again (g++, about 6 s of CPU a run). The link goes with the folder; what it points to stays.
+    name = f"torchinductor_{getpass.getuser()}"
+    shared = os.path.join(tempfile.gettempdir(), name)
+    os.makedirs(shared, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="fs-verl-", ignore_cleanup_errors=True) as tmp:
+        os.symlink(shared, os.path.join(tmp, name))
         out = subprocess.run([sys.executable, SCRIPT, "--json", *args], capture_output=True, text=True,
                              timeout=1200, cwd=tmp_path, env={**os.environ, "TMPDIR": tmp})
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
