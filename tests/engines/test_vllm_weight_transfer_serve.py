@@ -59,10 +59,20 @@ def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("wt-serve")
     # tensor_parallel_size=2: two vLLM workers, each an engine rank of its own (6 query heads over
     # 2 KV heads: 3 and 1 per worker; the 500-row vocabulary padded by vLLM and split in two)
-    model_dir = build_awkward_qwen3(tmp / "ckpt", num_attention_heads=6, num_key_value_heads=2,
-                                   max_position_embeddings=MAX_LEN)
+    model_dir = build_awkward_qwen3(tmp / "ckpt", num_attention_heads=6, num_key_value_heads=2)
     extra = use_plugin_path(tmp)
-    with VllmServe(model_dir, log_path=tmp / "serve.log", tp=TP, max_model_len=MAX_LEN, env={**extra, "FASTSYNC_JOB_SECRET": SECRET}) as srv:
+    # this server's OpenMP threads keep OpenMP's default wait policy (tests/conftest.py makes the
+    # suite's passive): the staged tests below need the long request still decoding when the update
+    # lands, and were made against the default's decode speed. On a passive engine the request ended
+    # before the update under a loaded two-worker run (a fresh-clone run failed 3 of them). Making
+    # them independent of the engine's speed is left to do.
+    policy = os.environ.pop("OMP_WAIT_POLICY", None)
+    try:
+        serve = VllmServe(model_dir, log_path=tmp / "serve.log", tp=TP, env={**extra, "FASTSYNC_JOB_SECRET": SECRET})
+    finally:
+        if policy is not None:
+            os.environ["OMP_WAIT_POLICY"] = policy
+    with serve as srv:
         yield {"url": srv.url, "model_dir": model_dir, "tmp": tmp, "env": srv.env, "serve": srv}
 
 
@@ -112,13 +122,7 @@ def test_two_fsdp2_trainers_sync_through_vllm_serve(server, run_workers):
 
 # ---- staged receive and vLLM's pause modes through the same server (issue 23) ------------------
 PROMPT = [5, 6, 7, 8, 9]
-# tokens: the request in flight while an update lands; it must outlast the update. With the suite's
-# OpenMP threads passive (tests/conftest.py) this TP=2 server streams a token in about 15 ms alone,
-# so 560 tokens take about 8 s; the keep test's update (rank 1's writes 0.5 s late, the staged
-# receive beside the decode) flipped at token 293 of 800 alone and took 4.5 s in a two-worker run.
-# The server's max_model_len (MAX_LEN) fits the prompt and LONG.
-LONG = 560
-MAX_LEN = 1024
+LONG = 160  # tokens: the request in flight while an update lands
 
 
 def _reference(url: str) -> tuple[list[int], float]:
@@ -131,14 +135,14 @@ def _reference(url: str) -> tuple[list[int], float]:
 
 
 def _update_during_request(server, tr, label: str, seed: int, **send) -> tuple[dict, list, dict, list[int]]:
-    """A training step; the long request starts; half a second into it (a quarter of it at most) the trainers send; the
+    """A training step; the long request starts; a quarter into it the trainers send; the
     request's completion, each rank's result, the update's record, the old model's tokens."""
     from wt_serve_trainers import InFlight
 
     old, took_s = _reference(server["url"])
     tr.step(seed)
     req = InFlight(server["url"], PROMPT, LONG)
-    time.sleep(min(0.25 * took_s, 0.5))  # the request admitted and decoding before the update starts
+    time.sleep(0.25 * took_s)
     res = tr.send(label, **send)
     return req.result(), res, tr.rank0.updates[-1], old
 
@@ -163,7 +167,7 @@ class TestStagedPauseModes:
     server without trainers."""
 
     def test_staged_keep_over_vllm_serve_carries_a_request_across_the_flip(self, server, staged):
-        """The writes land while the server keeps generating (trainer rank 1 writes 0.5 s late: tokens
+        """The writes land while the server keeps generating (trainer rank 1 writes 1 s late: tokens
         stream meanwhile); the pause (vLLM's /pause?mode=keep) comes after every worker said its
         writes landed and holds only the flip; the request kept across it carries both labels, its
         tokens before the flip the old model's, after it the new model's greedy continuation."""
@@ -172,7 +176,7 @@ class TestStagedPauseModes:
         url = server["url"]
         before = _request(url + "/weight_info")[1]["weight_version"]
         label = f"keep-{staged.rank0.next_version}"
-        c, res, rec, old = _update_during_request(server, staged, label, seed=41, delays={1: 0.5})
+        c, res, rec, old = _update_during_request(server, staged, label, seed=41, delays={1: 1.0})
         assert not any(isinstance(r, BaseException) for r in res), res
         print(f"\nkeep over vllm serve: versions {c['versions']}; transfer {rec['transfer_s']:.3f} s, pause call "
               f"{rec['drain_s']:.3f} s, stall {rec['stall_s']:.3f} s")
