@@ -8,8 +8,8 @@ made it; ``describe`` and the plan record both shapes.
 Tiny Llama, Qwen3, Qwen3-MoE and Mixtral models with awkward sizes (vocab 1000 or 1001, hidden 200
 or 224, 7 query heads over 1 KV head, MoE intermediate 100) sync into the REAL vLLM CPU engine and
 then generate exactly what the trainer's HF model does; for the MoE models every engine tensor's
-bytes, padding included, equal the plan's reference (SHA-256 per tensor). One engine per model (its core and worker
-in this process: ``in_process_engine``), started one after the other and stopped after use; each first records its layout from vLLM's own
+bytes, padding included, equal the plan's reference (SHA-256 per tensor). One engine per model,
+started one after the other and stopped after use; each first records its layout from vLLM's own
 loaders and checks it equals the hand-written map (``record_check.py``), the Qwen3 with tied
 embeddings.
 
@@ -124,7 +124,7 @@ def test_moe_pads_follow_vllm_cpu_pad_moe_intermediate():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("which", sorted(MODELS))
-def test_padded_shapes_sync_into_real_vllm(which, tmp_path, in_process_engine):
+def test_padded_shapes_sync_into_real_vllm(which, tmp_path):
     from vllm import LLM
 
     from fastsync.engines.vllm.handle import VllmEngine
@@ -134,7 +134,7 @@ def test_padded_shapes_sync_into_real_vllm(which, tmp_path, in_process_engine):
     torch.manual_seed(0)
     getattr(transformers, arch)(getattr(transformers, cls)(**kw)).to(torch.bfloat16).save_pretrained(d)
     t0 = time.perf_counter()
-    llm = LLM(**engine_kwargs(str(d), 1, "float32"), **in_process_engine)
+    llm = LLM(**engine_kwargs(str(d), 1, "float32"))
     print(f"\n{which}: engine start {time.perf_counter() - t0:.1f} s")
     engine = VllmEngine(llm)
     control = TCPStoreControl.server(port=0)

@@ -2,7 +2,7 @@
 tests/distributed), ported to a REAL vLLM-CPU engine started with ``backend="fastsync"``
 instead of a mock engine or NCCL/IPC (which need CUDA).
 
-One engine for the module (fp32, a Qwen3 of awkward sizes; its core and worker in this process), an HF model of the same checkpoint as
+One engine for the module (fp32, a Qwen3 of awkward sizes), an HF model of the same checkpoint as
 the trainer (one rank: vLLM's ``ModuleSource`` over a plain module), driven through
 ``WeightTransferTrainerFactory.trainer_init`` and ``LLM.init_weight_transfer_engine`` /
 ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``. What upstream checks
@@ -32,7 +32,6 @@ from wt_support import build_awkward_qwen3, perturb, use_plugin_path  # noqa: E4
 
 from fastsync.demo.run import hf_greedy  # noqa: E402
 from fastsync.errors import FastSyncError  # noqa: E402
-from fastsync_rigs.in_process import in_process_vllm  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -77,7 +76,7 @@ class Recorder:
 
 
 class Rig:
-    def __init__(self, tmp, **llm_kwargs) -> None:
+    def __init__(self, tmp) -> None:
         import transformers
         from vllm import LLM
         from vllm.config import WeightTransferConfig
@@ -87,7 +86,7 @@ class Rig:
         self.dir = build_awkward_qwen3(tmp / "ckpt")
         self.llm = LLM(model=self.dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
                        max_model_len=256, kv_cache_memory_bytes=64 << 20, seed=0,
-                       weight_transfer_config=WeightTransferConfig(backend="fastsync"), **llm_kwargs)
+                       weight_transfer_config=WeightTransferConfig(backend="fastsync"))
         self.hf = transformers.AutoModelForCausalLM.from_pretrained(self.dir, dtype=torch.float32).eval()
         self.client = Recorder(self.llm)
         self.trainer = None
@@ -128,12 +127,11 @@ class Rig:
 def rig(tmp_path_factory):
     saved = {k: os.environ.get(k) for k in ("FASTSYNC_JOB_SECRET", "PYTHONPATH", "VLLM_ALLOW_INSECURE_SERIALIZATION")}
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc of a test function (served())
-    with in_process_vllm() as in_process:  # the engine's core and worker in this process
-        r = Rig(tmp_path_factory.mktemp("wt-api"), **in_process)
-        yield r
-        if r.trainer is not None:
-            r.trainer.shutdown()
-        r.llm.llm_engine.engine_core.shutdown()
+    r = Rig(tmp_path_factory.mktemp("wt-api"))
+    yield r
+    if r.trainer is not None:
+        r.trainer.shutdown()
+    r.llm.llm_engine.engine_core.shutdown()
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)

@@ -40,20 +40,18 @@ def two(tmp_path_factory):
 
     from fastsync.engines.vllm.handle import VllmEngine
 
-    from fastsync_rigs.in_process import in_process_vllm
-
-    # two engines, each core and worker in this process (unpinned: no shared pinning either)
-    with in_process_vllm() as in_process:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # two engines on one host: no shared pinning
         d = build_awkward_qwen3(tmp_path_factory.mktemp("ckpt") / "awkward-qwen3")
-        llms = [LLM(**engine_kwargs(d, 1, "float32"), **in_process) for _ in range(2)]
-        engines = [VllmEngine(x) for x in llms]
-        described = engines[0].describe()[0]["tensors"]  # the replicas are identical: one layout serves both
-        hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-        yield {"llms": llms, "engines": engines, "hf": hf, "described": described,
-               "control": TCPStoreControl.server(port=0)}
-        for x in llms:
-            x.collective_rpc("fastsync_close")
-            x.llm_engine.engine_core.shutdown()
+        llms = [LLM(**engine_kwargs(d, 1, "float32")) for _ in range(2)]
+    engines = [VllmEngine(x) for x in llms]
+    described = engines[0].describe()[0]["tensors"]  # the replicas are identical: one layout serves both
+    hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    yield {"llms": llms, "engines": engines, "hf": hf, "described": described,
+           "control": TCPStoreControl.server(port=0)}
+    for x in llms:
+        x.collective_rpc("fastsync_close")
+        x.llm_engine.engine_core.shutdown()
 
 
 def _check_engines(two, full, version: int, what: str) -> None:

@@ -10,7 +10,6 @@ engine tensor's plain bytes, and greedy tokens.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 
@@ -38,10 +37,10 @@ DTYPE = "bfloat16"
 TIMEOUT_S = 30.0
 
 
-def _llm(model_dir: str, **kw):
+def _llm(model_dir: str):
     from vllm import LLM
 
-    return LLM(**engine_kwargs(model_dir, 1, DTYPE), load_format="dummy", **kw)
+    return LLM(**engine_kwargs(model_dir, 1, DTYPE), load_format="dummy")
 
 
 def _stop(llm) -> None:
@@ -64,22 +63,13 @@ def rig(tmp_path_factory):
 
     from fastsync.engines.vllm.reload_host import VllmReloadEngine
 
-    from fastsync_rigs.in_process import in_process_vllm
-
     tmp = tmp_path_factory.mktemp("reload")
     ckpt = str(build_tiny_checkpoint("tiny-qwen3", tmp / "ckpt"))
     control = TCPStoreControl.server(port=0)
     engines = {}
-    # H2 is killed in a test and J's worker must be a fresh process (the transport warms once per
-    # worker): their engine cores are processes of their own, started before H1's core and worker
-    # start in this process (in_process_vllm)
-    with contextlib.ExitStack() as stack:
-        for name in ("H2", "J"):
+    try:
+        for name in ("H1", "H2", "J"):
             engines[name] = VllmReloadEngine(_llm(ckpt), name=name)
-            stack.callback(_stop, engines[name].llm)
-        in_process = stack.enter_context(in_process_vllm())
-        engines["H1"] = VllmReloadEngine(_llm(ckpt, **in_process), name="H1")
-        stack.callback(_stop, engines["H1"].llm)
         hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).eval()
         full = {n: p.data for n, p in hf.named_parameters()}
         params = {n: ParamSpec(n, tuple(t.shape), DTYPE) for n, t in full.items()}
@@ -108,6 +98,9 @@ def rig(tmp_path_factory):
         trainer = TrainerHolder("trainer", layout, sources, version=2)
         yield {"engines": engines, "control": control, "ckpt": ckpt, "ckpt_v2": str(v2), "trainer": trainer,
                "coord": PeerReload(control, timeout_s=TIMEOUT_S)}
+    finally:
+        for e in engines.values():
+            _stop(e.llm)
 
 
 def _digest(engine) -> dict:
