@@ -1,5 +1,5 @@
 """How OpenMP's wait policy changes a vLLM-CPU engine's decode on this machine: the measurement
-behind ``OMP_WAIT_POLICY=PASSIVE`` in ``tests/conftest.py`` (docs/development.md#tests).
+in docs/development.md#tests (why the suite's processes are slow on 2 cores).
 
     for p in ACTIVE PASSIVE; do OMP_WAIT_POLICY=$p .venv/bin/python scripts/omp_wait_probe.py --tp 2; done
 
