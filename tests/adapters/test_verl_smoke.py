@@ -14,7 +14,6 @@ four runs, two on one node and two across hosts; one engine start each is about 
 
 from __future__ import annotations
 
-import getpass
 import json
 import os
 import subprocess
@@ -49,11 +48,12 @@ def _run(tmp_path, *args: str) -> dict:
     # precompiled headers (under <TMPDIR>/torchinductor_<user>) are a link to where every other
     # process of the suite keeps them: in a TMPDIR of their own each run's engine workers built
     # them again (g++, about 6 s of CPU a run). The link goes with the folder; what it points to stays.
-    name = f"torchinductor_{getpass.getuser()}"
-    shared = os.path.join(tempfile.gettempdir(), name)
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # what inductor itself derives
+
+    shared = default_cache_dir()
     os.makedirs(shared, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="fs-verl-", ignore_cleanup_errors=True) as tmp:
-        os.symlink(shared, os.path.join(tmp, name))
+        os.symlink(shared, os.path.join(tmp, os.path.basename(shared)))
         out = subprocess.run([sys.executable, SCRIPT, "--json", *args], capture_output=True, text=True,
                              timeout=1200, cwd=tmp_path, env={**os.environ, "TMPDIR": tmp})
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
