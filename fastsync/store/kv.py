@@ -58,6 +58,10 @@ class HandshakeError(TransportError):
     """The peer does not hold the job secret (or does not speak this protocol)."""
 
 
+class _HandshakeCut(ConnectionError):
+    """The server closed or reset the connection before its proof arrived (retried; private)."""
+
+
 class StoreUnreachable(TransportError):
     """The store did not answer a request within its deadline (a partitioned or overloaded link),
     or the connection to it broke. The client reconnects on its next request."""
@@ -339,6 +343,24 @@ class StoreClient:
         self._connect(time.monotonic() + timeout_s)
 
     def _connect(self, deadline: float) -> None:
+        """Connect and prove the secret within ``deadline``. A handshake the server cut before its
+        proof arrived (over its pending-handshake limit, or a loaded host past its handshake
+        timeout) is tried again until the deadline: a wrong secret fails the client's own check of
+        the server's proof, never as a cut. Nothing listening (refused) fails at once."""
+        nap = 0.05
+        while True:
+            try:
+                self._connect_once(deadline)
+                return
+            except _HandshakeCut as e:
+                if time.monotonic() + nap >= deadline:
+                    raise HandshakeError(f"control plane: the store at {self.host}:{self.port} cut the handshake "
+                                         f"and did not take this client again within the deadline: {e.__cause__}") from e
+                log.info("control store %s:%s cut the handshake (%s): trying again", self.host, self.port, e.__cause__)
+                time.sleep(nap)
+                nap = min(2 * nap, 0.5)
+
+    def _connect_once(self, deadline: float) -> None:
         left = max(deadline - time.monotonic(), 0.001)
         try:
             sock = socket.create_connection((self.host, self.port), timeout=left)
@@ -354,10 +376,13 @@ class StoreClient:
             if not hmac.compare_digest(proof, hmac.digest(self._auth, b"server" + cn + sn, "sha256")):
                 raise HandshakeError(f"control plane: the store at {self.host}:{self.port} does not hold this job's secret")
             sock.sendall(hmac.digest(self._auth, b"client" + cn + sn, "sha256"))
+        except socket.timeout as e:
+            sock.close()
+            raise HandshakeError(f"control plane: the store at {self.host}:{self.port} did not complete the "
+                                 f"handshake in time: {e}") from e
         except (OSError, ConnectionError) as e:
             sock.close()
-            raise HandshakeError(f"control plane: the store at {self.host}:{self.port} refused this client "
-                                 f"(wrong job secret?): {e}") from e
+            raise _HandshakeCut(str(e)) from e
         except BaseException:
             sock.close()
             raise

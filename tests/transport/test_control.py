@@ -148,3 +148,32 @@ def test_a_store_that_stops_answering_is_a_named_error_within_the_call_deadline_
     finally:
         p.kill()
         p.wait(10)
+
+
+def test_a_handshake_the_store_cuts_is_tried_again_within_the_deadline() -> None:
+    """A store over its pending-handshake limit closes a new connection unread (on a loaded host
+    it can also time a slow client's handshake out): the client connects again until its
+    deadline instead of failing the rank; with the store still cutting at the deadline, the error
+    names the store and the cut, not the job secret (a wrong secret fails the client's own check
+    of the store's proof)."""
+    from fastsync.store.kv import HandshakeError, StoreClient
+
+    srv = TCPStoreControl.server(port=0, timeout_s=10)
+    store = srv._server
+    gate = threading.BoundedSemaphore(1)
+    store._pending = gate
+    assert gate.acquire(blocking=False)  # every handshake slot taken: new connections are cut
+    try:
+        with pytest.raises(HandshakeError, match=rf"store at 127.0.0.1:{srv.port} cut the handshake and did not take "
+                                                 r"this client again within the deadline"):
+            StoreClient(srv.secret, "127.0.0.1", srv.port, timeout_s=0.6)
+        cut = store.refused
+        assert cut >= 2  # tried more than once
+        threading.Timer(0.4, gate.release).start()  # a slot frees while the client tries again
+        c = StoreClient(srv.secret, "127.0.0.1", srv.port, timeout_s=10)
+        assert store.refused > cut
+        status, _ = c.request(b"S", "k", b"v")
+        assert status == b"\x00" and store.state.data["k"] == b"v"
+        c.close()
+    finally:
+        srv.close()
