@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 
@@ -107,6 +108,28 @@ def test_a_failed_staged_receive_never_pauses_and_ends_vllms_session(control):
     # no pause, no resume; update_weights refused, finish_weight_update (no label) ends every session
     assert calls.calls == ["start", "update:7", "finish:None"]
     assert eng.history[-1]["paused_by"] is None and eng.history[-1]["stall_s"] == 0.0
+
+
+def test_a_slow_start_on_a_loaded_host_still_reports_the_workers_reason(control):
+    """vLLM's start call took most of the update's deadline (a loaded host): the workers opened the
+    version inside it and their own deadline (4 s of 5) runs from there, so their refusal comes
+    after trainer rank 0's deadline counted from before the call. Rank 0 waits for it from the
+    call's return and raises the workers' reason (which trainer rank is missing), not a timeout."""
+    calls = Calls(control)
+    why = error_text(SyncError("engine rank 0: version 7 incomplete, keeping version 6: trainer rank 1 sent nothing"))
+
+    def slow_start():
+        time.sleep(3.0)  # the workers' clock starts at the end of the call
+        threading.Timer(4.0 + 0.5, lambda: control.set(staged_key(0, 7), why)).start()
+    calls.on_start = slow_start
+    # the worker's flip refuses with its staged verdict, or, called while it still receives, says so
+    calls.on_update = lambda: control.set(version_key(0, 7), control.try_get(staged_key(0, 7)) or error_text(
+        SyncError("engine rank 0: version 7 is still being received")))
+    eng = _engine(control, calls)
+    t0 = time.monotonic()
+    with pytest.raises(SyncError, match="trainer rank 1 sent nothing"):
+        eng.wait_update(eng.begin_update(7, 5.0), 5.0)
+    assert calls.calls == ["start", "update:7", "finish:None"]
 
 
 def test_a_failed_pause_resumes_and_gives_the_landed_version_up(control):

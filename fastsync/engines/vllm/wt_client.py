@@ -40,6 +40,10 @@ __all__ = ["ClientEngine", "LLMWeightSyncClient", "describe_error"]
 
 log = logging.getLogger(__name__)
 
+#: How long past the workers' staging deadline trainer rank 0 still waits for their verdict (a
+#: worker publishes it with a 5 s store deadline of its own): their reason beats a bare timeout.
+_PUBLISH_GRACE_S = 5.0
+
 
 def describe_error(e: BaseException) -> str:
     """``Type: message``, plus the body of an HTTP error response (vLLM puts the worker's error
@@ -199,7 +203,10 @@ class ClientEngine:
             return
         self.control.set(open_key(), json.dumps(info))
         self.client.start_weight_update()
-        failed = self._wait_staged(version, deadline)
+        # the workers' own deadline started inside that call (they opened the version in it):
+        # wait for their verdict from here, so a slow start on a loaded host does not let this
+        # rank's clock run out first and hide the workers' reason (which trainer rank is missing)
+        failed = self._wait_staged(version, max(deadline, time.monotonic() + info["timeout_s"]))
         rec["transfer_s"] = time.monotonic() - t0
         if failed is not None:  # no pause: the flip refuses on every worker, vLLM's sessions end
             rec["stall_s"] = 0.0
@@ -252,7 +259,7 @@ class ClientEngine:
                 raw = self.control.try_get(staged_key(r, version))
                 if raw is not None:
                     break
-                if time.monotonic() >= deadline + 2.0:  # the workers' own deadline comes first
+                if time.monotonic() >= deadline + _PUBLISH_GRACE_S:  # the workers' own deadline comes first
                     return SyncError(f"vLLM engine rank {r}: version {version} not staged within {self.timeout_s:.0f} s")
                 time.sleep(nap)  # a store request each: back off while a long transfer lands
                 nap = min(2 * nap, 0.02)
