@@ -227,6 +227,8 @@ def wait_key(control: ControlPlane, key: str, deadline: float, what: str, watch:
             note = watch.silent_note() if watch is not None else ""
             if last is not None:
                 note = (note + "; " if note else "") + f"the control store did not answer: {last}"
-            raise SyncError(f"control plane: {what} did not publish {key!r} by the deadline"
+            err = SyncError(f"control plane: {what} did not publish {key!r} by the deadline"
                             + (f" ({note})" if note else ""))
+            err.deadline_key = key  # only out of time: an engine handle may know the reason (WeightSync.sync)
+            raise err
         time.sleep(min(0.002, max(left, 0.0)))

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import torch
 
 from fastsync.control import ControlPlane
-from fastsync.errors import ConfigError, LayoutError, SyncError, error_from_text, error_text
+from fastsync.errors import ConfigError, FastSyncError, LayoutError, SyncError, error_from_text, error_text
 from fastsync.executor.verify_mode import verify_mode
 from fastsync.sync.connect_options import ConnectOptions, StoreAddress
 from fastsync.sync.pause_modes import PAUSE_MODES, check_pause_mode
@@ -36,6 +36,20 @@ from fastsync.layout.types import EngineLayout, ParamSpec, TrainerLayout
 from fastsync.plan.types import Plan
 
 __all__ = ["WeightSync", "EngineHandle", "SyncResult", "local_sources"]
+
+
+def _reason_first(err: BaseException | None, engine_err: BaseException) -> BaseException:
+    """What :meth:`WeightSync.sync` raises when an engine handle's update failed too: the
+    sender's error, unless the sender only ran out of time waiting for an engine's key (its flip
+    verdict). The handle then has the engines' own reason (which trainer rank's writes were
+    missing), published after the sender's clock ran out because the engines' deadline started
+    later (inside vLLM's start call, on a loaded host): that reason, with the timeout chained."""
+    if err is None:
+        return engine_err
+    if getattr(err, "deadline_key", None) is not None and isinstance(engine_err, FastSyncError):
+        engine_err.__cause__ = err
+        return engine_err
+    return err
 
 
 class WeightSync:
@@ -383,7 +397,7 @@ class WeightSync:
             try:
                 results.append(h.wait_update(tok, timeout))
             except BaseException as e:
-                err = err or e
+                err = _reason_first(err, e)
         if self._trace is not None:
             self._trace.record(metrics or (self.sender.last_metrics.to_json() if self.sender.last_metrics else {}),
                                results)
