@@ -258,9 +258,9 @@ class FastSyncWeightTransferEngine(WeightTransferEngine[FastSyncWeightTransferIn
             # once the receive ended: the trainer pauses only after every rank said so
             try:
                 if error is None:
-                    control.set(key, json.dumps({"rank": rank, "received_s": received_s}), timeout_s=5.0)
+                    control.set(key, json.dumps({"rank": rank, "received_s": received_s}), timeout_s=wt_keys.PUBLISH_S)
                 else:
-                    control.set(key, wt_keys.error_text(error), timeout_s=5.0)
+                    control.set(key, wt_keys.error_text(error), timeout_s=wt_keys.PUBLISH_S)
             except Exception as e:  # the trainer's deadline reports it
                 log.warning("engine rank %d: staged version %d not published: %s", rank, version, e)
 

@@ -27,6 +27,7 @@ from fastsync.engines.vllm.wt_keys import (
     connected_key,
     describe_key,
     error_text,
+    PUBLISH_S,
     open_key,
     raise_error_text,
     staged_key,
@@ -39,10 +40,6 @@ from fastsync.sync.pause_modes import PAUSE_MODES, check_pause_mode
 __all__ = ["ClientEngine", "LLMWeightSyncClient", "describe_error"]
 
 log = logging.getLogger(__name__)
-
-#: How long past the workers' staging deadline trainer rank 0 still waits for their verdict (a
-#: worker publishes it with a 5 s store deadline of its own): their reason beats a bare timeout.
-_PUBLISH_GRACE_S = 5.0
 
 
 def describe_error(e: BaseException) -> str:
@@ -259,7 +256,7 @@ class ClientEngine:
                 raw = self.control.try_get(staged_key(r, version))
                 if raw is not None:
                     break
-                if time.monotonic() >= deadline + _PUBLISH_GRACE_S:  # the workers' own deadline comes first
+                if time.monotonic() >= deadline + PUBLISH_S:  # the workers' own deadline, then their publish
                     return SyncError(f"vLLM engine rank {r}: version {version} not staged within {self.timeout_s:.0f} s")
                 time.sleep(nap)  # a store request each: back off while a long transfer lands
                 nap = min(2 * nap, 0.02)

@@ -17,5 +17,10 @@ from fastsync.protocol import wt_open_key as open_key
 from fastsync.protocol import wt_staged_key as staged_key
 from fastsync.protocol import wt_version_key as version_key
 
+#: The store deadline a worker publishes its staged verdict with (``staged_key``), and so how long
+#: past the workers' staging deadline trainer rank 0 still waits for it: their reason (which trainer
+#: rank's writes are missing) beats a bare timeout.
+PUBLISH_S = 5.0
+
 __all__ = ["describe_key", "connect_key", "connected_key", "version_key", "open_key", "staged_key", "error_text",
-           "raise_error_text"]
+           "raise_error_text", "PUBLISH_S"]
