@@ -22,7 +22,7 @@ import time
 TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def _read(pid: str) -> tuple[int, float, float, str] | None:
+def _read(pid: str) -> tuple[int, int, float, str] | None:
     """(parent pid, start time in ticks since boot, CPU seconds, command line) of one process."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -37,14 +37,14 @@ def _read(pid: str) -> tuple[int, float, float, str] | None:
 
 def watch(argv: list[str], every_s: float = 0.5) -> tuple[dict, int, float]:
     """Run ``argv``; the processes seen while it ran, keyed (pid, start), and its status and wall time."""
-    before = {p for p in os.listdir("/proc") if p.isdigit()}
+    before = {p for p in os.listdir("/proc") if p.isdigit()}  # this process among them
     seen: dict[tuple[int, int], dict] = {}
     t0 = time.monotonic()
     proc = subprocess.Popen(argv)
     while True:
         done = proc.poll() is not None
         for pid in os.listdir("/proc"):
-            if not pid.isdigit() or pid in before or int(pid) == os.getpid():
+            if not pid.isdigit() or pid in before:
                 continue
             got = _read(pid)
             if got is None:

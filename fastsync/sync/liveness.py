@@ -210,7 +210,9 @@ def stop(heartbeat: Heartbeat | None, watch: PeerWatch | None) -> None:
 def wait_key(control: ControlPlane, key: str, deadline: float, what: str, watch: PeerWatch | None) -> bytes:
     """Wait for ``key`` until ``deadline`` (``time.monotonic()``), giving up as soon as ``watch``
     names a dead peer; an unreachable store counts as "not yet". The deadline's SyncError names
-    ``what``, the key, and any silent peer or unreachable store."""
+    ``what``, the key, and any silent peer or unreachable store, and carries the key as
+    ``deadline_key`` (only out of time, no peer named dead: ``WeightSync.sync`` then prefers an
+    engine handle's own reason)."""
     last: StoreUnreachable | None = None
     while True:
         left = deadline - time.monotonic()
@@ -229,6 +231,6 @@ def wait_key(control: ControlPlane, key: str, deadline: float, what: str, watch:
                 note = (note + "; " if note else "") + f"the control store did not answer: {last}"
             err = SyncError(f"control plane: {what} did not publish {key!r} by the deadline"
                             + (f" ({note})" if note else ""))
-            err.deadline_key = key  # only out of time: an engine handle may know the reason (WeightSync.sync)
+            err.deadline_key = key
             raise err
         time.sleep(min(0.002, max(left, 0.0)))

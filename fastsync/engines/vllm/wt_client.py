@@ -23,11 +23,11 @@ from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, Wei
 
 from fastsync.control import TCPStoreControl
 from fastsync.engines.vllm.wt_keys import (
+    PUBLISH_S,
     connect_key,
     connected_key,
     describe_key,
     error_text,
-    PUBLISH_S,
     open_key,
     raise_error_text,
     staged_key,
