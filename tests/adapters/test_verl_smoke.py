@@ -2,15 +2,17 @@
 AsyncLLM on the real vLLM CPU engine) running the composed extension, driven by verl's real
 ``CheckpointEngineManager.update_weights`` with ``backend=fastsync``; two real FSDP2 trainer ranks
 (Ray actors, gloo) export through verl's ``FSDPEngine.get_per_tensor_param``. What in it is verl's
-and what is a stand-in is listed in the script. One engine, two syncs (the second replays the plan
-with a long request in flight) into a TP=2 engine (two workers, two rollout ranks), then the replica's checkpoint worker is replaced and one more
-sync re-plans in a fresh session against the same live engine.
+and what is a stand-in is listed in the script. Two runs, each one engine: a MoE checkpoint with the
+swap, two syncs (the second replays the plan with a long request in flight) into a TP=2 engine (two
+workers, two rollout ranks), then the replica's checkpoint worker is replaced and one more sync
+re-plans in a fresh session against the same live engine; and a dense checkpoint with a merged LoRA
+actor, staged, a request kept across the flip.
 
 Where network namespaces can be made (root / CAP_NET_ADMIN: these machines and CI), each run goes
 across hosts of the rig (``--hosts``; issue 20 part 5): a real multi-node Ray cluster, the trainer
 actors on host 0 and verl's replica on the others, and the same run checks the Ray node addresses
 and what each host's NIC carried. Elsewhere the same runs go on one Ray node and say so. (They were
-four runs, two on one node and two across hosts; one engine start each is about 3 minutes here.)"""
+four runs, then three; each verl job is one to two and a half minutes here.)"""
 
 from __future__ import annotations
 
@@ -64,13 +66,41 @@ def _run(tmp_path, *args: str) -> dict:
 
 
 @pytest.mark.slow
-def test_smoke_writes_in_place_into_verls_vllm_server(tmp_path) -> None:
+def test_moe_checkpoint_in_place_across_hosts_swap_bytes_equal_then_a_re_added_replica(tmp_path) -> None:
+    """Issue 37: a MoE policy through verl's door, in place, into verl's own server across hosts.
+    The trainer holds transformers v5's packed experts (``gate_up_proj`` [E, 2I, H], ``down_proj``
+    [E, H, I]) swapped for fastsync's blocks (``--moe-swap``, as ``fastsync_verl.moe`` does),
+    sharded by FSDP2 over the expert dimension (3 + 2 experts); every rank writes its experts
+    straight into the TP=2 engine's fused-MoE weights (``w13_weight``, ``w2_weight``, padded
+    intermediate included). After each of 2 syncs (the second replays the plan with a request in
+    flight, which is aborted) every engine tensor's bytes equal the trainer's weights through the
+    plan's reference, the engine ranks verified the trainers' digests before the flip, nothing went
+    through vLLM's ``load_weights``, no rank gathered a tensor, and the tokens match. Then the
+    replica's checkpoint worker is replaced (verl's ``remove_replicas``/``add_replicas``) and one
+    more sync re-plans in a fresh session against the same live engine.
+
+    (This was two runs, a dense one across hosts with the re-add and this MoE one on one node:
+    one run checks both, a verl job of about a minute and a half less.)"""
+    from fastsync.demo.checkpoints import build_tiny_checkpoint
+
+    # a checkpoint the smoke did not make, with awkward sizes: 5 experts (not a multiple of 8), expert
+    # intermediate 44 (not a multiple of 32: vLLM-CPU pads it per TP rank, 22 -> 32), vocab 211, 6
+    # heads over 2 KV heads; hidden 96, because vLLM-CPU's MoE kernel needs a multiple of 32
+    # (fastsync.engines.vllm.cpu_limits); saved in bfloat16, as a user's checkpoint often is
+    model = str(build_tiny_checkpoint("awkward-qwen3-moe", tmp_path / "user-moe", dtype="bfloat16"))
     hosts = _hosts(3)  # the TP=2 replica across hosts 1 and 2: vLLM's multi-node executor, in place
-    res = _run(tmp_path, "--syncs", "2", "--tp", "2", "--readd", *hosts)
+    res = _run(tmp_path, "--model", model, "--moe-swap", "--tp", "2", "--syncs", "2", "--verify", "full", "--readd",
+               *hosts)
+    assert res["model"] == model and res["moe_blocks_swapped"] == 2, res
     # greedy tokens of verl's server after each sync = the trainer model's own, and they changed
     assert res["match"] is True and res["changed"] is True
     assert res["inplace"] is True  # both syncs took the in-place path (writes into the live engine tensors)
     assert res["trainer_full_tensor_calls"] == 0 and res["verl_generator_iterated"] is False
+    assert res["bytes_equal"] is True and res["verify"] == "full", res
+    for s in res["syncs"]:
+        assert s["bytes_equal"] is True and s["engine_tensors_checked"] > 0 and not s["bytes_differ"], s
+        fb = s["fallback"]  # both engine ranks said what vLLM's load_weights took: nothing
+        assert fb["engine_ranks"] == 2 and fb["tensors"] == 0 and fb["bytes"] == 0, fb
     assert res["server_global_steps"] == 2  # the version verl's server records
     assert res["rollout_setups"] == 1 and res["trainer_setups"] == [1, 1]  # planned once, replayed
     first, second = res["syncs"]
@@ -93,7 +123,8 @@ def test_smoke_writes_in_place_into_verls_vllm_server(tmp_path) -> None:
     assert nodes["trainers"] == ["198.18.0.1"], nodes
     assert nodes["servers"] == ["198.18.0.2", "198.18.0.3"] == nodes["rollout_workers"], nodes
     # every sync, steady state included: each engine host's NIC took at least its TP shard (about half
-    # the model; vocab, heads and MLP split, norms whole), the trainer host's NIC sent at least the model
+    # the model; vocab, heads and the experts' intermediate split, norms whole), the trainer host's NIC
+    # sent at least the model
     for s in res["syncs"]:
         nic = s["nic_bytes"]
         assert all(rx >= 0.45 * res["model_bytes"] for rx in nic["engine_hosts_rx"]), (s, res["model_bytes"])
@@ -149,31 +180,3 @@ def test_staged_keep_carries_a_request_across_the_flip_with_its_versions(tmp_pat
     if hosts:  # the weights crossed the trainer host's NIC to the engine's host
         assert res["nodes"]["trainers"] == ["198.18.0.1"] and res["nodes"]["server"] == "198.18.0.2", res["nodes"]
         assert res["trainer_host_nic_tx_bytes"] >= 0.9 * 2 * res["model_bytes"], res  # both syncs' weights
-
-
-@pytest.mark.slow
-def test_moe_checkpoint_goes_in_place_with_the_swap_bytes_equal(tmp_path) -> None:
-    """Issue 37: a MoE policy through verl's door, in place. The trainer holds transformers v5's
-    packed experts (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]) swapped for fastsync's
-    blocks (``--moe-swap``, as ``fastsync_verl.moe`` does), sharded by FSDP2 over the expert
-    dimension (3 + 2 experts); every rank writes its experts straight into the TP=2 engine's
-    fused-MoE weights (``w13_weight``, ``w2_weight``, padded intermediate included). After each
-    of 2 syncs every engine tensor's bytes equal the trainer's weights through the plan's
-    reference, the engine ranks verified the trainers' digests before the flip, nothing went
-    through vLLM's ``load_weights``, no rank gathered a tensor, and the tokens match."""
-    from fastsync.demo.checkpoints import build_tiny_checkpoint
-
-    # a checkpoint the smoke did not make, with awkward sizes: 5 experts (not a multiple of 8), expert
-    # intermediate 44 (not a multiple of 32: vLLM-CPU pads it per TP rank, 22 -> 32), vocab 211, 6
-    # heads over 2 KV heads; hidden 96, because vLLM-CPU's MoE kernel needs a multiple of 32
-    # (fastsync.engines.vllm.cpu_limits); saved in bfloat16, as a user's checkpoint often is
-    model = str(build_tiny_checkpoint("awkward-qwen3-moe", tmp_path / "user-moe", dtype="bfloat16"))
-    res = _run(tmp_path, "--model", model, "--moe-swap", "--tp", "2", "--syncs", "2", "--verify", "full")
-    assert res["model"] == model and res["moe_blocks_swapped"] == 2, res
-    assert res["inplace"] is True and res["trainer_full_tensor_calls"] == 0 and res["verl_generator_iterated"] is False
-    assert res["bytes_equal"] is True and res["verify"] == "full", res
-    for s in res["syncs"]:
-        assert s["bytes_equal"] is True and s["engine_tensors_checked"] > 0 and not s["bytes_differ"], s
-        fb = s["fallback"]  # both engine ranks said what vLLM's load_weights took: nothing
-        assert fb["engine_ranks"] == 2 and fb["tensors"] == 0 and fb["bytes"] == 0, fb
-    assert res["match"] is True and res["changed"] is True
