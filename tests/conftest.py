@@ -17,6 +17,9 @@ if SUPPORT not in sys.path:
 if SUPPORT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (SUPPORT, os.environ.get("PYTHONPATH")) if p)
 
+#: ``@pytest.mark.own_process``: engine tests run in a child pytest, engines in-process (tests/support)
+pytest_plugins = ["own_process"]
+
 
 #: The modules that took longest in the last measured run (``make test PYTEST_ARGS="--junitxml=F"``,
 #: docs/benchmarks.md#the-test-suite), longest first. ``make test`` hands whole modules to its

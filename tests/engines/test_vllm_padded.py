@@ -123,6 +123,7 @@ def test_moe_pads_follow_vllm_cpu_pad_moe_intermediate():
 
 
 @pytest.mark.slow
+@pytest.mark.own_process  # engines in-process, in a child pytest (tests/support/own_process.py)
 @pytest.mark.parametrize("which", sorted(MODELS))
 def test_padded_shapes_sync_into_real_vllm(which, tmp_path):
     from vllm import LLM

@@ -156,6 +156,7 @@ def _build(which: str, table: dict, root: Path) -> tuple[Path, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.own_process  # engines in-process, in a child pytest (tests/support/own_process.py)
 def test_recorded_layout_equals_the_hand_written_map_deepseek_v3(tmp_path, monkeypatch):
     """DeepSeek-V3 (MLA, a router bias fixed in float32) in a bf16 engine. The other hand-mapped
     architectures (Llama, Qwen3 tied, Qwen3-MoE, Mixtral) are checked on ``test_vllm_padded``'s
@@ -204,6 +205,7 @@ NEW = {
 
 
 @pytest.mark.slow
+@pytest.mark.own_process  # engines in-process, in a child pytest (tests/support/own_process.py)
 @pytest.mark.parametrize("which", sorted(NEW))
 def test_new_architecture_syncs_on_its_recorded_layout(which, tmp_path):
     pytest.importorskip("vllm")
@@ -234,6 +236,7 @@ DEEPSEEK_E2E = ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
 
 
 @pytest.mark.slow
+@pytest.mark.own_process  # engines in-process, in a child pytest (tests/support/own_process.py)
 def test_deepseek_v3_syncs_on_its_recorded_layout(tmp_path, monkeypatch):
     """MLA end to end on the recorded layout: the absorbed W_UK_T / W_UV are views of kv_b_proj
     (kind "alias") and must follow the sync, the per-expert loader is fed the fused v5 experts
@@ -263,6 +266,7 @@ EP_MOE = ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
 
 
 @pytest.mark.slow
+@pytest.mark.own_process  # engines in-process, in a child pytest (tests/support/own_process.py)
 def test_expert_parallel_engine_records_the_hand_map_and_syncs_bit_for_bit(tmp_path, monkeypatch):
     """Each EP rank's loaders copy only its experts, at local rows; the recorder maps them to global
     experts. Per rank the recorded map gives the hand-written map's tensors, and a sync on the

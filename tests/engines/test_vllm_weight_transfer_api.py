@@ -33,7 +33,7 @@ from wt_support import build_awkward_qwen3, perturb, use_plugin_path  # noqa: E4
 from fastsync.demo.run import hf_greedy  # noqa: E402
 from fastsync.errors import FastSyncError  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.own_process]  # engines in-process, in a child pytest (tests/support/own_process.py)
 
 PROMPTS = [[5, 6, 7, 8], [100, 200, 300], [11, 42, 99, 7, 123]]
 MAX_TOKENS = 6

@@ -28,7 +28,7 @@ from fastsync.layout.types import ParamSpec  # noqa: E402
 from fastsync.sync import WeightSync  # noqa: E402
 from fastsync_rigs.threads import run_ranks  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.own_process]  # engines in-process, in a child pytest (tests/support/own_process.py)
 
 PROMPTS = [[5, 6, 7, 8], [100, 200, 300]]
 
