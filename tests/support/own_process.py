@@ -18,7 +18,11 @@ that into other tests (docs/development.md#tests).
 
 The child gets a deadline (``OWN_PROCESS_DEADLINE_S``); past it, its process group is killed and
 every test it had not reported fails naming the deadline. Tests that need vLLM's engine-core
-process (pause modes ``keep``/``abort``, a killed worker) must not take the mark.
+process (pause modes ``keep``/``abort``, requests stepping while a sync runs, a killed worker,
+engines that must not share a process) must not take the mark, nor may a module start an engine
+after one of its tests imported numba (fastsync's delta): vLLM 0.32's kernel scan at a worker's
+start fails on ``llvmlite.binding.ffi.lib`` then. TP=2 modules gain nothing (their workers are
+processes either way): the LoRA and fallback modules took 128 s with it against 108 s without.
 """
 
 from __future__ import annotations
