@@ -34,7 +34,7 @@ def shared():
 
 
 def test_in_the_child_with_engines_in_process(shared):
-    assert os.environ.get("FASTSYNC_OWN_PROCESS_REPORTS") and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert os.environ.get("OWN_PROCESS_REPORTS") and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert int(os.environ["OUTER_PYTEST_PID"]) != os.getpid()
     shared["n"] += 1
 
@@ -62,7 +62,7 @@ import os
 
 
 def test_unmarked_runs_here():
-    assert not os.environ.get("FASTSYNC_OWN_PROCESS_REPORTS")
+    assert not os.environ.get("OWN_PROCESS_REPORTS")
     assert int(os.environ["OUTER_PYTEST_PID"]) == os.getpid()
 """
 
@@ -74,7 +74,7 @@ def _run(tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.CompletedPr
     junit = tmp_path / "junit.xml"
     # the outer pytest's pid, read by the tests: a shell that execs pytest keeps its own pid
     cmd = f'OUTER_PYTEST_PID=$$ exec "{sys.executable}" -m pytest -q -rA -p no:cacheprovider --junitxml={junit} ' + " ".join(args)
-    base = {k: v for k, v in os.environ.items() if k not in ("FASTSYNC_OWN_PROCESS_REPORTS", "PYTEST_ADDOPTS")}
+    base = {k: v for k, v in os.environ.items() if k not in ("OWN_PROCESS_REPORTS", "PYTEST_ADDOPTS")}
     out = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                          env={**base, **env})
     results = {}

@@ -39,7 +39,7 @@ import pytest
 
 MARK = "own_process"
 #: set in the child: the file its reports go to (one JSON line each)
-REPORTS_ENV = "FASTSYNC_OWN_PROCESS_REPORTS"
+REPORTS_ENV = "OWN_PROCESS_REPORTS"
 #: the child's whole run, every marked test of one module (the environment variable of the same
 #: name overrides it)
 OWN_PROCESS_DEADLINE_S = 1800.0
