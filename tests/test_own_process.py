@@ -25,7 +25,17 @@ MARKED = """
 import os, time
 import pytest
 
-pytestmark = pytest.mark.own_process
+own = pytest.mark.own_process
+
+
+@pytest.fixture(scope="module")
+def here():
+    yield
+    open("here-torn-down", "w").close()  # the parent's module fixture, torn down in the parent
+
+
+def test_unmarked_first_sets_up_the_module_here(here):
+    assert not os.environ.get("OWN_PROCESS_REPORTS")
 
 
 @pytest.fixture(scope="module")
@@ -33,24 +43,29 @@ def shared():
     return {"n": 0, "pid": os.getpid()}
 
 
+@own
 def test_in_the_child_with_engines_in_process(shared):
     assert os.environ.get("OWN_PROCESS_REPORTS") and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert int(os.environ["OUTER_PYTEST_PID"]) != os.getpid()
     shared["n"] += 1
 
 
+@own
 def test_module_fixture_shared_in_the_child(shared):
     assert shared["n"] == 1 and shared["pid"] == os.getpid()
 
 
+@own
 def test_fails_with_its_message():
     assert 1 + 1 == 3, "the child's own failure text"
 
 
+@own
 def test_skips_with_its_reason():
     pytest.skip("the child's skip reason")
 
 
+@own
 @pytest.mark.parametrize("x", [1, 2])
 def test_param(x):
     print(f"printed in the child {x}")
@@ -91,7 +106,11 @@ def test_marked_tests_report_from_the_child_and_unmarked_run_here(tmp_path):
     assert {n: k for n, (k, _) in res.items()} == {
         "test_in_the_child_with_engines_in_process": "passed", "test_module_fixture_shared_in_the_child": "passed",
         "test_fails_with_its_message": "failure", "test_skips_with_its_reason": "skipped",
-        "test_param[1]": "passed", "test_param[2]": "passed", "test_unmarked_runs_here": "passed"}, out.stdout[-3000:]
+        "test_param[1]": "passed", "test_param[2]": "passed", "test_unmarked_runs_here": "passed",
+        "test_unmarked_first_sets_up_the_module_here": "passed"}, out.stdout[-3000:]
+    # the next module set up cleanly after the marked tests (no "previous item was not torn down"),
+    # and the parent's module fixture of the mixed module was torn down in the parent
+    assert (tmp_path / "here-torn-down").exists()
     assert "the child's own failure text" in res["test_fails_with_its_message"][1]
     assert "the child's skip reason" in res["test_skips_with_its_reason"][1]
     assert "printed in the child 2" in out.stdout  # -rA shows the child's captured output

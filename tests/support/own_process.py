@@ -131,6 +131,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
                                 when)
         item.ihook.pytest_runtest_logreport(report=rep)
     item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+    # what pytest's own protocol does at a test's end: tear down what ``nextitem`` does not share
+    # (an unmarked test of this module set up the module here; the next module must not find it)
+    item.session._setupstate.teardown_exact(nextitem)
     return True
 
 
