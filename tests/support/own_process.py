@@ -44,6 +44,8 @@ REPORTS_ENV = "OWN_PROCESS_REPORTS"
 #: name overrides it)
 OWN_PROCESS_DEADLINE_S = 1800.0
 CHILD_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+#: in the parent's session: each module's child run (``_run_child``), by module path
+_RUNS = pytest.StashKey[dict]()
 
 _config = None
 
@@ -63,8 +65,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         f.write(json.dumps(data, default=str) + "\n")
 
 
-def _run_child(item: pytest.Item) -> dict[str, list[dict]]:
-    """Run every selected marked test of ``item``'s module in one child; its reports by node id."""
+def _run_child(item: pytest.Item) -> dict:
+    """Run every selected marked test of ``item``'s module in one child: ``reports`` (by node id),
+    ``why`` a test without a full set of them failed, and the ``tail`` of the child's output."""
     module = item.nodeid.split("::", 1)[0]
     ids = [i.nodeid for i in item.session.items
            if i.nodeid.split("::", 1)[0] == module and i.get_closest_marker(MARK) is not None]
@@ -136,5 +139,3 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     item.session._setupstate.teardown_exact(nextitem)
     return True
 
-
-_RUNS = pytest.StashKey[dict]()
