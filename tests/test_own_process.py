@@ -94,9 +94,8 @@ def _run(tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.CompletedPr
                          env={**base, **env})
     results = {}
     for tc in ET.parse(junit).getroot().iter("testcase"):
-        kind = next((c.tag for c in tc if c.tag in ("failure", "skipped", "error")), "passed")
-        text = next((c.get("message", "") + (c.text or "") for c in tc if c.tag in ("failure", "skipped", "error")), "")
-        results[tc.get("name")] = (kind, text)
+        bad = next((c for c in tc if c.tag in ("failure", "skipped", "error")), None)
+        results[tc.get("name")] = ("passed", "") if bad is None else (bad.tag, bad.get("message", "") + (bad.text or ""))
     return out, results
 
 

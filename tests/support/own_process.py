@@ -65,12 +65,15 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         f.write(json.dumps(data, default=str) + "\n")
 
 
+def _module(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
 def _run_child(item: pytest.Item) -> dict:
     """Run every selected marked test of ``item``'s module in one child: ``reports`` (by node id),
     ``why`` a test without a full set of them failed, and the ``tail`` of the child's output."""
-    module = item.nodeid.split("::", 1)[0]
     ids = [i.nodeid for i in item.session.items
-           if i.nodeid.split("::", 1)[0] == module and i.get_closest_marker(MARK) is not None]
+           if _module(i) == _module(item) and i.get_closest_marker(MARK) is not None]
     with tempfile.TemporaryDirectory(prefix="fs-own-") as tmp:
         reports, log = Path(tmp) / "reports.jsonl", Path(tmp) / "child.log"
         env = {**os.environ, **CHILD_ENV, REPORTS_ENV: str(reports)}
@@ -117,7 +120,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     """In the parent: a marked test's reports are its module child's (started at the module's first)."""
     if os.environ.get(REPORTS_ENV) or item.get_closest_marker(MARK) is None:
         return None
-    module = item.nodeid.split("::", 1)[0]
+    module = _module(item)
     runs = item.session.stash.setdefault(_RUNS, {})
     if module not in runs:
         runs[module] = _run_child(item)
@@ -138,4 +141,3 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     # (an unmarked test of this module set up the module here; the next module must not find it)
     item.session._setupstate.teardown_exact(nextitem)
     return True
-
