@@ -59,9 +59,15 @@ def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("wt-serve")
     # tensor_parallel_size=2: two vLLM workers, each an engine rank of its own (6 query heads over
     # 2 KV heads: 3 and 1 per worker; the 500-row vocabulary padded by vLLM and split in two)
-    model_dir = build_awkward_qwen3(tmp / "ckpt", num_attention_heads=6, num_key_value_heads=2)
+    model_dir = build_awkward_qwen3(tmp / "ckpt", num_attention_heads=6, num_key_value_heads=2,
+                                    max_position_embeddings=MAX_MODEL_LEN)
     extra = use_plugin_path(tmp)
-    with VllmServe(model_dir, log_path=tmp / "serve.log", tp=TP, env={**extra, "FASTSYNC_JOB_SECRET": SECRET}) as srv:
+    # OMP_WAIT_POLICY=PASSIVE: the server's idle OpenMP threads sleep instead of spinning, which on
+    # 2 unpinned cores takes them from the working ones (a 480-token request 6-9 s against 35 s
+    # here; docs/development.md#tests). The staged tests time their requests by the update's own
+    # steps (UpdateRequests), not by how fast the engine decodes
+    env = {**extra, "FASTSYNC_JOB_SECRET": SECRET, "OMP_WAIT_POLICY": "PASSIVE"}
+    with VllmServe(model_dir, log_path=tmp / "serve.log", tp=TP, env=env, max_model_len=MAX_MODEL_LEN) as srv:
         yield {"url": srv.url, "model_dir": model_dir, "tmp": tmp, "env": srv.env, "serve": srv}
 
 
@@ -111,35 +117,34 @@ def test_two_fsdp2_trainers_sync_through_vllm_serve(server, run_workers):
 
 # ---- staged receive and vLLM's pause modes through the same server (issue 23) ------------------
 PROMPT = [5, 6, 7, 8, 9]
-LONG = 160  # tokens: the request in flight while an update lands
-#: the abort test's request: it must still be decoding when the pause comes, however fast the
-#: engine decodes against how long the update takes on a loaded host (at 160 tokens a run on a
-#: faster 2-core machine finished it first); the prompt plus this stays under max_model_len 512
-ABORT_LONG = 480
+LONG = 160  # tokens: a request streaming while the writes land; the window a continuation is checked on
+#: the request the keep and abort pauses come into (``UpdateRequests``: the pause is sent at its
+#: first token). It must outlast the pause's way to the engine, which a loaded host slows more than
+#: the decode: the flip came 147 tokens in with 3 busy processes beside the suite's 2 cores, 222
+#: with 6 (5-15 ms a token)
+INFLIGHT = 1000
+WAIT = 480  # the wait test's request: the pause drains it, and its tokens are compared whole
+MAX_MODEL_LEN = 1024  # the prompt plus INFLIGHT fits
 
 
-def _reference(url: str) -> tuple[list[int], float]:
-    """The served model's greedy tokens for the long request, and how long they took."""
+def _update_during_requests(server, tr, label: str, seed: int, *, ref: int, during: int = 0, crossing: int = 0,
+                            hold: tuple[int, ...] = (), **send) -> tuple[dict | None, dict | None, list, dict, list[int]]:
+    """The old model's greedy ``ref`` tokens; a training step; the trainers send ``label`` while
+    the requests of ``UpdateRequests`` stream (``during`` tokens from the update's start,
+    ``crossing`` tokens from just before the pause), the trainer ranks in ``hold`` sending only
+    once the ``during`` request streamed. The two requests' completions (None: not asked, or no
+    pause came), each rank's result, the update's record, the old model's tokens."""
     from fastsync.bench.wt_serve import generate
+    from wt_serve_trainers import UpdateRequests
 
-    t0 = time.monotonic()
-    got = generate(url, PROMPT, LONG)
-    return got["token_ids"], time.monotonic() - t0
-
-
-def _update_during_request(server, tr, label: str, seed: int, tokens: int = LONG,
-                           **send) -> tuple[dict, list, dict, list[int]]:
-    """A training step; the long request (``tokens``) starts; a quarter of the reference's time
-    into it the trainers send; the request's completion, each rank's result, the update's record,
-    the old model's first ``LONG`` tokens."""
-    from wt_serve_trainers import InFlight
-
-    old, took_s = _reference(server["url"])
+    old = generate(server["url"], PROMPT, ref)["token_ids"]
     tr.step(seed)
-    req = InFlight(server["url"], PROMPT, tokens)
-    time.sleep(0.25 * took_s)
-    res = tr.send(label, **send)
-    return req.result(), res, tr.rank0.updates[-1], old
+    reqs = UpdateRequests(tr.rank0.handle, server["url"], PROMPT, during=during, crossing=crossing)
+    try:
+        res = tr.send(label, holds={r: reqs.streaming for r in hold}, **send)
+    finally:
+        reqs.restore()
+    return (*reqs.results(), res, tr.rank0.updates[-1], old)
 
 
 @pytest.fixture(scope="class")
@@ -162,31 +167,34 @@ class TestStagedPauseModes:
     server without trainers."""
 
     def test_staged_keep_over_vllm_serve_carries_a_request_across_the_flip(self, server, staged):
-        """The writes land while the server keeps generating (trainer rank 1 writes 1 s late: tokens
-        stream meanwhile); the pause (vLLM's /pause?mode=keep) comes after every worker said its
-        writes landed and holds only the flip; the request kept across it carries both labels, its
-        tokens before the flip the old model's, after it the new model's greedy continuation."""
+        """The writes land while the server keeps generating (trainer rank 1 writes only once a
+        request started with the update has streamed); the pause (vLLM's /pause?mode=keep)
+        comes after every worker said its writes landed and holds only the flip; the request kept
+        across it carries both labels, its tokens before the flip the old model's, after it the new
+        model's greedy continuation."""
         from fastsync.bench.wt_serve import generate, outcome
 
         url = server["url"]
         before = _request(url + "/weight_info")[1]["weight_version"]
         label = f"keep-{staged.rank0.next_version}"
-        c, res, rec, old = _update_during_request(server, staged, label, seed=41, delays={1: 1.0})
+        during, c, res, rec, old = _update_during_requests(server, staged, label, seed=41, ref=INFLIGHT, during=LONG,
+                                                           crossing=INFLIGHT, hold=(1,))
         assert not any(isinstance(r, BaseException) for r in res), res
         print(f"\nkeep over vllm serve: versions {c['versions']}; transfer {rec['transfer_s']:.3f} s, pause call "
               f"{rec['drain_s']:.3f} s, stall {rec['stall_s']:.3f} s")
         assert rec["paused_by"] == "fastsync" and rec["pause_mode"] == "keep" and rec["staged"]
         # generation went on while the writes landed: tokens streamed between the start and the pause
-        assert sum(rec["start"] <= t <= rec["paused"] for t in c["arrived"]) > 0, (rec, c["arrived"][:3])
+        assert sum(rec["start"] <= t <= rec["paused"] for t in during["arrived"]) > 0, (rec, during["arrived"][:3])
         assert all(e["stall_s"] == rec["stall_s"] for e in res[0].engines[0])
-        assert c["finish_reason"] == "length" and len(c["token_ids"]) == LONG
+        assert c["finish_reason"] == "length" and len(c["token_ids"]) == INFLIGHT
         assert [v for v, _ in c["versions"]] == [before, label] and c["versions"][0][1] == 0
         k = c["versions"][1][1]
-        assert 0 < k < LONG, c["versions"]
+        assert 0 < k < INFLIGHT, c["versions"]
         assert c["token_ids"][:k] == old[:k], "tokens before the flip are not the old model's"
-        new = generate(url, PROMPT + c["token_ids"][:k], LONG - k)
+        w = min(LONG, INFLIGHT - k)  # the continuation is checked on a window after the flip
+        new = generate(url, PROMPT + c["token_ids"][:k], w)
         assert new["versions"] == [[label, 0]]
-        assert c["token_ids"][k:] == new["token_ids"], "tokens after the flip are not the new model's"
+        assert c["token_ids"][k:k + w] == new["token_ids"], "tokens after the flip are not the new model's"
         assert c["token_ids"][k:] != old[k:]  # the new weights did change the continuation
         assert outcome(c, label) == "finished_across"
         assert _request(url + "/weight_info")[1] == {"weight_version": label}
@@ -199,7 +207,7 @@ class TestStagedPauseModes:
         staged.rank0.handle.pause_mode = "wait"
         before = _request(url + "/weight_info")[1]["weight_version"]
         label = f"wait-{staged.rank0.next_version}"
-        c, res, rec, old = _update_during_request(server, staged, label, seed=42)
+        _, c, res, rec, old = _update_during_requests(server, staged, label, seed=42, ref=WAIT, crossing=WAIT)
         assert not any(isinstance(r, BaseException) for r in res), res
         print(f"\nwait over vllm serve: transfer {rec['transfer_s']:.3f} s, drain {rec['drain_s']:.3f} s, "
               f"stall {rec['stall_s']:.3f} s")
@@ -215,20 +223,21 @@ class TestStagedPauseModes:
         staged.rank0.handle.pause_mode = "abort"
         before = _request(url + "/weight_info")[1]["weight_version"]
         label = f"abort-{staged.rank0.next_version}"
-        c, res, rec, old = _update_during_request(server, staged, label, seed=43, tokens=ABORT_LONG)
+        _, c, res, rec, old = _update_during_requests(server, staged, label, seed=43, ref=WAIT, crossing=INFLIGHT)
         assert not any(isinstance(r, BaseException) for r in res), res
         n = len(c["token_ids"])
-        assert c["finish_reason"] == "abort" and 0 < n < ABORT_LONG, (c["finish_reason"], n)
-        same = min(n, LONG)  # the reference has the old model's first LONG tokens
+        assert c["finish_reason"] == "abort" and 0 < n < INFLIGHT, (c["finish_reason"], n)
+        same = min(n, WAIT)  # the reference has the old model's first WAIT tokens
         assert c["token_ids"][:same] == old[:same] and [v for v, _ in c["versions"]] == [before]
         assert outcome(c, label) == "aborted"
         assert _request(url + "/weight_info")[1] == {"weight_version": label}
 
     def test_failed_staged_update_never_pauses_and_the_last_version_serves(self, server, staged):
         """Trainer rank 1 never writes: the staged receive runs out of time while the server keeps
-        generating; the engine is never paused (the request in flight runs to its end on the old
-        weights, one label), update_weights ends vLLM's session with the workers' refusal naming the
-        rank, /weight_info and the tokens stay; the next version, from both ranks, lands."""
+        generating; the engine is never paused (a request started with the update runs to its end
+        on the old weights, one label), update_weights ends vLLM's session with the workers'
+        refusal naming the rank, /weight_info and the tokens stay; the next version, from both
+        ranks, lands."""
         from fastsync.bench.wt_serve import generate
         from fastsync.errors import SyncError
 
@@ -241,10 +250,12 @@ class TestStagedPauseModes:
         for e in staged.engines:
             e.ws.timeout_s = 20.0
         bad = staged.rank0.next_version
-        c, res, rec, old = _update_during_request(server, staged, f"never-{bad}", seed=44, ranks=(0,))
+        c, crossing, res, rec, old = _update_during_requests(server, staged, f"never-{bad}", seed=44, ref=LONG,
+                                                             during=LONG, crossing=LONG, ranks=(0,))
         assert isinstance(res[0], SyncError), res
         assert f"version {bad} incomplete" in str(res[0]) and "trainer rank 1" in str(res[0]), res[0]
         assert rec["paused_by"] is None and "paused" not in rec and rec["stall_s"] == 0.0, rec
+        assert crossing is None, "the pause was asked for"
         assert c["finish_reason"] == "length" and c["token_ids"] == old and c["versions"] == [[before["weight_version"], 0]]
         assert _request(url + "/weight_info")[1] == before and generate(url, PROMPT, LONG)["token_ids"] == old
         for e in staged.engines:

@@ -4,14 +4,13 @@ for the pause-mode tests of test_vllm_weight_transfer_serve.py (not a test modul
 
 Every rank holds the whole HF model (a plain module: fastsync's planner splits the writes among
 the ranks, so each rank writes its own part and the version lands only when every rank wrote);
-one rank can be held back (``delays``) or left out (``ranks``) to make the writes land late or
-never, while a request streams from the server.
+one rank can be held back (``holds``: until an event, such as a request's first token) or left
+out (``ranks``) to make the writes land late or never, while a request streams from the server.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 
@@ -49,16 +48,17 @@ class ThreadTrainers:
             for p in self.hf.parameters():
                 p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale * (p.std() + 1e-3))
 
-    def send(self, label: str, *, delays: dict[int, float] | None = None, ranks: tuple[int, ...] | None = None,
-             timeout_s: float = 240.0) -> list[Any]:
-        """``send_weights(weight_version=label)`` on ``ranks`` (default: all), rank r after
-        ``delays[r]`` seconds; each rank's result or exception."""
+    def send(self, label: str, *, holds: dict[int, threading.Event] | None = None,
+             ranks: tuple[int, ...] | None = None, timeout_s: float = 240.0) -> list[Any]:
+        """``send_weights(weight_version=label)`` on ``ranks`` (default: all), rank r once
+        ``holds[r]`` is set; each rank's result or exception."""
         ranks = tuple(range(self.world)) if ranks is None else ranks
         out: dict[int, Any] = {}
 
         def go(r: int) -> None:
-            time.sleep((delays or {}).get(r, 0.0))
             try:
+                hold = (holds or {}).get(r)
+                assert hold is None or hold.wait(timeout_s / 2), f"trainer rank {r}'s hold was never released"
                 out[r] = self.engines[r].send_weights(weight_version=label)
             except BaseException as e:  # noqa: BLE001 - handed to the test
                 out[r] = e
@@ -80,17 +80,79 @@ class ThreadTrainers:
 
 
 class InFlight:
-    """A long greedy request streaming from the server on its own thread."""
+    """A long greedy request streaming from the server on its own thread; ``first`` is set at its
+    first token."""
 
-    def __init__(self, url: str, prompt: list[int], max_tokens: int) -> None:
+    def __init__(self, url: str, prompt: list[int], max_tokens: int, first: threading.Event | None = None) -> None:
         from fastsync.bench.wt_serve import generate
 
         self.box: dict = {}
-        self.thread = threading.Thread(target=lambda: self.box.update(c=generate(url, prompt, max_tokens)),
-                                       daemon=True)
+        self.first = threading.Event() if first is None else first
+        self.thread = threading.Thread(
+            target=lambda: self.box.update(c=generate(url, prompt, max_tokens, on_token=self.first.set)), daemon=True)
         self.thread.start()
 
     def result(self, timeout_s: float = 300.0) -> dict:
         self.thread.join(timeout_s)
         assert not self.thread.is_alive(), "the request in flight did not finish"
         return self.box["c"]
+
+
+class UpdateRequests:
+    """Requests started at two points of trainer rank 0's next update, hooked on its engine handle
+    (the handle's own calls run right after the hooks; :meth:`restore` takes the hooks off):
+
+    * ``during`` tokens, started as the update begins (right after ``begin_update``): it streams
+      while the writes land; ``streaming`` is set at its first token, so a trainer rank held until
+      then (``ThreadTrainers.send(holds=...)``) lands its writes only after that token;
+    * ``crossing`` tokens, started when every write landed, just before the pause; the pause waits
+      for its first token, so it comes while the request decodes, however fast the engine decodes
+      against how long the update took (a loaded host slows the update more than the decode).
+    """
+
+    def __init__(self, handle: Any, url: str, prompt: list[int], *, during: int = 0, crossing: int = 0,
+                 first_token_s: float = 60.0) -> None:
+        self.handle, self.pauser = handle, handle.pauser
+        self.during: InFlight | None = None
+        self.crossing: InFlight | None = None
+        self.streaming = threading.Event()
+        begin = handle.begin_update
+
+        def begin_update(*args: Any, **kwargs: Any) -> Any:
+            token = begin(*args, **kwargs)  # the update's record (its start time) exists from here
+            if during and self.during is None:
+                self.during = InFlight(url, prompt, during, first=self.streaming)
+            return token
+
+        def before_pause() -> None:
+            if crossing and self.crossing is None:
+                self.crossing = InFlight(url, prompt, crossing)
+                assert self.crossing.first.wait(first_token_s), f"no token of the crossing request in {first_token_s} s"
+
+        handle.begin_update = begin_update
+        handle.pauser = _PauseAfter(self.pauser, before_pause)
+
+    def restore(self) -> None:
+        del self.handle.begin_update  # the instance's hook: the class's method again
+        self.handle.pauser = self.pauser
+
+    def results(self) -> tuple[dict | None, dict | None]:
+        """The ``during`` and ``crossing`` requests' completions (None for one not started)."""
+        return tuple(None if r is None else r.result() for r in (self.during, self.crossing))  # type: ignore[return-value]
+
+
+class _PauseAfter:
+    """The engine handle's pauser, ``before()`` run first in ``pause``."""
+
+    def __init__(self, inner: Any, before: Any) -> None:
+        self.inner, self.before = inner, before
+
+    def pause(self, mode: str, timeout_s: float) -> None:
+        self.before()
+        self.inner.pause(mode, timeout_s)
+
+    def resume(self, timeout_s: float) -> None:
+        self.inner.resume(timeout_s)
+
+    def is_paused(self, timeout_s: float) -> bool:
+        return self.inner.is_paused(timeout_s)
