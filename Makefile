@@ -40,19 +40,15 @@ demo: $(STAMP)
 # engines, Ray cluster and rigs still start once. One test at a time left part of a 2-core machine
 # idle (an engine's core and worker import vLLM one after the other); two workers keep both cores
 # busy (docs/benchmarks.md#the-test-suite). TEST_WORKERS=0 runs in this process, one test after another.
-# --no-loadscope-reorder: the workers take modules in collection order (tests/conftest.py puts the
-# longest first); xdist's default reorders them by their number of tests, which left the long
-# engine modules with two or four tests to the end.
 PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
-XDIST = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The edit-test loop: the unit tests only. Tests that start engines, Ray or many processes carry
 # @pytest.mark.slow and are left out (`make test`, what CI runs, runs them). Under 3 minutes on 2 cores.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q $(XDIST) -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
 
 plan: $(STAMP)
 	$(BIN)/fastsync plan --model kimi-k2 --trainer fsdp:256 --rollout vllm:tp8,dp4,ep,replicas4 --nic-gbps 400 --dtype-out fp8

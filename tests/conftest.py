@@ -30,23 +30,23 @@ pytest_plugins = ["own_process"]
 
 
 #: The modules that took longest in the last measured run (``make test PYTEST_ARGS="--junitxml=F"``,
-#: junit times summed per module; docs/benchmarks.md#the-test-suite), longest first. ``make test``
-#: hands whole modules to its workers (``--dist loadfile --no-loadscope-reorder``) in collection
-#: order: these go first, so the run does not end with one worker on a four-minute module while the
-#: other has nothing left. A name that no longer exists only loses its place; every module runs.
+#: docs/benchmarks.md#the-test-suite), longest first. ``make test`` hands whole modules to its
+#: workers (``--dist loadfile``) in collection order: these go first, so the run does not end with
+#: one worker on a four-minute module while the other has nothing left. A name that no longer
+#: exists only loses its place; every module runs either way.
 LONGEST_FIRST = (
-    "tests/adapters/test_verl_smoke.py", "tests/matrix/test_matrix_openrlhf.py",
-    "tests/engines/test_vllm_weight_transfer_serve.py", "tests/matrix/test_matrix_verl.py",
-    "tests/net/test_bench_hosts.py", "tests/engines/test_vllm_sync.py", "tests/engines/test_vllm_recorded.py",
-    "tests/moe/test_moe_cli.py", "tests/adapters/test_verl_backend.py", "tests/test_readme_commands.py",
-    "tests/reload/test_peer_reload_vllm.py", "tests/adapters/test_verl_backend_ray.py",
-    "tests/net/test_ray_hosts.py", "tests/adapters/test_verl_shards.py", "tests/transport/test_security.py",
-    "tests/bench/test_reload_bench.py", "tests/bench/test_weight_transfer_bench.py", "tests/test_wheel.py",
-    "tests/engines/test_vllm_fallback.py", "tests/engines/test_vllm_lora.py", "tests/adapters/test_openrlhf_ray.py",
-    "tests/gpu/test_gpu_check.py", "tests/bench/test_bench_cli.py", "tests/net/test_link_cut.py",
-    "tests/sync/test_delta_mp.py", "tests/matrix/test_matrix_bench.py", "tests/route/test_router_vllm_serve.py",
-    "tests/net/test_foreign_host.py", "tests/engines/test_vllm_pause_modes.py",
-    "tests/engines/test_vllm_weight_transfer_api.py",
+    "tests/adapters/test_verl_smoke.py", "tests/engines/test_vllm_recorded.py",
+    "tests/engines/test_vllm_weight_transfer_serve.py", "tests/net/test_bench_hosts.py",
+    "tests/matrix/test_matrix_openrlhf.py", "tests/engines/test_vllm_sync.py", "tests/engines/test_vllm_padded.py",
+    "tests/test_readme_commands.py", "tests/reload/test_peer_reload_vllm.py", "tests/moe/test_moe_cli.py",
+    "tests/bench/test_reload_bench.py", "tests/adapters/test_verl_backend.py", "tests/matrix/test_matrix_verl.py",
+    "tests/engines/test_vllm_lora.py", "tests/matrix/test_matrix_weight_sync.py", "tests/test_wheel.py",
+    "tests/engines/test_vllm_fallback.py", "tests/adapters/test_verl_backend_ray.py",
+    "tests/transport/test_security.py", "tests/net/test_ray_hosts.py", "tests/bench/test_weight_transfer_bench.py",
+    "tests/adapters/test_verl_shards.py", "tests/bench/test_bench_cli.py", "tests/net/test_link_cut.py",
+    "tests/gpu/test_gpu_check.py", "tests/adapters/test_openrlhf_ray.py",
+    "tests/engines/test_vllm_weight_transfer_api.py", "tests/engines/test_vllm_pause_modes.py",
+    "tests/route/test_router_vllm_serve.py", "tests/sync/test_delta_mp.py",
 )
 
 
