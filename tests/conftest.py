@@ -8,16 +8,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-# Before torch (and its OpenMP runtime) loads in this process and in every process it starts
-# (engine cores and workers, trainer ranks, Ray workers and own_process children inherit it):
-# OpenMP threads sleep when a parallel region ends instead of spinning for it. The suite runs
-# engine workers, trainers and a second pytest worker on 2 cores, each process with as many
-# OpenMP threads as there are cores; spinning threads then take the cores the working ones need
-# (docs/development.md#tests). Already set (a CI that wants another policy): left as it is.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 SUPPORT = str(Path(__file__).resolve().parent / "support")
 if SUPPORT not in sys.path:
