@@ -21,10 +21,12 @@ if SUPPORT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
 pytest_plugins = ["own_process"]
 
 
-#: The modules that took longest in the last measured run (``make test PYTEST_ARGS="--junitxml=F"``,
-#: docs/benchmarks.md#the-test-suite), longest first. ``make test`` hands whole modules to its
-#: workers (``--dist loadfile``) in collection order: these go first, so the run does not end with
-#: one worker on a four-minute module while the other has nothing left. A name that no longer
+#: The modules that took longest in an earlier measured run (``make test PYTEST_ARGS="--junitxml=F"``,
+#: docs/benchmarks.md#the-test-suite), longest first, in collection order. ``make test`` hands whole
+#: modules to its workers (``--dist loadfile``), and xdist then orders them by their number of
+#: tests, most first (its default); this order decides among modules with as many tests, and the
+#: order of a run without workers. Longest first overall (``--no-loadscope-reorder``) was measured
+#: slower: the long engine modules started together and slowed each other. A name that no longer
 #: exists only loses its place; every module runs either way.
 LONGEST_FIRST = (
     "tests/adapters/test_verl_smoke.py", "tests/engines/test_vllm_recorded.py",
