@@ -117,10 +117,17 @@ def _rollout_worker():
                         async for n, t in weights]
 
     class _Worker(CheckpointEngineWorker):
-        def __init__(self, rollout_config, port: int) -> None:
+        def __init__(self, rollout_config) -> None:
+            import socket
+
             import torch
 
             torch.set_num_threads(1)
+            # the port is picked here, just before verl binds it: one picked in the test process
+            # seconds before (while the actor started) was taken by then in a loaded run (EADDRINUSE)
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
             # verl's Worker reads its (single-rank) process group from these, as RayWorkerGroup sets them
             os.environ.update(WORLD_SIZE="1", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             super().__init__(rollout_config, None, _Recorder())
@@ -188,14 +195,6 @@ def test_verls_manager_builds_the_group_and_two_syncs_deliver(ray_local) -> None
             ray.kill(a)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _Elastic:
     """2 trainer ranks, verl's CheckpointEngineManager and real rollout CheckpointEngineWorkers."""
 
@@ -214,7 +213,7 @@ class _Elastic:
                                                replicas=[self.new_replica() for _ in range(num_replicas)])
 
     def new_replica(self) -> _Replica:
-        rep = _Replica(_rollout_worker().remote(self.rollout_config, _free_port()))
+        rep = _Replica(_rollout_worker().remote(self.rollout_config))
         self.replicas.append(rep)
         return rep
 
