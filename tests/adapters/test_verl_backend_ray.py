@@ -118,16 +118,14 @@ def _rollout_worker():
 
     class _Worker(CheckpointEngineWorker):
         def __init__(self, rollout_config) -> None:
-            import socket
-
             import torch
+
+            from fastsync.bench.wt_serve import free_port
 
             torch.set_num_threads(1)
             # the port is picked here, just before verl binds it: one picked in the test process
             # seconds before (while the actor started) was taken by then in a loaded run (EADDRINUSE)
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
+            port = free_port()
             # verl's Worker reads its (single-rank) process group from these, as RayWorkerGroup sets them
             os.environ.update(WORLD_SIZE="1", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             super().__init__(rollout_config, None, _Recorder())
