@@ -11,6 +11,7 @@ out (``ranks``) to make the writes land late or never, while a request streams f
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 
@@ -130,11 +131,21 @@ class UpdateRequests:
                 assert self.crossing.first.wait(first_token_s), f"no token of the crossing request in {first_token_s} s"
 
         handle.begin_update = begin_update
-        handle.pauser = _PauseAfter(self.pauser, before_pause)
+        handle.pauser = self.hooked = _PauseAfter(self.pauser, before_pause)
 
     def restore(self) -> None:
         del self.handle.begin_update  # the instance's hook: the class's method again
         self.handle.pauser = self.pauser
+
+    def crossing_timeline(self) -> str:
+        """When the crossing request's first and last tokens came against the pause call (for a
+        test's message): seconds from the first token."""
+        if self.crossing is None or "c" not in self.crossing.box:
+            return "no crossing request"
+        arrived, sent = self.crossing.box["c"]["arrived"], self.hooked.sent
+        t0 = arrived[0] if arrived else float("nan")
+        return (f"{len(arrived)} tokens; first chunk {sum(t == t0 for t in arrived)} tokens; pause sent at "
+                f"{(sent or float('nan')) - t0:+.3f} s, last token at {arrived[-1] - t0 if arrived else float('nan'):+.3f} s")
 
     def results(self) -> tuple[dict | None, dict | None]:
         """The ``during`` and ``crossing`` requests' completions (None for one not started)."""
@@ -146,9 +157,11 @@ class _PauseAfter:
 
     def __init__(self, inner: Any, before: Any) -> None:
         self.inner, self.before = inner, before
+        self.sent: float | None = None  # time.time() the pause call went out, after before()
 
     def pause(self, mode: str, timeout_s: float) -> None:
         self.before()
+        self.sent = time.time()
         self.inner.pause(mode, timeout_s)
 
     def resume(self, timeout_s: float) -> None:
