@@ -62,10 +62,19 @@ def _calls():
         return {"version": ws.version, "kind": getattr(ws, "last_kind", None), "tensors": tensors,
                 "planned": (ws.plan.fanout.replicas if ws.plan.fanout is not None else 1, ws.plan.has_relays)}
 
-    def full_weights(self):  # collective: every FSDP2 rank gathers
+    def full_weights(self, dump_dir: str, after_s: float):  # collective: every FSDP2 rank gathers
+        import faulthandler
+
         from fastsync.demo.run import _full_state
 
-        full = _full_state(self.model)
+        # the gather once hung (a loaded run, 4ca0a80): every thread's stack goes to a file the
+        # test reads when its deadline passes
+        with open(f"{dump_dir}/rank{self.rank}.txt", "w") as out:
+            faulthandler.dump_traceback_later(after_s, file=out)
+            try:
+                full = _full_state(self.model)
+            finally:
+                faulthandler.cancel_dump_traceback_later()
         return full if self.rank == 0 else None
 
     def digest(self):  # in verl's server actor: the workers' digests through AsyncLLM (verl's own drops replies)
@@ -143,6 +152,22 @@ def rig(tmp_path_factory):
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
+def _gather(rig, full_weights, timeout_s: float = 120.0) -> dict:
+    """Trainer rank 0's full state (``full_weights`` on every rank); past the deadline, an error
+    with each rank's thread stacks, dumped a little before it."""
+    dump = tempfile.mkdtemp(prefix="fsm-gather", dir="/tmp")
+    try:
+        refs = [t.__ray_call__.remote(full_weights, dump, timeout_s - 15.0) for t in rig.trainers]
+        try:
+            return ray.get(refs, timeout=timeout_s)[0]
+        except ray.exceptions.GetTimeoutError:
+            stacks = {f: Path(dump, f).read_text()[-6000:] for f in sorted(os.listdir(dump))}
+            raise AssertionError(f"the trainers' full-state gather did not return in {timeout_s} s; "
+                                 f"their stacks: {stacks}") from None
+    finally:
+        shutil.rmtree(dump, ignore_errors=True)
+
+
 @pytest.mark.parametrize("cell", cell_params())
 def test_verl_matrix(rig, cell):
     from verl.checkpoint_engine import CheckpointEngineManager
@@ -172,7 +197,7 @@ def test_verl_matrix(rig, cell):
         rig.held = state["version"]
         if payload == "delta":  # dense first, then a delta
             assert state["kind"] == ("delta" if step else "dense"), state["kind"]
-        full = ray.get([t.__ray_call__.remote(full_weights) for t in rig.trainers], timeout=120)[0]
+        full = _gather(rig, full_weights)
         want = ray.get([t.reference.remote(PROMPTS, MAX_TOKENS) for t in rig.trainers], timeout=300)[0]
         for i, server in enumerate(rig.servers):
             what = f"{cell_id(cell)} step {step}, replica {i}"
