@@ -18,9 +18,10 @@ Without the swap the experts are HF's fused ``gate_up_proj`` / ``down_proj`` ZeR
 with ``--fastsync.moe auto`` each block is fastsync's. Either way every MoE engine tensor's bytes
 (vLLM's fused ``w13`` / ``w2`` experts included) must equal the gathered trainer weights through
 the plan's reference, and the engine's greedy tokens the trainer's. One more engine serves both
-MoE cells (its versions continue); it and the two MoE trainer ranks join the dense rig's Ray when
-that is up (holding no Ray CPU or GPU: the dense actors hold them all, idle by then), else they are
-a rig of their own (``-k moe``: about a minute).
+MoE cells (its versions continue). When the dense rig is up, that engine joins its Ray (holding no
+Ray CPU or GPU: the dense actors hold them all, idle by then) and the dense rig's trainer ranks
+rebuild their policy from the MoE checkpoint (as the LoRA cell does from the dense one); else the
+MoE cells get a rig of their own (``-k moe``: about a minute).
 
 The LoRA cell (``test_openrlhf_lora``, OpenRLHF's ``--ds.lora.rank 8`` on q/k/v/o/gate/up/down):
 the dense rig's trainer ranks rebuild their policy as OpenRLHF's ``Actor`` with LoRA (a PEFT model,
@@ -212,13 +213,14 @@ def _actor_build():
 
 @pytest.fixture(scope="module")
 def moe_rig(tmp_path_factory):
-    """One vLLM CPU engine serving the MoE checkpoint and two ZeRO-3 trainer ranks: in the dense
-    rig's Ray when it is up (its one logical GPU and its CPUs are held by the dense actors: these
-    hold none), else a rig of their own."""
-    import socket
+    """One vLLM CPU engine serving the MoE checkpoint and two ZeRO-3 trainer ranks: when the dense
+    rig is up, an engine in its Ray (its one logical GPU and its CPUs are held by the dense actors:
+    this one holds none) and its own trainer ranks, whose torch.distributed world serves any model
+    (each cell builds its policy from the MoE checkpoint with ``_actor_build``, as the LoRA cell does
+    from the dense one); else a rig of their own."""
     from types import SimpleNamespace
 
-    from fastsync_rigs.openrlhf_cpu import CpuRig, TrainerRank, release
+    from fastsync_rigs.openrlhf_cpu import CpuRig
     from fastsync_openrlhf.rollout import OPENRLHF_EXTENSION, FastSyncRolloutRayActor
 
     from fastsync.demo.checkpoints import build_tiny_checkpoint
@@ -238,11 +240,7 @@ def moe_rig(tmp_path_factory):
             seed=0, distributed_executor_backend="uni", max_model_len=256, enable_prefix_caching=False,
             dtype="float32", trust_remote_code=True, full_determinism=False, bundle_indices=None, num_gpus=1,
             enable_sleep_mode=False, skip_tokenizer_init=True, kv_cache_memory_bytes=64 << 20)
-        with socket.socket() as sock:  # the MoE ranks' own torch.distributed world
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        trainers = [ray.remote(num_cpus=0)(TrainerRank).remote(r, 2, port, model_dir) for r in range(2)]
-        m = SimpleNamespace(ray=ray, engine=engine, trainers=trainers, control_host=host.control_host)
+        m = SimpleNamespace(ray=ray, engine=engine, trainers=host.trainers, control_host=host.control_host)
     try:
         m.model_dir = model_dir
         m.ray.get(m.engine.get_num_unfinished_requests.remote(), timeout=300)
@@ -252,10 +250,12 @@ def moe_rig(tmp_path_factory):
     finally:
         if own is not None:
             own.close()
-        else:
-            release(m.ray, m.trainers, m.engine)
-            for a in [*m.trainers, m.engine]:
-                m.ray.kill(a)
+        else:  # the trainer ranks go with the dense rig
+            try:
+                m.ray.get(m.engine.fastsync_close.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 - shutting down regardless
+                pass
+            m.ray.kill(m.engine)
 
 
 MOE_CELLS = [pytest.param("off", id="moe-swap-off"), pytest.param("auto", id="moe-swap-on")]
