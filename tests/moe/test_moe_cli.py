@@ -44,28 +44,36 @@ def test_moe_bench_json_ep2_same_rounds_for_every_variant(capsys: pytest.Capture
 
 
 @pytest.mark.slow
-def test_moe_bench_mismatch_exits_nonzero_naming_variant(capsys: pytest.CaptureFixture[str]) -> None:
-    """The test-only hook puts a relative error of 1e-2 (100x the fp32 tolerance) into fastsync's output."""
-    rc = main(["moe-bench", "--model", "tiny-qwen3-moe", "--tokens", "16", "--reps", "1", "--rounds", "1",
-               "--threads", "1", "--timeout", "120", "--test-perturb", "fastsync=1e-2"])
+def test_moe_bench_mismatch_exits_nonzero_naming_variant(capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test-only hook puts a relative error of 1e-2 (100x the fp32 tolerance) into fastsync's
+    output and 0.5 into HF grouped_mm's: one real run, with --json, then the text report of that
+    same run (``run_bench`` handing back its report: no second bench)."""
+    import fastsync.bench.moe as moe
+
+    argv = ["moe-bench", "--model", "tiny-qwen3-moe", "--tokens", "16", "--reps", "1", "--rounds", "1",
+            "--threads", "1", "--timeout", "120", "--test-perturb", "fastsync=1e-2", "--test-perturb", "hf_grouped_mm=0.5"]
+    rc = main([*argv, "--json"])
     captured = capsys.readouterr()
     assert rc == 1
-    assert "MISMATCH fastsync: max rel err 0.01 in out, 100x the tolerance" in captured.err
-    assert "tolerance 0.0001 for float32" in captured.err
-    assert "MISMATCH hf_" not in captured.err  # the others still match
-    assert "exit 1" in captured.out
-
-
-@pytest.mark.slow
-def test_moe_bench_json_mismatch(capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["moe-bench", "--model", "tiny-qwen3-moe", "--tokens", "16", "--reps", "1", "--rounds", "1",
-               "--threads", "1", "--timeout", "120", "--json", "--test-perturb", "hf_grouped_mm=0.5"])
-    assert rc == 1
-    report = json.loads(capsys.readouterr().out)
+    report = json.loads(captured.out)
     assert report["ok"] is False
-    (m,) = report["mismatches"]
-    assert m["variant"] == "hf_grouped_mm" and m["worst_tensor"] == "out"
-    assert m["max_rel_err"] == pytest.approx(0.5, rel=1e-3) and m["rel_tol"] == REL_TOL["float32"]
+    got = {m["variant"]: m for m in report["mismatches"]}
+    assert sorted(got) == ["fastsync", "hf_grouped_mm"]  # HF eager is the reference: never perturbed
+    for name, err in (("fastsync", 1e-2), ("hf_grouped_mm", 0.5)):
+        m = got[name]
+        assert m["worst_tensor"] == "out" and m["rel_tol"] == REL_TOL["float32"], m
+        assert m["max_rel_err"] == pytest.approx(err, rel=1e-3), m
+    assert "MISMATCH fastsync: max rel err 0.01 in out, 100x the tolerance" in captured.err
+    assert "MISMATCH hf_grouped_mm: max rel err 0.5 in out, 5e+03x the tolerance" in captured.err
+    assert "tolerance 0.0001 for float32" in captured.err
+    assert "MISMATCH hf_eager" not in captured.err
+
+    monkeypatch.setattr(moe, "run_bench", lambda *a, **k: report)
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    assert "MISMATCH fastsync: max rel err 0.01 in out, 100x the tolerance" in captured.err
+    assert "numerics: 2 variant(s) over max rel err 0.0001 (float32)" in captured.out and "exit 1" in captured.out
 
 
 def test_cli_states_the_bench_tolerances() -> None:
