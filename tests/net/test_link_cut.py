@@ -32,12 +32,16 @@ HEAD, TRAINER_HOST, ENGINE_HOST = 0, 1, 2
 def test_cut_loss_and_short_cut_then_the_next_version_goes_through(host_rig) -> None:
     rig = host_rig(3, nic_gbps=0.4)
     cfg = WorkerConfig(trainers=1, rollouts=1, port=0, size_bytes=48 << 20, timeout_s=90, sync_timeout_s=DEADLINE_S,
-                       mode="inplace", backup=True, check_exact=True)
+                       mode="inplace", backup=True, check_exact=True, gate=True)
     placement = {("trainer", 0): TRAINER_HOST, ("engine", 0): ENGINE_HOST}
-    # version -> (host, action, seconds): applied 0.3 s after the engine rank began the version
+    # version -> (host, action, seconds): applied 0.3 s after the engine rank began the version. Each
+    # version passes its barrier only when this test opens its gate (gate=True), after the fault
+    # before it was taken back: a loaded host once ran version 6 whole while the injector still
+    # restored version 5's link (the 2 s cut then came after version 6 had flipped)
     faults = {3: (ENGINE_HOST, "cut", 12.0), 5: (ENGINE_HOST, "loss", None), 6: (ENGINE_HOST, "cut", 2.0),
               7: (TRAINER_HOST, "cut", 12.0)}
     applied: dict[int, tuple[float, float]] = {}
+    unflipped: dict[int, bool] = {}  # a cut's version had not flipped once the cut was in place
     errors: list[BaseException] = []
     with Cluster(cfg, rig=rig, placement=placement, store_host=HEAD) as cluster:
         ctl = cluster.control.with_prefix("fs/nixl")
@@ -45,7 +49,11 @@ def test_cut_loss_and_short_cut_then_the_next_version_goes_through(host_rig) -> 
 
         def inject() -> None:
             try:
-                for v, (host, action, secs) in sorted(faults.items()):
+                for v in range(1, 9):
+                    cluster.control.set(f"gate/bench/nixl/{v}", b"1")  # version v may begin
+                    if v not in faults:
+                        continue
+                    host, action, secs = faults[v]
                     while ctl.try_get(f"recv/0/begun/{v}") is None:
                         time.sleep(0.01)
                     time.sleep(0.3)
@@ -57,6 +65,7 @@ def test_cut_loss_and_short_cut_then_the_next_version_goes_through(host_rig) -> 
                         rig.restore(host)
                     else:
                         rig.cut(host)
+                        unflipped[v] = ctl.try_get(f"recv/0/flipped/{v}") is None
                         time.sleep(secs)
                         rig.restore(host)
                     applied[v] = (t0, time.time())
@@ -70,6 +79,7 @@ def test_cut_loss_and_short_cut_then_the_next_version_goes_through(host_rig) -> 
         rows = cluster.collect(lambda rs: sum(r.get("kind") == "exit" for r in rs) == 2, timeout_s=300)
         th.join(30)
     assert not errors, errors
+    assert unflipped == {3: True, 6: True, 7: True}, ("a cut came after its version flipped", unflipped, applied)
     sync = {(r["version"], r["role"]): r for r in rows if r.get("kind") == "sync"}
     for v in (1, 2, 4, 5, 6, 8):
         t, e = sync[(v, "trainer")], sync[(v, "engine")]
