@@ -8,20 +8,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-# Before torch (and its OpenMP runtime) loads in this process and in every process it starts
-# (engine cores and workers, trainer and bench ranks, job processes, own_process children inherit
-# it): OpenMP threads sleep when a parallel region ends instead of spinning for it. The suite runs
-# engine workers, trainers and a second pytest worker on 2 cores, each process with as many OpenMP
-# threads as there are cores; spinning threads then take the cores the working ones need
-# (docs/development.md#tests). A module with ``OMP_DEFAULT = True`` (the Ray rigs) starts its
-# processes on OpenMP's default policy (``_omp_default``). A policy already set (a CI that wants
-# another) is left as it is, everywhere.
-SUITE_SETS_OMP = "OMP_WAIT_POLICY" not in os.environ
-if SUITE_SETS_OMP:
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 SUPPORT = str(Path(__file__).resolve().parent / "support")
 if SUPPORT not in sys.path:
@@ -61,19 +49,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     inside a module and the other modules theirs."""
     place = {m: i for i, m in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: place.get(item.nodeid.split("::", 1)[0], len(place)))
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _omp_default(request: pytest.FixtureRequest) -> Iterator[None]:
-    """For a module with ``OMP_DEFAULT = True``: no ``OMP_WAIT_POLICY`` in the environment while
-    it runs (set up before its own module fixtures), so the Ray clusters, actors and scripts it
-    starts run as they did before the suite set the policy; restored after it."""
-    if not (SUITE_SETS_OMP and getattr(request.module, "OMP_DEFAULT", False)):
-        yield
-        return
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("OMP_WAIT_POLICY", raising=False)
-        yield
 
 
 @pytest.fixture

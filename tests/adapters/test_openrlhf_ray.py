@@ -28,9 +28,6 @@ pytestmark = pytest.mark.slow
 
 from fastsync_rigs import STANDINS as STANDIN  # noqa: E402 - flash_attn STAND-IN (CPU host), tests/support
 
-#: a Ray rig: its processes keep OpenMP's default wait policy (tests/conftest.py, ``_omp_default``)
-OMP_DEFAULT = True
-
 
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory):

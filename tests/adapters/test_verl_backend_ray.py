@@ -34,9 +34,6 @@ from verl.workers.config import CheckpointEngineConfig  # noqa: E402
 
 A, R = 2, 1
 
-#: a Ray rig: its processes keep OpenMP's default wait policy (tests/conftest.py, ``_omp_default``)
-OMP_DEFAULT = True
-
 
 def _rank_actor():
     """The rank actor class, defined locally so Ray ships it by value (this test module is not

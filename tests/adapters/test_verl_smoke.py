@@ -31,9 +31,6 @@ pytest.importorskip("nixl._api", reason="NIXL not installed")
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "verl", "sync_smoke.py")
 
-#: a Ray rig: its processes keep OpenMP's default wait policy (tests/conftest.py, ``_omp_default``)
-OMP_DEFAULT = True
-
 
 def _hosts(n: int) -> list[str]:
     """``--hosts n`` where the host rig can be made here, else nothing (one Ray node), saying why."""

@@ -58,9 +58,6 @@ from matrix_support import (  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-#: a Ray rig: its processes keep OpenMP's default wait policy (tests/conftest.py, ``_omp_default``)
-OMP_DEFAULT = True
-
 from fastsync_rigs import STANDINS as STANDIN  # noqa: E402 - flash_attn STAND-IN (CPU host), tests/support
 
 

@@ -38,9 +38,6 @@ MAX_TOKENS = 8
 PROMPTS = [[5, 6, 7, 8], [100, 200, 300]]
 TIMEOUT_S = 120.0
 
-#: a Ray rig: its processes keep OpenMP's default wait policy (tests/conftest.py, ``_omp_default``)
-OMP_DEFAULT = True
-
 
 def _calls():
     """Calls run through ``__ray_call__``, defined in a function so Ray ships them by value."""

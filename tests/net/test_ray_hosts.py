@@ -27,9 +27,6 @@ ROOT = Path(__file__).resolve().parents[2]
 VERL = ROOT / "examples" / "verl" / "sync_smoke.py"
 OPENRLHF = ROOT / "examples" / "openrlhf" / "cpu_smoke.py"
 
-#: a Ray rig: its processes keep OpenMP's default wait policy (tests/conftest.py, ``_omp_default``)
-OMP_DEFAULT = True
-
 
 def _refused(cmd: list[str], prefix: list[str] | None = None) -> tuple[str, float]:
     t0 = time.monotonic()
