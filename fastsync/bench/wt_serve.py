@@ -32,9 +32,11 @@ __all__ = ["VllmServe", "generate", "outcome", "free_port", "OUTCOMES"]
 OUTCOMES = ("finished_on_old", "finished_across", "aborted")
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing is bound to on ``host`` just now ("": on no IPv4 address at all, for a
+    server that listens on every address)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 

@@ -124,8 +124,11 @@ def _rollout_worker():
 
             torch.set_num_threads(1)
             # the port is picked here, just before verl binds it: one picked in the test process
-            # seconds before (while the actor started) was taken by then in a loaded run (EADDRINUSE)
-            port = free_port()
+            # seconds before (while the actor started) was taken by then in a loaded run (EADDRINUSE).
+            # Free on every address, not only loopback: verl's TCPStore listens on all of them, and
+            # a port free on 127.0.0.1 was still held on this host's own address (by a listener
+            # there, such as NIXL's or Ray's) in a fresh-clone run (EADDRINUSE again)
+            port = free_port("")
             # verl's Worker reads its (single-rank) process group from these, as RayWorkerGroup sets them
             os.environ.update(WORLD_SIZE="1", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             super().__init__(rollout_config, None, _Recorder())
