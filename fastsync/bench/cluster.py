@@ -25,6 +25,7 @@ from typing import Any
 
 from fastsync.bench.netns_cluster import MAX_NIC_GBPS, HostRig
 from fastsync.bench.model import BenchModel
+from fastsync.bench.workers import gate_key
 from fastsync.errors import ConfigError, SyncError
 from fastsync.layout.box import box_numel
 from fastsync.layout.types import DTYPE_BYTES
@@ -269,7 +270,7 @@ def gated_collect(cluster: Any, schedule: list[tuple[str, int, bool]], num_procs
     deadline = time.monotonic() + timeout_s
     for name, v, _ in schedule:
         before = _tx_total(rig)
-        ctl.set(f"gate/bench/{name}/{v}", b"1")
+        ctl.set(gate_key(name, v), b"1")
 
         def done(rows: list[dict], v: int = v) -> bool:
             return sum(r.get("kind") == "sync" and r.get("version") == v for r in rows) >= num_procs

@@ -16,7 +16,7 @@ from typing import Any
 
 from fastsync.bench.rows import KILLED_ON_PURPOSE
 
-__all__ = ["WorkerConfig", "trainer_main", "receiver_main"]
+__all__ = ["WorkerConfig", "trainer_main", "receiver_main", "gate_key"]
 
 
 @dataclass(slots=True)
@@ -140,6 +140,16 @@ def _exit_now(results: Any) -> None:
     os._exit(1)
 
 
+def _barrier_name(transport: str, version: int) -> str:
+    return f"bench/{transport}/{version}"
+
+
+def gate_key(transport: str, version: int) -> str:
+    """The key the parent sets to let ``version`` of ``transport`` through its barrier
+    (``WorkerConfig.gate``)."""
+    return f"gate/{_barrier_name(transport, version)}"
+
+
 def _barrier(cfg: WorkerConfig, control: Any, name: str, watch: Any, me: int) -> None:
     """The version's barrier; a dead peer fails it within seconds, naming the peer. Each process
     sets its own arrival key (a retry after a store timeout cannot count twice); process 0 (trainer
@@ -242,7 +252,7 @@ def trainer_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
                 def on_chunk(k: int, _kc: int = kill_chunk) -> None:
                     if k >= _kc:
                         os._exit(KILLED_ON_PURPOSE)  # a trainer dying mid-sync, some writes already landed
-            _barrier(cfg, control, f"bench/{name}/{version}", watch, rank)
+            _barrier(cfg, control, _barrier_name(name, version), watch, rank)
             t_start = time.time()
             try:
                 if cfg.delta:
@@ -308,7 +318,7 @@ def receiver_main(cfg: WorkerConfig, rank: int, results: Any) -> None:
                 receivers[name] = rx
             rx = receivers[name]
             rx.verify = "full" if verify else cfg.verify_mode
-            _barrier(cfg, control, f"bench/{name}/{version}", watch, cfg.trainers + rank)
+            _barrier(cfg, control, _barrier_name(name, version), watch, cfg.trainers + rank)
             if cfg.kill_engine_at == (rank, version):
                 results.put({"kind": "killed", "role": "engine", "rank": rank, "version": version, "time": time.time()})
                 time.sleep(0.2)  # let the queue's feeder thread hand the row over

@@ -215,12 +215,12 @@ def _actor_build():
 def moe_rig(tmp_path_factory):
     """One vLLM CPU engine serving the MoE checkpoint and two ZeRO-3 trainer ranks: when the dense
     rig is up, an engine in its Ray (its one logical GPU and its CPUs are held by the dense actors:
-    this one holds none) and its own trainer ranks, whose torch.distributed world serves any model
+    this one holds none) and the dense rig's trainer ranks, whose torch.distributed world serves any model
     (each cell builds its policy from the MoE checkpoint with ``_actor_build``, as the LoRA cell does
     from the dense one); else a rig of their own."""
     from types import SimpleNamespace
 
-    from fastsync_rigs.openrlhf_cpu import CpuRig
+    from fastsync_rigs.openrlhf_cpu import CpuRig, release
     from fastsync_openrlhf.rollout import OPENRLHF_EXTENSION, FastSyncRolloutRayActor
 
     from fastsync.demo.checkpoints import build_tiny_checkpoint
@@ -251,10 +251,7 @@ def moe_rig(tmp_path_factory):
         if own is not None:
             own.close()
         else:  # the trainer ranks go with the dense rig
-            try:
-                m.ray.get(m.engine.fastsync_close.remote(), timeout=30)
-            except Exception:  # noqa: BLE001 - shutting down regardless
-                pass
+            release(m.ray, [], m.engine)
             m.ray.kill(m.engine)
 
 

@@ -20,13 +20,14 @@ import time
 import pytest
 
 from fastsync.bench.harness import Cluster
-from fastsync.bench.workers import WorkerConfig
+from fastsync.bench.workers import WorkerConfig, gate_key
 from fastsync.transport import availability
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not availability("nixl")[0], reason="NIXL is not importable here")]
 
 DEADLINE_S = 6.0
 HEAD, TRAINER_HOST, ENGINE_HOST = 0, 1, 2
+VERSIONS = range(1, 9)
 
 
 def test_cut_loss_and_short_cut_then_the_next_version_goes_through(host_rig) -> None:
@@ -45,12 +46,12 @@ def test_cut_loss_and_short_cut_then_the_next_version_goes_through(host_rig) -> 
     errors: list[BaseException] = []
     with Cluster(cfg, rig=rig, placement=placement, store_host=HEAD) as cluster:
         ctl = cluster.control.with_prefix("fs/nixl")
-        cluster.start([("nixl", v, False) for v in range(1, 9)])
+        cluster.start([("nixl", v, False) for v in VERSIONS])
 
         def inject() -> None:
             try:
-                for v in range(1, 9):
-                    cluster.control.set(f"gate/bench/nixl/{v}", b"1")  # version v may begin
+                for v in VERSIONS:
+                    cluster.control.set(gate_key("nixl", v), b"1")  # version v may begin
                     if v not in faults:
                         continue
                     host, action, secs = faults[v]
