@@ -17,6 +17,28 @@ if SUPPORT not in sys.path:
 if SUPPORT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (SUPPORT, os.environ.get("PYTHONPATH")) if p)
 
+#: vLLM's ZMQ IPC sockets (``VLLM_RPC_BASE_PATH``, else the temp folder): a killed engine leaves its
+#: socket files behind, a few hundred a suite run. Each pytest process gives the engines it and its
+#: children start a short folder of its own (a socket path has at most 107 bytes), removed at its end.
+_RPC_DIR: str | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _RPC_DIR
+    if "VLLM_RPC_BASE_PATH" not in os.environ:
+        import tempfile
+
+        _RPC_DIR = tempfile.mkdtemp(prefix="fs-rpc-", dir="/tmp")
+        os.environ["VLLM_RPC_BASE_PATH"] = _RPC_DIR
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _RPC_DIR is not None:
+        import shutil
+
+        shutil.rmtree(_RPC_DIR, ignore_errors=True)
+
+
 #: ``@pytest.mark.own_process``: engine tests run in a child pytest, engines in-process (tests/support)
 pytest_plugins = ["own_process"]
 
@@ -38,7 +60,7 @@ LONGEST_FIRST = (
     "tests/engines/test_vllm_fallback.py", "tests/adapters/test_verl_backend_ray.py",
     "tests/transport/test_security.py", "tests/net/test_ray_hosts.py", "tests/bench/test_weight_transfer_bench.py",
     "tests/adapters/test_verl_shards.py", "tests/bench/test_bench_cli.py", "tests/net/test_link_cut.py",
-    "tests/gpu/test_gpu_check.py", "tests/adapters/test_openrlhf_ray.py",
+    "tests/gpu/test_gpu_check.py",
     "tests/engines/test_vllm_weight_transfer_api.py", "tests/engines/test_vllm_pause_modes.py",
     "tests/route/test_router_vllm_serve.py", "tests/sync/test_delta_mp.py",
 )

@@ -15,6 +15,7 @@ pure-torch padding helpers only) on the path, for OpenRLHF's top-level import.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if hosts is not None:
             hosts.close()
+        shutil.rmtree(work, ignore_errors=True)  # the checkpoint and Ray's session folder: nothing is kept
 
 
 def _run(work: str, pythonpath: str, hosts, as_json: bool = False) -> int:

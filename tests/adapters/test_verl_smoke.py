@@ -44,9 +44,10 @@ def _hosts(n: int) -> list[str]:
 
 
 def _run(tmp_path, *args: str) -> dict:
-    # the job's TMPDIR is a short folder of its own, not tmp_path: vLLM's ZMQ IPC sockets go there as
-    # <TMPDIR>/<uuid4>, and a socket path has at most 107 bytes (under make test's workers tmp_path
-    # alone is over 70). Removed afterwards, as tmp_path would be. torch inductor's cache and
+    # the job's TMPDIR is a short folder of its own, not tmp_path: AF_UNIX sockets made under it (vLLM's
+    # ZMQ IPC sockets, <TMPDIR>/<uuid4>, where VLLM_RPC_BASE_PATH is unset: tests/conftest.py sets it)
+    # have at most 107 bytes of path (under make test's workers tmp_path alone is over 70). Removed
+    # afterwards, as tmp_path would be. torch inductor's cache and
     # precompiled headers (under <TMPDIR>/torchinductor_<user>) are a link to where every other
     # process of the suite keeps them: in a TMPDIR of their own each run's engine workers built
     # them again (g++, about 6 s of CPU a run). The link goes with the folder; what it points to stays.
