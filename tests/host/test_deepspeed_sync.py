@@ -1,7 +1,7 @@
 """``fastsync.DeepSpeedWeightSync``'s refusals, before any byte moves, in a one-rank gloo job of its own:
 no torch.distributed group, no engines, a ZeRO stage out of range, a parameter whose ZeRO-3 partition
 disagrees with ``zero_stage`` (named), a PEFT policy whose merge is not ``W + s * B @ A`` (DoRA, named). Its syncs through real DeepSpeed and vLLM run in
-tests/matrix/test_matrix_openrlhf.py and tests/adapters/test_openrlhf_ray.py."""
+tests/matrix/test_matrix_openrlhf.py."""
 
 from __future__ import annotations
 

@@ -5,6 +5,14 @@ subclass) running the real vLLM CPU engine, as ``--vllm.num_engines 2`` would gi
 takes real AdamW steps, then every engine tensor's bytes must equal the trainer's (gathered
 ZeRO-3 weights through the plan's reference) and both engines' greedy tokens the trainer's.
 
+First, on the rig's first engine, the adapter as OpenRLHF runs it (these were
+``tests/adapters/test_openrlhf_ray.py``, which built the same rig again): the rollout actor is
+fastsync's ``RolloutRayActor`` subclass, each vLLM worker carries OpenRLHF's ``WorkerWrap`` and
+fastsync's extension and neither imported DeepSpeed, each trainer worker's ``ppo_actor`` names
+fastsync's trainer; ``broadcast_to_vllm`` after each of two real AdamW steps makes the engine
+generate like the trainer; OpenRLHF's own ``generate_responses`` labels each sample with the
+weight versions that generated it, across a sync too.
+
 Rig: ``fastsync_rigs.openrlhf_cpu`` (tests/support) (its named stand-ins: ``flash_attn``, OpenRLHF's CUDA-only
 set-up). The rig starts one engine; the second is started here with the same arguments, holding
 no logical GPU (the rig's Ray has one; vLLM on CPU does not use it). One rig and one pair of
@@ -59,34 +67,7 @@ from matrix_support import (  # noqa: E402
 pytestmark = pytest.mark.slow
 
 from fastsync_rigs import STANDINS as STANDIN  # noqa: E402 - flash_attn STAND-IN (CPU host), tests/support
-
-
-def _calls():
-    """Trainer-actor calls run through ``__ray_call__``, defined in a function so Ray ships them by
-    value (this module is not importable by name in Ray's workers)."""
-
-    def build(self, base: int):  # the adapter's own lazy build, done first so versions continue
-        t = self.trainer
-        t._fastsync_sync = t._fastsync_build()
-        t._fastsync_sync.setup()
-        t._fastsync_sync.version = base
-        return True
-
-    def last_kind(self):
-        return self.trainer._fastsync_sync.ws.last_kind
-
-    def planned(self):  # trainer rank 0's plan: replicas planned once, relays or not
-        plan = self.trainer._fastsync_sync.ws.plan
-        return plan.fanout.replicas if plan.fanout is not None else 1, plan.has_relays
-
-    def full_weights(self):  # collective: ZeRO-3 gathers on every rank
-        import deepspeed
-
-        params = list(self.engine.module.named_parameters())
-        with deepspeed.zero.GatheredParameters([p for _, p in params]):
-            return {n: p.data.clone() for n, p in params} if self.rank == 0 else None
-
-    return build, last_kind, full_weights, planned
+from openrlhf_calls import actor_build, calls, lora_reference  # noqa: E402 - shipped to the ranks by value
 
 
 #: the dense rig while it is up (the MoE cells start their engine and ranks in its Ray)
@@ -132,6 +113,100 @@ def _tokens(rig, engine, prompts=None) -> list[list[int]]:
             for p in (PROMPTS if prompts is None else prompts)]
 
 
+# ---- the adapter on the rig's first engine, before the cells (the versions from 1; the cells' from 10) ----
+@pytest.fixture(scope="module")
+def adapter_trainers(rig) -> list[dict]:
+    """The adapter's trainer on both ranks with its default options, writing the rig's first engine
+    (the trainer class ``install_trainer`` binds in each trainer worker): what OpenRLHF's
+    ``ppo_actor`` names there."""
+    return rig.make_trainers()
+
+
+def test_patch_is_applied_inside_the_ray_worker_processes(rig, adapter_trainers):
+    """Checked in the workers themselves: the rollout actor is fastsync's RolloutRayActor
+    subclass, every vLLM worker carries OpenRLHF's WorkerWrap AND fastsync's extension, neither
+    imported DeepSpeed; each trainer worker's ppo_actor names fastsync's trainer class."""
+    rep = rig.engine_report()
+    driver = os.getpid()
+    assert rep["pid"] != driver
+    assert rep["actor_mro"][0] == "fastsync_openrlhf.rollout.FastSyncRollout"
+    assert "openrlhf.trainer.ray.vllm_engine.RolloutRayActor" in rep["actor_mro"]
+    assert not rep["deepspeed_imported"]
+    assert rep["workers"], "no vLLM worker answered"
+    for w in rep["workers"]:
+        assert w["pid"] not in (driver, rep["pid"])
+        assert "openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap" in w["mro"]
+        assert any(c.startswith("fastsync.engines.") and c.endswith(".FastSyncWorkerExtension") for c in w["mro"])
+        assert not w["deepspeed_imported"], "a vLLM process imported DeepSpeed"
+    for t in adapter_trainers:
+        assert t["pid"] != driver
+        assert t["ActorPPOTrainer"] == "fastsync_openrlhf.trainer.FastSyncActorPPOTrainer"
+
+
+def test_broadcast_to_vllm_makes_engine_generate_like_the_trainer_step_after_step(rig, adapter_trainers):
+    versions = []
+    previous = None
+    for step in (1, 2):
+        losses = rig.train_step(seed=step)  # a real ZeRO-3 AdamW step: every weight moves
+        assert len(set(losses)) == 1
+        want = rig.trainer_tokens()
+        assert want != previous, "the training step did not change the greedy tokens; the check would be vacuous"
+        assert rig.engine_tokens() != want, "engine already generates like the new weights before the sync"
+        got = rig.broadcast_to_vllm()
+        assert [g["version"] for g in got] == [step, step]
+        assert rig.engine_tokens() == want, f"step {step}: engine tokens differ from the trainer model's"
+        versions.append(rig.engine_version())
+        previous = want
+    assert versions == [[1], [2]]
+
+
+def test_samples_carry_the_weight_versions_that_generated_them(rig, adapter_trainers, tmp_path):
+    """OpenRLHF's own ``generate_responses`` (its SingleTurnAgentExecutor, a real word-level HF
+    tokenizer) on fastsync's rollout actor: each response carries ``weight_versions`` and, in the
+    ``extra_logs`` OpenRLHF turns into ``Experience.info``, ``weight_version_min/max``; a sample
+    whose generation runs across a sync (held in the engine by OpenRLHF's own ``pause_generation``,
+    as its async trainer does) carries both versions, the new one from a token index inside it."""
+    import time
+
+    import transformers
+    from vllm import SamplingParams
+
+    from fastsync_rigs.verl_cpu import write_word_tokenizer
+
+    model_dir = rig.model_dir
+    tok_dir = tmp_path / "tok"
+    write_word_tokenizer(str(tok_dir), transformers.AutoConfig.from_pretrained(model_dir).vocab_size)
+    tok = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
+    served = rig.engine_version()[0]
+    short = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    got = rig.ray.get(rig.engine.generate_responses.remote("t5 t6 t7", "", short, 64, tok, 2), timeout=120)
+    assert len(got) == 2
+    for r in got:
+        assert r["weight_versions"] == [[[served, 0]]], r["weight_versions"]  # one generate call, one span
+        assert (r["extra_logs"]["weight_version_min"], r["extra_logs"]["weight_version_max"]) == (served, served)
+    rig.train_step(seed=served + 1)
+    long = SamplingParams(max_tokens=240, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()  # how long this machine takes for the whole request, to pause a quarter in
+    rig.ray.get(rig.engine.generate_responses.remote("t5 t6 t7", "", long, 256, tok, 1), timeout=300)
+    whole_s = time.perf_counter() - t0
+    ref = rig.engine.generate_responses.remote("t5 t6 t7", "", long, 256, tok, 1)
+    time.sleep(whole_s / 4)  # decoding: some tokens on the old weights
+    # as OpenRLHF's async trainer does around a sync: the request is held in the engine (keep), so it
+    # is certainly in flight at the flip however fast this machine decodes; fastsync then does not
+    # pause again, and labels the new weights before the resume
+    rig.ray.get(rig.engine.pause_generation.remote(), timeout=60)
+    try:
+        assert rig.ray.get(rig.engine.get_num_unfinished_requests.remote(), timeout=60) == 1, "finished before the sync"
+        assert [g["version"] for g in rig.broadcast_to_vllm()] == [served + 1] * 2
+    finally:
+        rig.ray.get(rig.engine.resume_generation.remote(), timeout=60)
+    [r] = rig.ray.get(ref, timeout=300)
+    [spans] = r["weight_versions"]
+    assert [v for v, _ in spans] == [served, served + 1], spans  # it ran across the flip
+    assert spans[0][1] == 0 and 0 < spans[1][1] < 240, spans
+    assert (r["extra_logs"]["weight_version_min"], r["extra_logs"]["weight_version_max"]) == (served, served + 1)
+
+
 @pytest.mark.parametrize("cell", cell_params())
 def test_openrlhf_matrix(rig, cell):
     import argparse
@@ -145,7 +220,7 @@ def test_openrlhf_matrix(rig, cell):
     opts = {k.split(".", 1)[1]: v for k, v in vars(ap.parse_args(flags)).items()}
     FastSyncOptions(**opts).validate()  # what options_from_args checks in the trainer worker
     opts["control_host"] = rig.control_host
-    build, last_kind, full_weights, planned = _calls()
+    build, last_kind, full_weights, planned = calls()
     ray, version = rig.ray, first_version(cell)
     ray.get([t.close.remote() for t in rig.trainers], timeout=60)  # the previous cell's session
     ray.get([t.make_trainer.remote(rig.engines, opts) for t in rig.trainers], timeout=120)
@@ -167,57 +242,13 @@ def test_openrlhf_matrix(rig, cell):
             assert _tokens(rig, e) == want, f"{cell_id(cell)} step {step}, engine {i}: tokens differ from the trainer's"
 
 
-def _actor_build():
-    """The trainer-rank call that builds the policy as OpenRLHF's ``PolicyModelActor`` does, shipped
-    by value through ``__ray_call__`` (see :func:`_calls`)."""
-
-    def build_actor(self, model_dir: str, opts: dict, lora: dict | None = None) -> dict:
-        import deepspeed
-        import torch
-        import openrlhf.utils.utils as openrlhf_utils
-        from openrlhf.trainer.ray import ppo_actor
-
-        from fastsync_openrlhf.trainer import install_trainer
-        from fastsync_rigs.openrlhf_cpu import openrlhf_args
-
-        if self.trainer is not None and getattr(self.trainer, "_fastsync_sync", None) is not None:
-            self.trainer._fastsync_sync.close()  # the previous cell's session
-        self.trainer = self.engine = self.opt = None
-        install_trainer(openrlhf_args(fastsync=opts))  # FastSyncPolicyModel.init_model_from_pretrained
-        config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-                  "zero_optimization": {"stage": 3, "stage3_allgather_sequential": True},  # see the rig
-                  "zero_allow_untested_optimizer": True}
-        # STAND-IN: OpenRLHF's Actor takes --ds.param_dtype bf16/fp16 only; the matrix compares fp32
-        # bytes and greedy tokens against an fp32 engine, as the dense cells do
-        to_dtype = openrlhf_utils.convert_to_torch_dtype
-        openrlhf_utils.convert_to_torch_dtype = lambda _dtype: torch.float32
-        try:  # ppo_actor.Actor: OpenRLHF's, or with --fastsync.moe the adapter's swap after it
-            actor = ppo_actor.Actor(model_dir, attn_implementation="sdpa", param_dtype="bf16", ds_config=config,
-                                    **(lora or {}))
-        finally:
-            openrlhf_utils.convert_to_torch_dtype = to_dtype
-        partitioned = all(hasattr(p, "ds_id") for p in actor.model.parameters())
-        trained = [p for p in actor.model.parameters() if p.requires_grad]  # with LoRA: the adapters only
-        self.engine, self.opt, _, _ = deepspeed.initialize(
-            model=actor.model, optimizer=torch.optim.AdamW(trained, lr=0.02), config=config)
-        self.model_dir = model_dir
-        from fastsync.moe.block import FastSyncMoEBlock
-
-        blocks = {n: "fastsync" if isinstance(m, FastSyncMoEBlock) else type(m).__name__
-                  for n, m in self.engine.module.named_modules() if n.endswith(".mlp")}
-        return {"swapped": sorted(getattr(actor, "fastsync_moe_swapped", None) or {}), "blocks": blocks,
-                "partitioned": partitioned}
-
-    return build_actor
-
-
 @pytest.fixture(scope="module")
 def moe_rig(tmp_path_factory):
     """One vLLM CPU engine serving the MoE checkpoint and two ZeRO-3 trainer ranks: when the dense
     rig is up, an engine in its Ray (its one logical GPU and its CPUs are held by the dense actors:
-    this one holds none) and the dense rig's trainer ranks, whose torch.distributed world serves any model
-    (each cell builds its policy from the MoE checkpoint with ``_actor_build``, as the LoRA cell does
-    from the dense one); else a rig of their own."""
+    this one holds none) and the dense rig's trainer ranks, whose torch.distributed world serves any
+    model (each cell builds its policy from the MoE checkpoint with ``openrlhf_calls.actor_build``,
+    as the LoRA cell does from the dense one); else a rig of their own."""
     from types import SimpleNamespace
 
     from fastsync_rigs.openrlhf_cpu import CpuRig, release
@@ -275,9 +306,9 @@ def test_openrlhf_moe(moe_rig, moe):
     opts = {k.split(".", 1)[1]: v for k, v in vars(ap.parse_args(["--fastsync.moe", moe])).items()}
     FastSyncOptions(**opts).validate()
     opts["control_host"] = m.control_host
-    build, _, full_weights, planned = _calls()
+    build, _, full_weights, planned = calls()
     ray, version = m.ray, 10 * (1 + [p.values[0] for p in MOE_CELLS].index(moe))
-    built = ray.get([t.__ray_call__.remote(_actor_build(), m.model_dir, opts) for t in m.trainers], timeout=300)
+    built = ray.get([t.__ray_call__.remote(actor_build(), m.model_dir, opts) for t in m.trainers], timeout=300)
     mlps = ["model.layers.0.mlp", "model.layers.1.mlp"]
     for b in built:
         assert b["partitioned"], "OpenRLHF's Actor was not built partitioned (zero.Init)"
@@ -310,39 +341,6 @@ LORA = {"lora_rank": 8, "lora_alpha": 16, "lora_dropout": 0.0,
         "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
 
 
-def _lora_reference():
-    """The trainer-rank call (by value, see :func:`_calls`) that gathers the PEFT policy (collective)
-    and, on rank 0, returns its greedy tokens (PEFT's own forward, adapters unmerged) and
-    ``merge_and_unload()``'s weights."""
-
-    def reference(self, lora: dict, prompts: list, max_tokens: int):
-        import deepspeed
-        import peft
-        import torch
-        import transformers
-
-        from fastsync_rigs.openrlhf_cpu import hf_greedy
-
-        params = list(self.engine.module.named_parameters())
-        with deepspeed.zero.GatheredParameters([p for _, p in params]):
-            full = {n: p.data.clone() for n, p in params} if self.rank == 0 else None
-        if self.rank != 0:
-            return None
-        base = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(self.model_dir),
-                                                             dtype=torch.float32)
-        config = peft.LoraConfig(task_type="CAUSAL_LM", r=lora["lora_rank"], lora_alpha=lora["lora_alpha"],
-                                 target_modules=lora["target_modules"], lora_dropout=0.0, bias="none")
-        ref = peft.get_peft_model(base, config)
-        ref.load_state_dict(full, strict=True)
-        tokens = hf_greedy(ref.eval(), prompts, max_tokens)
-        merged = {n: t.clone() for n, t in ref.merge_and_unload().state_dict().items()}
-        lora_b = [t for n, t in full.items() if ".lora_B." in n]
-        return {"tokens": tokens, "merged": merged, "lora_b_zero": all(bool((t == 0).all()) for t in lora_b),
-                "num_lora_b": len(lora_b)}
-
-    return reference
-
-
 def test_openrlhf_lora(rig):
     """``--ds.lora.rank 8``: the merged policy reaches both engines, two steps (see the module doc)."""
     import argparse
@@ -357,15 +355,15 @@ def test_openrlhf_lora(rig):
     opts = {k.split(".", 1)[1]: v for k, v in vars(ap.parse_args([])).items()}
     FastSyncOptions(**opts).validate()
     opts["control_host"] = rig.control_host
-    build, _, _, _ = _calls()
+    build, _, _, _ = calls()
     ray, version = rig.ray, 10 * (len(CELLS) + 1)  # after every dense cell's block on these engines
     ray.get([t.close.remote() for t in rig.trainers], timeout=60)  # the previous cell's session
-    ray.get([t.__ray_call__.remote(_actor_build(), rig.model_dir, opts, LORA) for t in rig.trainers], timeout=300)
+    ray.get([t.__ray_call__.remote(actor_build(), rig.model_dir, opts, LORA) for t in rig.trainers], timeout=300)
     ray.get([t.make_trainer.remote(rig.engines, opts) for t in rig.trainers], timeout=120)
     ray.get([t.__ray_call__.remote(build, version - 1) for t in rig.trainers], timeout=300)
     for step in range(2):
         rig.train_step(seed=version + step)  # a real ZeRO-3 AdamW step of the adapters (the base is frozen)
-        ref = ray.get([t.__ray_call__.remote(_lora_reference(), LORA, PROMPTS, MAX_TOKENS)
+        ref = ray.get([t.__ray_call__.remote(lora_reference(), LORA, PROMPTS, MAX_TOKENS)
                        for t in rig.trainers], timeout=300)[0]
         assert ref["num_lora_b"] == 2 * 7 and not ref["lora_b_zero"], "the adapters are zero: the check has no teeth"
         want_bytes = reference_digest(ref["merged"], rig.described)
