@@ -151,6 +151,9 @@ def rig(tmp_path_factory):
     transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2)).save_pretrained(d)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # auto-binding asserts on a single-NUMA host
+        # the TP=2 engine's idle OpenMP threads sleep instead of spinning on 2 unpinned cores (its
+        # processes read it at their start); no test here times a request against a sync
+        mp.setenv("OMP_WAIT_POLICY", "PASSIVE")
         r = SyncRig(d, tp=2)
     yield r
     r.close()
