@@ -34,14 +34,18 @@ def _align8(n: float) -> float:
 
 def delta_transfer_bytes(t: Transfer, fraction: float, chunk_elems: int = DELTA_CHUNK_ELEMS) -> int:
     """Expected encoded bytes of transfer ``t`` when ``fraction`` of its elements changed."""
-    n = box_numel(t.dst_box)
+    return _delta_bytes(box_numel(t.dst_box), t.nbytes, t.transform, fraction, chunk_elems)
+
+
+def _delta_bytes(n: int, nbytes: int, transform: str, fraction: float, chunk_elems: int) -> int:
+    """:func:`delta_transfer_bytes` of a transfer of ``n`` elements in ``nbytes`` bytes."""
     if n == 0 or fraction <= 0:
         return 0
-    size = t.nbytes // n
-    if t.transform == "fp8_block":
+    size = nbytes // n
+    if transform == "fp8_block":
         blocks = -(-n // (FP8_BLOCK * FP8_BLOCK))
         k = fraction * blocks
-        return int(min(t.nbytes, _align8(4 * k) + fraction * t.nbytes) + HEADER_BYTES)
+        return int(min(nbytes, _align8(4 * k) + fraction * nbytes) + HEADER_BYTES)
     total = 0.0
     full, last = divmod(n, chunk_elems)
     lens = [chunk_elems] * full + ([last] if last else [])
@@ -66,8 +70,12 @@ def delta_plan(plan: Plan, fraction: float, chunk_elems: int = DELTA_CHUNK_ELEMS
         raise ConfigError(f"delta fraction must be in [0, 1], got {fraction}")
     seen: set[tuple[int, int]] = set()
     out = []
+    sizes: dict[tuple, int] = {}  # a plan repeats few transfer shapes (each expert, each replica)
     for t in plan.transfers:
-        nbytes = delta_transfer_bytes(t, fraction, chunk_elems)
+        key = (box_numel(t.dst_box), t.nbytes, t.transform)
+        nbytes = sizes.get(key)
+        if nbytes is None:
+            nbytes = sizes[key] = _delta_bytes(*key, fraction, chunk_elems)
         if (t.src_rank, t.dst_rank) not in seen:
             seen.add((t.src_rank, t.dst_rank))
             nbytes += HEADER_BYTES
