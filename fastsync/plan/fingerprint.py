@@ -1,20 +1,25 @@
 """Fast, identical-valued fingerprints of layouts and plans.
 
-``TrainerLayout.fingerprint()``, ``EngineLayout.fingerprint()`` and ``Plan.plan_hash`` (the
+``TrainerLayout.fingerprint()``, ``EngineLayout.fingerprint()`` and ``Plan.json_hash()`` (the
 contracts) build nested lists and ``json.dumps(sort_keys=True)`` them: for Kimi-K2 on
 256 -> 128 ranks that is seconds of CPU. These functions write the very same JSON text directly,
 caching the text of boxes and of engine tensors shared between ranks (replicas hold the same
 objects), and hash it the same way, so their values are equal to the contracts' (tests check
-this on random layouts). The executor may keep calling the contract methods.
+this on random layouts). ``Plan.plan_hash``, which every rank checks at set-up, is
+:func:`plan_hash`; the executor may keep calling the layouts' contract methods.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from typing import TYPE_CHECKING
+
 from fastsync.layout.box import Box
 from fastsync.layout.types import EngineLayout, TrainerLayout
-from fastsync.plan.types import Plan
+
+if TYPE_CHECKING:  # Plan.plan_hash calls plan_hash below
+    from fastsync.plan.types import Plan
 
 __all__ = ["trainer_fingerprint", "engine_fingerprint", "plan_hash"]
 
@@ -90,7 +95,7 @@ def engine_fingerprint(layout: EngineLayout) -> str:
 
 
 def plan_hash(plan: Plan) -> str:
-    """Equal to ``plan.plan_hash``."""
+    """Equal to ``plan.json_hash()`` (and what ``plan.plan_hash`` returns)."""
     box, q = _Boxes(), _Names()
     flag = {True: "true", False: "false"}
     gathers = ",".join(f"{q[n]}:{r}" for n, r in sorted(plan.gathers.items()))

@@ -1,4 +1,5 @@
-"""The fast fingerprints equal the contracts' own (layouts' fingerprint(), Plan.plan_hash)."""
+"""The fast fingerprints equal the contracts' own (layouts' fingerprint(), Plan.json_hash(), which
+``Plan.plan_hash`` answers through the fast one)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def test_fast_fingerprints_equal_contract_ones(layers: int, experts: int, kind: 
     assert engine_fingerprint(engine) == engine.fingerprint()
     plan = build_plan(params, trainer, engine)
     assert plan.trainer_hash == trainer.fingerprint() and plan.engine_hash == engine.fingerprint()
-    assert plan_hash(plan) == plan.plan_hash
+    assert plan_hash(plan) == plan.json_hash() == plan.plan_hash
 
 
 def test_names_needing_json_escapes() -> None:
@@ -39,7 +40,7 @@ def test_names_needing_json_escapes() -> None:
     assert trainer_fingerprint(trainer) == trainer.fingerprint()
     assert engine_fingerprint(engine) == engine.fingerprint()
     plan = build_plan(params, trainer, engine)
-    assert plan_hash(plan) == plan.plan_hash
+    assert plan_hash(plan) == plan.json_hash() == plan.plan_hash
     moved = dataclasses.replace(plan.transfers[0], src_rank=1 - plan.transfers[0].src_rank)
     plan.transfers[0] = moved
-    assert plan_hash(plan) == plan.plan_hash
+    assert plan_hash(plan) == plan.json_hash() == plan.plan_hash

@@ -130,7 +130,7 @@ def test_padded_plan_round_trips_and_hashes_with_both_shapes(inv, name_map):
     back = Plan.loads(padded.dumps())
     assert back.padded == padded.padded and back.plan_hash == padded.plan_hash
     assert padded.to_json()["padded"]["0"][W2] == [[EXPERTS, HIDDEN, 10], [EXPERTS, HIDDEN, 32]]
-    assert plan_hash(padded) == padded.plan_hash  # the fast hash agrees with the JSON one
+    assert plan_hash(padded) == padded.json_hash() == padded.plan_hash  # the fast hash agrees with the JSON one
     assert padded.plan_hash != plain.plan_hash and padded.engine_hash != plain.engine_hash
     engine = build_engine_layout(inv, name_map, tp=2, dtype="float32", moe_pad=32)
     assert engine_fingerprint(engine) == engine.fingerprint()

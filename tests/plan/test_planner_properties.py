@@ -168,7 +168,7 @@ def test_plan_writes_every_element_once_and_reproduces_reference(scn: tuple) -> 
     back = Plan.loads(plan.dumps())
     assert back.transfers == plan.transfers and back.gathers == plan.gathers and back.fanout == plan.fanout
     assert back.plan_hash == plan.plan_hash
-    assert plan_hash(plan) == plan.plan_hash
+    assert plan_hash(plan) == plan.json_hash() == plan.plan_hash
 
 
 @SETTINGS
