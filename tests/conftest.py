@@ -18,8 +18,10 @@ if SUPPORT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (SUPPORT, os.environ.get("PYTHONPATH")) if p)
 
 #: vLLM's ZMQ IPC sockets (``VLLM_RPC_BASE_PATH``, else the temp folder): a killed engine leaves its
-#: socket files behind, a few hundred a suite run. Each pytest process gives the engines it and its
-#: children start a short folder of its own (a socket path has at most 107 bytes), removed at its end.
+#: socket files behind, a few hundred a suite run. The run's first pytest process (xdist's controller;
+#: its workers, child pytest runs and every process they start inherit the variable) makes a short
+#: folder for them (a socket path has at most 107 bytes) and removes it at its end. A variable the
+#: caller set is left as it is.
 _RPC_DIR: str | None = None
 
 
