@@ -32,10 +32,6 @@ from fastsync.sync.lora_sync import LoraSync  # noqa: E402
 pytestmark = pytest.mark.slow
 
 KILL_JOB = str(Path(__file__).with_name("lora_kill_trainer.py"))
-#: the TP=2 engine's idle OpenMP threads sleep instead of spinning, which on 2 unpinned cores takes
-#: them from the working ones: this module alone 143 CPU-s / 88 s on the default policy against 87
-#: CPU-s / 60 s (2026-12-07, 2-core AMD EPYC). No test here times a request against a sync.
-PASSIVE = ("OMP_WAIT_POLICY", "PASSIVE")
 
 PROMPTS = [[5, 6, 7, 8], [100, 200, 300], [11, 42, 99, 7, 123]]
 MAX_TOKENS = 6
@@ -57,7 +53,10 @@ def rig(tmp_path_factory):
     transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**CONFIG)).float().save_pretrained(d)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(*PASSIVE)  # the engine's processes only (they read it at their start)
+        # the TP=2 engine's idle OpenMP threads sleep instead of spinning on 2 unpinned cores (its
+        # processes read it at their start: 93 CPU-s for the module against 143 on the default
+        # policy, docs/development.md#tests); no test here times a request against a sync
+        mp.setenv("OMP_WAIT_POLICY", "PASSIVE")
         llm = LLM(**engine_kwargs(d, 2, "float32"), enable_lora=True, max_loras=3, max_lora_rank=16, max_cpu_loras=8)
     control = TCPStoreControl.server(port=0)
     yield {"dir": d, "llm": llm, "engine": VllmLoraEngine(llm), "control": control,
