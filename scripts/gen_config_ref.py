@@ -113,6 +113,10 @@ ENV = {
                              "one recorded from vLLM's loaders, or only hand-written"),
     "FASTSYNC_DELTA_KERNEL": ("`torch` / `off` / `0`", "unset (the numba kernels)", "delta senders and receivers",
                               "any of these values turns the fused numba delta kernels off (plain torch instead)"),
+    "FASTSYNC_START_METHOD": ("`forkserver` / `spawn`", "`forkserver` (`spawn` where the platform lacks it)",
+                              "the bench, the demo, `moe-bench`",
+                              "how fastsync starts its own rank processes: forked from a server that imported torch "
+                              "once, or one fresh interpreter a rank"),
     "FASTSYNC_HOST_ADDR": ("address", "set by the rig", "bench processes on namespace hosts",
                            "the host's own address, set by `fastsync bench --hosts` for the processes it starts"),
     "FASTSYNC_STORE_HOST": ("address", "`127.0.0.1`", "tests (security)",

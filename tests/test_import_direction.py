@@ -19,8 +19,8 @@ import fastsync
 #: packages in the same layer do not import each other. A new package must be placed here.
 LAYERS: list[tuple[str, ...]] = [
     ("errors",),
-    ("hookspecs", "security", "protocol"),  # pluggy markers and specs (types only under TYPE_CHECKING); the job
-    # secret; every control-store key trainer and engine ranks meet under
+    ("hookspecs", "security", "protocol", "procs"),  # pluggy markers and specs (types only under TYPE_CHECKING);
+    # the job secret; every control-store key trainer and engine ranks meet under; how rank processes start
     ("store",),  # the control store's authenticated key/value server and its torch.distributed.Store
     ("control", "plugins", "trace"),  # control-plane store; plugin manager and registries; spans, trace files, plots, progress
     ("layout",),  # boxes, trainer/engine layouts, name-map types, spec strings, engine tensors' JSON

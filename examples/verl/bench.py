@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing as mp
 import os
 import socket
 import statistics
@@ -38,6 +37,7 @@ import time
 import torch
 
 from fastsync import SyncError
+from fastsync.procs import rank_context
 from fastsync_verl.checkpoint_engine import FastSyncCheckpointEngine
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # spawn hands sys.path to the trainers
@@ -63,7 +63,7 @@ def _recv(conn, what: str, timeout_s: float) -> dict:
 
 def run_path(path: str, trainers: int, size_bytes: int, syncs: int, timeout_s: float = 300,
              kind: str = "dense") -> dict:
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     port = _port()
     pipes = [ctx.Pipe() for _ in range(trainers)]
     procs = [ctx.Process(target=trainer, args=(r, trainers, port, pipes[r][1], path, size_bytes, syncs, kind),

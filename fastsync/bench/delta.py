@@ -18,7 +18,6 @@ fewer layers, narrower MLP, smaller vocabulary.
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import statistics
 import time
@@ -29,6 +28,7 @@ from typing import Any
 
 from fastsync.bench.rows import collect_rows, exits
 from fastsync.errors import ConfigError
+from fastsync.procs import rank_context
 
 __all__ = ["DeltaBenchConfig", "scaled_config", "run_delta_bench"]
 
@@ -222,7 +222,7 @@ def _run(cfg: DeltaBenchConfig, hf: dict, plan: Any, rig: Any, load_before: floa
     else:
         store = TCPStoreControl.server(port=0, timeout_s=cfg.timeout_s)
         cfg = replace(cfg, port=store.port)
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
 
     def proc(target: Any, host: int, *args: Any) -> Any:

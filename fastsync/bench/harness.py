@@ -1,14 +1,13 @@
 """Process orchestration for ``fastsync bench`` and the multi-process tests.
 
 The parent owns the control-plane store (so a dying worker never takes it down), plans once,
-publishes the plan, spawns ``T`` trainer and ``R`` inference processes (multiprocessing spawn,
-127.0.0.1 only), and collects their per-sync rows with a deadline. Workers are always joined or
-killed on the way out.
+publishes the plan, starts ``T`` trainer and ``R`` inference processes (``fastsync.procs``: forked
+from a server that imported torch once; 127.0.0.1 only), and collects their per-sync rows with a
+deadline. Workers are always joined or killed on the way out.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import statistics
@@ -27,6 +26,7 @@ from fastsync.control import TCPStoreControl
 from fastsync.errors import ConfigError, SyncError
 from fastsync.layout.box import box_numel
 from fastsync.layout.types import DTYPE_BYTES
+from fastsync.procs import rank_context
 from fastsync.trace.progress import Steps
 
 __all__ = ["Cluster", "run_bench", "summarize", "bench_ok", "make_schedule"]
@@ -57,7 +57,7 @@ class Cluster:
                                                 size_bytes=cfg.size_bytes, preset=cfg.preset, fp8=cfg.fp8,
                                                 replicas=cfg.replicas, fanout=cfg.fanout)
         self.control.set("bench/plan", self.model.plan.dumps())
-        self.ctx = mp.get_context("spawn")
+        self.ctx = rank_context()
         self.results = self.ctx.Queue()
         self.procs: dict[tuple[str, int, int], Any] = {}
         self.rows: list[dict] = []

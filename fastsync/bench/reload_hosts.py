@@ -19,7 +19,6 @@ peer could ship besides the weights (``time to ready`` is engine start + weights
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import statistics
 import shutil
@@ -32,6 +31,7 @@ from typing import Any
 
 from fastsync.errors import ConfigError, SyncError
 from fastsync.layout.limits import check_bytes
+from fastsync.procs import rank_context
 
 __all__ = ["run_reload_bench_hosts"]
 
@@ -213,7 +213,7 @@ def run_reload_bench_hosts(model: str, *, holders: int, joiners: int, nic_gbps: 
     if fanout != "off":
         report["chunk_bytes"] = chunk_bytes
     report["load_average_at_start"] = [round(x, 2) for x in os.getloadavg()]  # a shared machine: say how busy
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     engines: list[_Engine] = []
     report["nic_queue_ms"] = queue_ms
     with HostRig(holders + joiners + 1, nic_gbps, queue_ms=queue_ms) as rig:

@@ -18,13 +18,14 @@ Trainer rank 0 compares the engine's greedy tokens with the trainer model's own 
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import statistics
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from fastsync.procs import rank_context
 
 __all__ = ["run_demo", "hf_greedy", "DEFAULT_PROMPTS", "prompts_for", "engine_kwargs"]
 
@@ -283,7 +284,7 @@ def run_demo(*, model_dir: str | None = None, preset: str = "small-qwen3-moe", n
     if tp > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     control = TCPStoreControl.server(port=0)
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     q = ctx.Queue()
     opts = {"prompts": prompts, "max_tokens": max_tokens, "transport": transport, "baseline": baseline,
             "repeats": repeats, "fsdp": fsdp, "timeout_s": timeout_s, "dtype": dtype, "staged": staged, "load": load,

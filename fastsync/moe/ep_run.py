@@ -11,7 +11,6 @@ Used by ``fastsync moe-bench --ep N`` and the EP tests. Each process joins a glo
 from __future__ import annotations
 
 import importlib
-import multiprocessing as mp
 import os
 import socket
 import tempfile
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 
 from fastsync.errors import FastSyncError
+from fastsync.procs import rank_context
 
 __all__ = ["spawn_ep", "free_port"]
 
@@ -63,7 +63,7 @@ def _worker(rank: int, world: int, port: int, job: dict, out_dir: str, threads: 
 
 def spawn_ep(job: dict[str, Any], world: int, timeout_s: float = 300.0, threads: int = 1) -> list[dict]:
     """Run ``job`` on ``world`` gloo processes; the per-rank result dicts, in rank order."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="fastsync-ep-") as out_dir:
         procs = [ctx.Process(target=_worker, args=(r, world, port, job, out_dir, threads), daemon=True)

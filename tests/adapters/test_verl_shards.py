@@ -13,7 +13,6 @@ process group is built by the same calls verl's CheckpointEngineManager makes. S
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
 import os
 import socket
 import sys
@@ -28,6 +27,7 @@ from verl.checkpoint_engine import CheckpointEngineRegistry  # noqa: E402
 
 import fastsync_verl  # noqa: E402,F401
 from fastsync.errors import ConfigError  # noqa: E402
+from fastsync.procs import rank_context  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # spawn hands sys.path to the children
 from verl_shards_job import A, LORA_TARGETS, _lora_refusal, _model, _peft_model, _step, _trainer  # noqa: E402
@@ -40,7 +40,7 @@ def _free_port() -> int:
 
 
 def _run(mode: str) -> tuple[list[dict], list[list[tuple[str, torch.Tensor]]]]:
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     port = _free_port()
     pipes = [ctx.Pipe() for _ in range(A)]
     procs = [ctx.Process(target=_trainer, args=(r, port, pipes[r][1], mode)) for r in range(A)]
@@ -194,7 +194,7 @@ def test_unmerged_lora_actor_is_refused_by_name_not_synced_as_its_base() -> None
     process); fastsync's backend refuses it before any byte moves, naming verl's key to set.
     verl's own calls with arguments (its colocated path) are left untouched."""
     pytest.importorskip("peft")
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     parent, child = ctx.Pipe()
     p = ctx.Process(target=_lora_refusal, args=(child,))
     p.start()

@@ -205,7 +205,7 @@ def engine_job(job: DeltaJob, rank: int, results: Any) -> None:
 def run_job(job: DeltaJob, timeout_s: float = 240.0) -> list[dict]:
     """Spawn every rank of ``job`` (127.0.0.1, one store owned here), collect their rows until all
     exited (or died: a killed trainer's exit code, ``KILLED_ON_PURPOSE``, is expected), kill what is left."""
-    import multiprocessing as mp
+    from fastsync.procs import rank_context
     from dataclasses import replace
 
     from fastsync.bench.rows import KILLED_ON_PURPOSE, collect_rows, exits
@@ -213,7 +213,7 @@ def run_job(job: DeltaJob, timeout_s: float = 240.0) -> list[dict]:
 
     store = TCPStoreControl.server(port=0, timeout_s=job.timeout_s)
     job = replace(job, port=store.port)
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
     named = {f"engine {r}": ctx.Process(target=engine_job, args=(job, r, results), daemon=True)
              for r in range(job.rollouts)}
