@@ -12,6 +12,10 @@ A forked rank would see the environment of the server's start, which may be olde
 caller's (a job secret set since, a variable a test changed): :meth:`RankContext.Process` passes
 the caller's environment at each start and the rank takes it before its target runs.
 
+What a forked rank does not take from its caller: settings a library reads once, when it loads, in
+the server (OpenMP's ``OMP_*`` are read when torch loads), come from the environment of the server's
+start, which for a command is the command's own.
+
 ``FASTSYNC_START_METHOD=spawn`` restores one interpreter per rank (for a platform or a plugin
 that does not stand forking from a process that imported torch).
 """

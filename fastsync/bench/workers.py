@@ -77,6 +77,9 @@ class WorkerConfig:
 
 
 def _env(cfg: WorkerConfig) -> None:
+    import faulthandler
+
+    faulthandler.enable()  # a rank that dies in native code (exit -11) prints its Python stack on stderr
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     if cfg.trace:
