@@ -29,7 +29,7 @@ def test_forked_ranks_have_torch_and_each_takes_its_callers_environment(monkeypa
     results = ctx.Queue()
     monkeypatch.setenv("FS_PROBE_A", "first")
     monkeypatch.delenv("FS_PROBE_B", raising=False)
-    one = _start(ctx, results)  # the server starts here, with A=first and no B
+    one = _start(ctx, results)  # the server starts here (or ran since an earlier test, with its environment)
     monkeypatch.setenv("FS_PROBE_A", "second")
     monkeypatch.setenv("FS_PROBE_B", "new")
     two = _start(ctx, results)

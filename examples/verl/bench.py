@@ -40,7 +40,7 @@ from fastsync import SyncError
 from fastsync.procs import rank_context
 from fastsync_verl.checkpoint_engine import FastSyncCheckpointEngine
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # spawn hands sys.path to the trainers
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the rank context hands sys.path to the trainers
 from bench_trainer import MODELS, bench_model, reference, train_step, trainer  # noqa: E402
 
 PATHS = ("fulltensor", "inplace", "rank0")

@@ -29,7 +29,7 @@ import fastsync_verl  # noqa: E402,F401
 from fastsync.errors import ConfigError  # noqa: E402
 from fastsync.procs import rank_context  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # spawn hands sys.path to the children
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the rank context hands sys.path to the children
 from verl_shards_job import A, LORA_TARGETS, _lora_refusal, _model, _peft_model, _step, _trainer  # noqa: E402
 
 

@@ -205,11 +205,11 @@ def engine_job(job: DeltaJob, rank: int, results: Any) -> None:
 def run_job(job: DeltaJob, timeout_s: float = 240.0) -> list[dict]:
     """Spawn every rank of ``job`` (127.0.0.1, one store owned here), collect their rows until all
     exited (or died: a killed trainer's exit code, ``KILLED_ON_PURPOSE``, is expected), kill what is left."""
-    from fastsync.procs import rank_context
     from dataclasses import replace
 
     from fastsync.bench.rows import KILLED_ON_PURPOSE, collect_rows, exits
     from fastsync.control import TCPStoreControl
+    from fastsync.procs import rank_context
 
     store = TCPStoreControl.server(port=0, timeout_s=job.timeout_s)
     job = replace(job, port=store.port)
