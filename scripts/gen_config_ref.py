@@ -117,6 +117,10 @@ ENV = {
                               "the bench, the demo, `moe-bench`",
                               "how fastsync starts its own rank processes: forked from a server that imported torch "
                               "once, or one fresh interpreter a rank"),
+    "FASTSYNC_VLLM_SPIN_S": ("seconds, 0 to 60", "unset (vLLM's own 1 s)", "every vLLM process (engine core, workers)",
+                             "how long vLLM's shared-memory queue readers busy-wait after each message before they "
+                             "park; on a CPU host with few cores, e.g. `0.01` gives the engine and trainers back the "
+                             "core each worker spins away (the test suite sets `0.01`)"),
     "FASTSYNC_HOST_ADDR": ("address", "set by the rig", "bench processes on namespace hosts",
                            "the host's own address, set by `fastsync bench --hosts` for the processes it starts"),
     "FASTSYNC_STORE_HOST": ("address", "`127.0.0.1`", "tests (security)",

@@ -17,6 +17,12 @@ if SUPPORT not in sys.path:
 if SUPPORT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (SUPPORT, os.environ.get("PYTHONPATH")) if p)
 
+#: vLLM's queue readers busy-wait 1 s after each message (``fastsync/engines/vllm/spin.py``): on a
+#: 2-core machine every engine's workers then take a core from the rest of the suite after each step
+#: and RPC. Every vLLM process the suite starts (Ray's and the namespace hosts' included) inherits
+#: this; a caller's value is kept.
+os.environ.setdefault("FASTSYNC_VLLM_SPIN_S", "0.01")
+
 #: vLLM's ZMQ IPC sockets (``VLLM_RPC_BASE_PATH``, else the temp folder): a killed engine leaves its
 #: socket files behind, a few hundred a suite run. The run's first pytest process (xdist's controller;
 #: its workers, child pytest runs and every process they start inherit the variable) makes a short

@@ -123,6 +123,19 @@ def rig(request, tmp_path_factory):
     r.close()
 
 
+def test_workers_queue_readers_spin_as_fastsync_vllm_spin_s_says(rig):
+    """fastsync's ``vllm.general_plugins`` entry point ran in every worker before vLLM made its
+    queues: each reader alive there spins the suite's ``FASTSYNC_VLLM_SPIN_S`` (tests/conftest.py),
+    not vLLM's 1 s."""
+    from fastsync.engines.vllm.spin import spin_from_env
+
+    want = spin_from_env()
+    assert want is not None and want != 1.0
+    got = rig.llm.collective_rpc("fastsync_reader_spin")
+    assert len(got) == rig.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size, got
+    assert all(g and set(g) == {want} for g in got), got
+
+
 def test_describe_reports_staged_prepacked_weights(rig):
     info = rig.ws[0].engine_info[0]
     assert len(info) == rig.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size

@@ -32,6 +32,7 @@ _EXPORTS = {
     "RemoteEngine": "remote",
     "serve": "remote",
     "register_weight_transfer": "backend",
+    "tune_reader_spin": "spin",
 }
 
 __all__ = ["ENGINE", *_EXPORTS]

@@ -167,6 +167,13 @@ class FastSyncWorkerExtension(ReloadWorkerMixin, LoraWorkerMixin):
         session = getattr(self, "_fastsync", None)
         return 0 if session is None else session.version
 
+    def fastsync_reader_spin(self) -> list[float]:
+        """How long each shared-memory queue reader alive in this worker spins after a message
+        (``FASTSYNC_VLLM_SPIN_S``, else vLLM's 1 s): :func:`fastsync.engines.vllm.spin.reader_spins`."""
+        from fastsync.engines.vllm.spin import reader_spins
+
+        return reader_spins()
+
     def fastsync_close(self) -> bool:
         session = getattr(self, "_fastsync", None)
         if session is not None:
