@@ -74,6 +74,8 @@ def _run(mode: str) -> tuple[list[dict], list[list[tuple[str, torch.Tensor]]]]:
                 assert parent.poll(60), "trainer process did not finish the sync"
                 step.append(parent.recv())
             reports.append(step)
+        for parent, _ in pipes:  # the last sync is over on every rank: now they may close
+            parent.send("close")
     finally:
         rollout.close()
         for p in procs:

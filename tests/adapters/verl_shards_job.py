@@ -113,6 +113,10 @@ def _trainer(rank: int, port: int, conn, mode: str) -> None:
             engine.finalize()
             conn.send({"metrics": metrics, "full_tensor": calls["full_tensor"],
                        "iterated": getattr(weights, "iterated", None), "type": type(weights).__name__})
+        # as verl closes its workers: after the whole last sync, not when this rank's part ended
+        # (trainer rank 0 holds the control plane, which the other ranks and the rollout still use)
+        if conn.poll(120):
+            conn.recv()
         engine.close()
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001
