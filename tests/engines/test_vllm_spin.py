@@ -74,3 +74,24 @@ def test_anything_but_seconds_is_refused_naming_the_variable(bad, monkeypatch):
     monkeypatch.setenv(SPIN_ENV, bad)
     with pytest.raises(ConfigError, match=rf"{SPIN_ENV}='{bad}': expected seconds from 0 to 60"):
         tune_reader_spin()
+
+
+@pytest.mark.slow
+def test_a_bad_value_stops_the_engine_before_any_engine_process_starts(tmp_path):
+    """vLLM loads its general plugins while it builds the engine's arguments, in the caller's
+    process: ``LLM(...)`` raises fastsync's ConfigError there (a fresh process: plugins load once)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from vllm import LLM\n"
+            "try:\n"
+            f"    LLM(model={str(tmp_path)!r}, skip_tokenizer_init=True, enforce_eager=True)\n"
+            "except Exception as e:\n"
+            "    print('RAISED', type(e).__name__, e)\n")
+    p = subprocess.run([sys.executable, "-c", code], env={**os.environ, SPIN_ENV: "fast"}, capture_output=True,
+                       text=True, timeout=300)
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RAISED")]
+    assert line and line[0].startswith(f"RAISED ConfigError {SPIN_ENV}='fast': expected seconds"), (p.stdout[-2000:],
+                                                                                                  p.stderr[-2000:])
+    assert "EngineCore" not in p.stdout + p.stderr  # no engine process was started

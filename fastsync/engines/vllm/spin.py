@@ -11,8 +11,12 @@ the writes land), where the engine core, the API process and the trainers wanted
 
 ``FASTSYNC_VLLM_SPIN_S`` (seconds, e.g. ``0.01``) sets that window in every vLLM process that loads
 fastsync's ``vllm.general_plugins`` entry point: the engine core and every worker. Unset, vLLM keeps
-its own. A parked reader is woken by the writer's notification (vLLM's path after any idle second),
-so a shorter window costs a socket wake-up per message that comes after it, not a lost message.
+its own. A parked reader is woken by the writer's ZMQ notification, vLLM's own path after any idle
+second, so a shorter window costs a socket wake-up for a message that comes after it; vLLM re-reads
+the queue at least every 5 s should a notification be lost, and a shorter window parks readers more
+often, so that bound applies more often too. The value is read where the plugin loads: a bad one is
+refused (ConfigError naming the variable) in the process that builds the engine's arguments, before
+any engine process starts.
 """
 
 from __future__ import annotations
