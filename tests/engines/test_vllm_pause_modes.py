@@ -122,12 +122,12 @@ def _old_reference(rig: Rig) -> tuple[list[int], float]:
     return c["token_ids"], time.perf_counter() - t0
 
 
-#: updates a test may take for its long request to be in flight when the pause comes. A miss is the
+#: when each update a test may take starts its sync, as a share of the old model's time for the long
+#: request: one update per entry, until the request is in flight when the pause comes. A miss is the
 #: request ending on the old version before the pause: the engine core decodes on in its own process
 #: while a loaded host slows the sync (the CI run of 633ca6f saw all 480 tokens end before a keep
 #: flip); each try starts the sync sooner into the request
-TRIES = 3
-LEADS = (0.25, 0.1, 0.02)  # of the old model's time for the long request
+LEADS = (0.25, 0.1, 0.02)
 
 
 def _sync_across_long_request(rig: Rig, ws: list[WeightSync], seed: int) -> tuple:
@@ -138,7 +138,7 @@ def _sync_across_long_request(rig: Rig, ws: list[WeightSync], seed: int) -> tupl
     the request not in flight at the pause, the ``keep``/``abort`` miss the request ending whole on
     the old version, which a working ``keep`` or ``abort`` cannot give with the request in flight."""
     misses = []
-    for i, lead in enumerate(LEADS[:TRIES]):
+    for i, lead in enumerate(LEADS):
         v_old = rig.engine.version()
         old, took_s = _old_reference(rig)
         rig.step(seed=seed + 100 * i)
@@ -150,7 +150,7 @@ def _sync_across_long_request(rig: Rig, ws: list[WeightSync], seed: int) -> tupl
                            in_flight=entry["in_flight"], versions=c["versions"]))
         print(f"\nversion {rig.version}: the long request ended on version {v_old} before the pause ({misses[-1]}); "
               "another update")
-    pytest.fail(f"in {TRIES} updates the long request never was in flight when the pause came: {misses}")
+    pytest.fail(f"in {len(LEADS)} updates the long request never was in flight when the pause came: {misses}")
 
 
 def test_keep_carries_a_request_across_the_flip_old_tokens_then_new(rig):
