@@ -57,6 +57,29 @@ def test_readers_made_after_it_spin_the_window_it_names_writers_untouched(spin, 
     assert new(True).busy_loop_s == 0.0
 
 
+def test_reader_spins_passes_over_weak_proxies_whose_object_is_gone(spin, monkeypatch):
+    """The collector holds weak proxies too (vLLM's queues keep some); ``isinstance`` on one whose
+    object is gone raises ReferenceError, which broke ``fastsync_reader_spin`` in a live TP=2
+    worker. A dead proxy alive in this process is passed over."""
+    import gc
+    import weakref
+
+    class Gone:
+        pass
+
+    monkeypatch.setenv(SPIN_ENV, "0.25")
+    tune_reader_spin()
+    reader = spin[1](True)
+    obj = Gone()
+    proxy = weakref.proxy(obj)
+    del obj
+    gc.collect()
+    assert any(o is proxy for o in gc.get_objects())  # the collector holds it, as the scan meets it
+    with pytest.raises(ReferenceError):
+        isinstance(proxy, spin[0])  # what the scan did
+    assert 0.25 in reader_spins() and reader.busy_loop_s == 0.25
+
+
 def test_unset_leaves_vllms_own_second(spin, monkeypatch):
     cls, new = spin
     monkeypatch.setattr(cls, "__init__", getattr(cls.__init__, "__wrapped__", cls.__init__))  # vLLM's own

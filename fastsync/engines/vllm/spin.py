@@ -87,4 +87,6 @@ def reader_spins() -> list[float]:
 
     from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
-    return sorted(o.busy_loop_s for o in gc.get_objects() if isinstance(o, SpinCondition) and o.is_reader)
+    # by type, not isinstance: the collector also holds weak proxies, and isinstance on one whose object
+    # is gone raises ReferenceError (vLLM's queues keep such proxies)
+    return sorted(o.busy_loop_s for o in gc.get_objects() if issubclass(type(o), SpinCondition) and o.is_reader)
