@@ -2,12 +2,13 @@
 ``FASTSYNC_VLLM_WORKER_START=fork``.
 
 vLLM-CPU sets ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` for every engine (``vllm/platforms/cpu.py``),
-so each worker of a TP>1 engine is a fresh interpreter that imports vLLM, torch and the model code
-again before it loads a weight: about 6.8 CPU-seconds a worker on a 2-core AMD EPYC, most of a tiny
-model's worker start. The engine core that starts them has imported all of that already, and it
-only schedules: it runs no model, so it has run no OpenMP parallel region when it makes its
-workers. Forked from it, a worker starts with vLLM loaded. That is vLLM's own way on GPUs, where
-the engine core forks its workers by default.
+so each worker of an engine (vLLM-CPU runs even a TP=1 model in a worker process) is a fresh
+interpreter that imports vLLM, torch and the model code again before it loads a weight: a TP=2
+tiny-model engine started in 28 s and 40 CPU-seconds spawned, 12 s and 15 forked (2-core AMD
+EPYC). The engine core that starts them has imported all of that already, and it only schedules:
+it runs no model, so it has run no OpenMP parallel region when it makes its workers. Forked from
+it, a worker starts with vLLM loaded. That is vLLM's own way on GPUs, where the engine core forks
+its workers by default.
 
 ``FASTSYNC_VLLM_WORKER_START=fork`` does that in every vLLM engine core that loads fastsync's
 ``vllm.general_plugins`` entry point (``fastsync_worker_start``). vLLM loads general plugins in the
@@ -20,9 +21,8 @@ region: GNU OpenMP is not fork-safe).
 Only where vLLM does not bind the workers' OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND=nobind``):
 otherwise vLLM gives each worker its CPUs through environment variables set at that worker's start
 (``OMP_NUM_THREADS``, ``GOMP_CPU_AFFINITY``), which OpenMP reads when it loads, and a forked worker
-has it loaded already. There the engine core keeps ``spawn`` and logs why (at INFO: a TP=1
-engine core, which makes no worker, loads the plugin too). Unset, or ``spawn``,
-changes nothing. Any other value gets a ConfigError naming the variable, in the process that builds
+has it loaded already. There the engine core keeps ``spawn`` and logs why (at INFO: vLLM's own
+behaviour, not a fault). Unset, or ``spawn``, changes nothing. Any other value gets a ConfigError naming the variable, in the process that builds
 the engine's arguments, before any engine process starts.
 """
 
@@ -72,8 +72,8 @@ def fork_workers() -> str | None:
     bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
     if bind != "nobind":
         log.info("%s=fork ignored: VLLM_CPU_OMP_THREADS_BIND=%s binds each worker's OpenMP threads through "
-                    "its start environment, which a forked worker does not read; the workers are spawned",
-                    WORKER_START_ENV, bind)
+                 "its start environment, which a forked worker does not read; the workers are spawned",
+                 WORKER_START_ENV, bind)
         return None
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
     return "fork"
