@@ -35,15 +35,19 @@ START_ENV = "FASTSYNC_START_METHOD"
 METHODS = ("forkserver", "spawn")
 
 
+def env_method(name: str, choices: tuple[str, ...], what: str = "") -> str | None:
+    """The start method environment variable ``name`` names, stripped; None when unset or empty;
+    ConfigError naming the variable for anything not in ``choices`` (``what`` says what it sets)."""
+    want = os.environ.get(name, "").strip()
+    if want and want not in choices:
+        raise ConfigError(f"{name}={want!r}: expected one of {', '.join(choices)}{what}")
+    return want or None
+
+
 def start_method() -> str:
     """``$FASTSYNC_START_METHOD`` if set, else ``forkserver`` where the platform has it, else
     ``spawn``; any other value raises ConfigError naming the variable."""
-    want = os.environ.get(START_ENV, "").strip()
-    if want:
-        if want not in METHODS:
-            raise ConfigError(f"{START_ENV}={want!r}: expected one of {', '.join(METHODS)}")
-        return want
-    return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    return env_method(START_ENV, METHODS) or ("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
 
 
 def _with_env(env: dict[str, str], target: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

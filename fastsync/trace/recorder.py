@@ -23,14 +23,14 @@ def _anchor(tries: int = 16) -> tuple[int, int]:
     ``perf_counter_ns`` reads bracket most tightly, against their midpoint. Two plain reads one
     after the other are off by however long the process was preempted between them (ms on a loaded
     host), and every span it records after would be off from ``time.time()`` by as much."""
-    best = (0, 0, -1)
+    reads = []
     for _ in range(tries):
         p0 = time.perf_counter_ns()
         w = time.time_ns()
         p1 = time.perf_counter_ns()
-        if best[2] < 0 or p1 - p0 < best[2]:
-            best = (w, (p0 + p1) // 2, p1 - p0)
-    return best[0], best[1]
+        reads.append((p1 - p0, w, (p0 + p1) // 2))
+    _, wall, perf = min(reads)
+    return wall, perf
 
 
 _ANCHOR_WALL_NS, _ANCHOR_PERF_NS = _anchor()

@@ -22,8 +22,9 @@ Only where vLLM does not bind the workers' OpenMP threads (``VLLM_CPU_OMP_THREAD
 otherwise vLLM gives each worker its CPUs through environment variables set at that worker's start
 (``OMP_NUM_THREADS``, ``GOMP_CPU_AFFINITY``), which OpenMP reads when it loads, and a forked worker
 has it loaded already. There the engine core keeps ``spawn`` and logs why (at INFO: vLLM's own
-behaviour, not a fault). Unset, or ``spawn``, changes nothing. Any other value gets a ConfigError naming the variable, in the process that builds
-the engine's arguments, before any engine process starts.
+behaviour, not a fault). Unset, or ``spawn``, changes nothing. Any other value gets a ConfigError
+naming the variable, in the process that builds the engine's arguments, before any engine process
+starts.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import logging
 import multiprocessing
 import os
 
-from fastsync.errors import ConfigError
+from fastsync.procs import env_method
 
 __all__ = ["WORKER_START_ENV", "fork_workers", "worker_start_from_env"]
 
@@ -45,13 +46,8 @@ _METHODS = ("fork", "spawn")
 def worker_start_from_env() -> str | None:
     """``FASTSYNC_VLLM_WORKER_START``: ``fork``, ``spawn`` or None when unset or empty; ConfigError
     naming the variable for anything else."""
-    raw = os.environ.get(WORKER_START_ENV, "").strip()
-    if not raw:
-        return None
-    if raw not in _METHODS:
-        raise ConfigError(f"{WORKER_START_ENV}={raw!r}: expected one of {', '.join(_METHODS)} (how a vLLM-CPU "
-                          "engine core starts its workers); unset for vLLM's own (spawn on CPU)")
-    return raw
+    return env_method(WORKER_START_ENV, _METHODS, " (how a vLLM-CPU engine core starts its workers); "
+                      "unset for vLLM's own (spawn on CPU)")
 
 
 def _in_engine_core() -> bool:
